@@ -1,0 +1,244 @@
+"""Benchmark of the MoE layers: forward + backward time against dense MLPs and reference implementations.
+
+A benchmark, not a test: it prints tables of times and of ratios measured in the same run. The
+candidates of a table are timed in interleaved rounds (each candidate once per round, the median over
+rounds), so a slow phase of the machine hits all of them alike.
+
+    python scripts/bench_moe.py                  # every table (about 15 minutes on a 2-core CPU)
+    python scripts/bench_moe.py --tables soft topk --rounds 5
+    python scripts/bench_moe.py --quick          # small shapes, a smoke run
+
+Optional references (``pip install -e .[bench]``): ``soft-moe-pytorch`` for Soft MoE and Hugging
+Face ``transformers``' ``MixtralSparseMoeBlock`` (every experts implementation it offers) for top-2.
+A missing reference is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from timm.layers import Mlp, SwiGLU
+from torch import nn
+
+from moekit.moe import DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE, SoftMoE, TopKMoE, BaseMoE
+
+
+@dataclass
+class Candidate:
+    name: str
+    module: nn.Module
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda m, x: m(x)
+
+
+def _step(candidate: Candidate, x: torch.Tensor, grad: torch.Tensor) -> float:
+    for p in candidate.module.parameters():
+        p.grad = None
+    x.grad = None
+    start = time.perf_counter()
+    y = candidate.forward(candidate.module, x)
+    y.backward(grad)
+    return time.perf_counter() - start
+
+
+def time_candidates(candidates: list[Candidate], x: torch.Tensor, rounds: int, warmup: int = 1) -> dict[str, float]:
+    """Median forward+backward seconds of each candidate, measured in interleaved rounds."""
+    grads = {}
+    for c in list(candidates):
+        c.module.train()
+        try:
+            with torch.no_grad():
+                grads[c.name] = torch.randn_like(c.forward(c.module, x))
+        except (RuntimeError, MemoryError) as err:  # e.g. a reference that gathers a weight copy per token
+            print(f"({c.name}: skipped, {str(err).splitlines()[0][:120]})")
+            candidates.remove(c)
+    times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    for r in range(warmup + rounds):
+        for c in candidates:
+            t = _step(c, x, grads[c.name])
+            if r >= warmup:
+                times[c.name].append(t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def print_table(title: str, rows: list[tuple[str, float, str]], baseline: str) -> None:
+    base = dict((n, t) for n, t, _ in rows)[baseline]
+    print(f"\n### {title}\n")
+    print(f"| layer | fwd+bwd ms | vs {baseline} | note |")
+    print("|---|---:|---:|---|")
+    for name, t, note in rows:
+        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x | {note} |")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+def table_soft(args) -> None:
+    """Soft MoE at the ViT-S/16 shape, 128 slots in total, vs soft-moe-pytorch and the dense MLP."""
+    batch, tokens, dim, hidden, slots = (32, 196, 384, 1536, 128) if not args.quick else (4, 49, 64, 256, 16)
+    x = torch.randn(batch, tokens, dim, requires_grad=True)
+    try:
+        from soft_moe_pytorch import SoftMoE as LucidSoftMoE
+    except ImportError:
+        LucidSoftMoE = None
+        print("\n(soft-moe-pytorch not installed: pip install -e .[bench])")
+    for experts in (8, 32, 128) if not args.quick else (4, 16):
+        per = slots // experts
+        ours = SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)
+        dense_same_flops = Mlp(dim, round(hidden * slots / tokens))
+        cands = [
+            Candidate("dense Mlp (same hidden)", Mlp(dim, hidden)),
+            Candidate(f"dense Mlp (same expert FLOPs, h={round(hidden * slots / tokens)})", dense_same_flops),
+            Candidate("moekit SoftMoE", ours),
+        ]
+        if LucidSoftMoE is not None:
+            ref = LucidSoftMoE(dim, num_experts=experts, num_slots=per, expert_mult=hidden // dim)
+            cands.append(Candidate("soft-moe-pytorch SoftMoE", ref))
+        t = time_candidates(cands, x, args.rounds)
+        rows = [(c.name, t[c.name], "") for c in cands]
+        if LucidSoftMoE is not None:
+            rows.append(("ratio soft-moe-pytorch / moekit", t["soft-moe-pytorch SoftMoE"] / t["moekit SoftMoE"] * t["moekit SoftMoE"], "speedup of moekit"))
+        print_table(
+            f"Soft MoE, {experts} experts x {per} slots, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
+            rows[:len(cands)],
+            "moekit SoftMoE",
+        )
+        if LucidSoftMoE is not None:
+            print(f"\nsoft-moe-pytorch / moekit: {t['soft-moe-pytorch SoftMoE'] / t['moekit SoftMoE']:.2f}x")
+
+
+def _mixtral_blocks(dim: int, hidden: int, experts: int, top_k: int):
+    try:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    except ImportError:
+        print("\n(transformers not installed: pip install -e .[bench])")
+        return []
+    blocks = []
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        config = MixtralConfig(
+            hidden_size=dim,
+            intermediate_size=hidden,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            hidden_act="silu",
+        )
+        try:
+            config._experts_implementation = impl
+            block = MixtralSparseMoeBlock(config)
+        except Exception as err:  # an implementation this transformers version lacks
+            print(f"(MixtralSparseMoeBlock experts={impl}: {err})")
+            continue
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.02)
+        blocks.append((impl, block))
+    return blocks
+
+
+def table_topk(args) -> None:
+    """Tokens-choice top-2 SwiGLU experts vs Mixtral's block and the dense SwiGLU of equal active FLOPs."""
+    tokens, dim = (4096, 512) if not args.quick else (512, 64)
+    shapes = [(64, 2048), (256, 256)] if not args.quick else [(8, 128), (32, 32)]
+    x = torch.randn(1, tokens, dim, requires_grad=True)
+    for experts, hidden in shapes:
+        cands = [
+            Candidate(f"dense SwiGLU (h={2 * hidden}, same active FLOPs)", SwiGLU(dim, 2 * hidden, bias=False)),
+            Candidate(
+                "moekit TopKMoE",
+                TopKMoE(dim, hidden, num_experts=experts, top_k=2, normalize_gates=True, gated=True,
+                        act_layer=nn.SiLU, bias=False),
+            ),
+        ]
+        for impl, block in _mixtral_blocks(dim, hidden, experts, 2):
+            cands.append(Candidate(f"Mixtral block, experts={impl}", block))
+        t = time_candidates(cands, x, args.rounds)
+        dense = cands[0].name
+        cands = [c for c in cands if c.name in t]
+        print_table(
+            f"Tokens-choice top-2, {experts} SwiGLU experts of hidden {hidden}, {tokens} tokens, d={dim} (dropless)",
+            [(c.name, t[c.name], "") for c in cands],
+            dense,
+        )
+        mixtral = [t[c.name] for c in cands if c.name.startswith("Mixtral")]
+        if mixtral:
+            print(f"\nbest Mixtral block / moekit: {min(mixtral) / t['moekit TopKMoE']:.2f}x")
+        print(f"moekit / dense: {t['moekit TopKMoE'] / t[dense]:.2f}x")
+
+
+def table_layers(args) -> None:
+    """Every layer of the library at one ViT-like shape, against the dense MLP it replaces."""
+    batch, tokens, dim, hidden, experts = (8, 196, 384, 1536, 8) if not args.quick else (2, 49, 64, 256, 4)
+    x = torch.randn(batch, tokens, dim, requires_grad=True)
+    ids = torch.randint(0, 1000, (batch, tokens))
+    cands = [
+        Candidate("dense Mlp", Mlp(dim, hidden)),
+        Candidate("SoftMoE (1 slot/expert)", SoftMoE(dim, hidden, num_experts=experts)),
+        Candidate("SoftMoE (slots = tokens)", SoftMoE(dim, hidden, num_experts=experts, capacity_factor=1.0, num_tokens=tokens)),
+        Candidate("TopKMoE top-1 (Switch, cf 1.25)", TopKMoE(dim, hidden, num_experts=experts, top_k=1, capacity_factor=1.25, switch_loss_weight=0.01)),
+        Candidate("TopKMoE top-2 (cf 1.25, BPR)", TopKMoE(dim, hidden, num_experts=experts, top_k=2, capacity_factor=1.25, batch_priority=True)),
+        Candidate("TopKMoE noisy top-2 (dropless)", TopKMoE(dim, hidden, num_experts=experts, top_k=2, noisy_gating=True, normalize_gates=True, importance_loss_weight=0.1, load_loss_weight=0.1)),
+        Candidate("TopKMoE 2 shared + 32 fine-grained top-4", TopKMoE(dim, hidden, num_experts=4 * experts, top_k=4, expert_hidden_features=hidden // 4, num_shared_experts=2)),
+        Candidate("ExpertsChoiceMoE (cf 1)", ExpertsChoiceMoE(dim, hidden, num_experts=experts, capacity_factor=1.0)),
+        Candidate("BaseMoE", BaseMoE(dim, hidden, num_experts=experts)),
+        Candidate("HashMoE", HashMoE(dim, hidden, num_experts=experts, vocab_size=1000), lambda m, x: m(x, token_ids=ids)),
+        Candidate("DenseMoE (all experts)", DenseMoE(dim, hidden, num_experts=experts)),
+        Candidate("HierarchicalMoE 2x4, top 1x2", HierarchicalMoE(dim, hidden, num_groups=2, experts_per_group=experts // 2, top_k_groups=1, top_k=2)),
+    ]
+    t = time_candidates(cands, x, args.rounds)
+    print_table(f"All layers, {experts} experts, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
+                [(c.name, t[c.name], "") for c in cands], "dense Mlp")
+
+
+def table_scaling(args) -> None:
+    """Step time as experts grow at a fixed number of slots (Soft MoE) or fixed capacity (sparse)."""
+    batch, tokens, dim, hidden = (8, 196, 384, 1536) if not args.quick else (2, 49, 64, 128)
+    slots = 128 if not args.quick else 16
+    expert_counts = (8, 16, 32, 64, 128, 256) if not args.quick else (4, 8, 16)
+    x = torch.randn(batch, tokens, dim, requires_grad=True)
+    print(f"\n### Scaling experts, batch {batch} x {tokens} tokens, d={dim}, expert mlp {hidden}\n")
+    print("Soft MoE: 128 slots in total; tokens-choice top-1 and experts-choice: capacity factor 1.0 "
+          "(total expert work fixed). Times are fwd+bwd ms; ratios are against the dense Mlp of the same run.\n")
+    print("| experts | dense Mlp | SoftMoE | TopKMoE top-1 cf1 | ExpertsChoice cf1 |")
+    print("|---:|---:|---:|---:|---:|")
+    for experts in expert_counts:
+        per = max(1, slots // experts)
+        cands = [
+            Candidate("dense", Mlp(dim, hidden)),
+            Candidate("soft", SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)),
+            Candidate("top1", TopKMoE(dim, hidden, num_experts=experts, top_k=1, capacity_factor=1.0)),
+            Candidate("ec", ExpertsChoiceMoE(dim, hidden, num_experts=experts, capacity_factor=1.0)),
+        ]
+        t = time_candidates(cands, x, args.rounds)
+        d = t["dense"]
+        cells = [f"{t[k] * 1e3:.0f} ({t[k] / d:.2f}x)" for k in ("soft", "top1", "ec")]
+        print(f"| {experts} | {d * 1e3:.0f} | " + " | ".join(cells) + " |")
+        sys.stdout.flush()
+        del cands
+
+
+TABLES = {"soft": table_soft, "topk": table_topk, "layers": table_layers, "scaling": table_scaling}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tables", nargs="+", choices=sorted(TABLES), default=list(TABLES))
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (median reported)")
+    parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run of the script")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    print(f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, fp32, forward + backward")
+    for name in args.tables:
+        TABLES[name](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The base class of every MoE layer, the timm ``Mlp`` keyword contract, and the helpers that gather
+auxiliary losses and routing statistics from a whole model.
+
+Every layer maps ``[batch, tokens, dim] -> [batch, tokens, out_dim]`` and accepts the constructor
+keywords of ``timm.layers.Mlp`` so that ``timm.models.vision_transformer.Block(mlp_layer=...)`` can
+build it. After each forward a layer holds:
+
+* ``aux_losses``: ``{name: weighted scalar}`` - the terms to add to the training loss (only the losses
+  whose weight is non-zero appear);
+* ``stats``: ``{name: detached tensor}`` - routing statistics of that forward, computed on device
+  without host synchronisation (scalars, or ``[num_experts]`` vectors such as ``expert_load``).
+
+:func:`collect_moe_outputs` gathers both from any model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "MoELayer",
+    "MlpSpec",
+    "MoEOutputs",
+    "collect_moe_outputs",
+    "moe_layers",
+    "update_balancing_biases",
+    "require_causal",
+    "register_moe_layer",
+    "get_moe_layer",
+    "list_moe_layers",
+]
+
+ActLayer = Union[str, Type[nn.Module], Callable[[], nn.Module]]
+
+
+def _pair(value, name: str):
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name}={value!r}: expected a single value or a pair (first layer, second layer)")
+        return tuple(value)
+    return value, value
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """The timm ``Mlp`` keywords, normalised: hidden/out sizes resolved, ``bias`` and ``drop`` as pairs."""
+
+    in_features: int
+    hidden_features: int
+    out_features: int
+    act_layer: ActLayer
+    bias: Tuple[bool, bool]
+    drop: Tuple[float, float]
+
+    @classmethod
+    def from_mlp_kwargs(
+        cls,
+        in_features: int,
+        hidden_features: Optional[int],
+        out_features: Optional[int],
+        act_layer: ActLayer,
+        norm_layer,
+        bias,
+        drop,
+        use_conv: bool,
+        layer_name: str,
+    ) -> "MlpSpec":
+        if not isinstance(in_features, int) or in_features <= 0:
+            raise ValueError(f"{layer_name}: in_features={in_features!r} must be a positive int (the token dim)")
+        hidden = in_features * 4 if hidden_features is None else hidden_features
+        out = in_features if out_features is None else out_features
+        for name, value in (("hidden_features", hidden), ("out_features", out)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{layer_name}: {name}={value!r} must be a positive int")
+        if use_conv:
+            raise ValueError(
+                f"{layer_name}: use_conv=True is not supported; MoE layers take token sequences "
+                "[batch, tokens, dim]. Use use_conv=False."
+            )
+        if norm_layer is not None:
+            raise ValueError(
+                f"{layer_name}: norm_layer={norm_layer!r} (a norm inside the MLP) is not supported by MoE experts. "
+                "Pass norm_layer=None (for timm Blocks: scale_mlp_norm=False)."
+            )
+        bias_pair = tuple(bool(b) for b in _pair(bias, "bias"))
+        drop_pair = tuple(float(d) for d in _pair(drop, "drop"))
+        for d in drop_pair:
+            if not 0.0 <= d < 1.0:
+                raise ValueError(f"{layer_name}: drop={drop!r} must lie in [0, 1)")
+        return cls(in_features, hidden, out, act_layer, bias_pair, drop_pair)
+
+
+class MoELayer(nn.Module):
+    """Base of all MoE layers: holds the latest ``aux_losses`` and ``stats`` and the causality flag.
+
+    Subclasses implement ``forward(x: [batch, tokens, dim], ...) -> [batch, tokens, out_dim]`` and
+    call :meth:`_record` once per forward.
+    """
+
+    def __init__(self, compute_stats: bool = True) -> None:
+        super().__init__()
+        self.compute_stats = compute_stats
+        self.aux_losses: dict[str, Tensor] = {}
+        self.stats: dict[str, Tensor] = {}
+
+    @property
+    def causal_safe(self) -> bool:
+        """True when the output of each token depends on that token alone (given the weights), so
+        the layer can sit in a causal language model. Layers that mix tokens (Soft MoE, experts-choice,
+        BASE, capacity limits over a batch) return False."""
+        return False
+
+    def _record(self, aux_losses: dict[str, Tensor], stats: dict[str, Tensor]) -> None:
+        self.aux_losses = aux_losses
+        self.stats = {k: v.detach() for k, v in stats.items()} if self.compute_stats else {}
+
+    @staticmethod
+    def _check_input(x: Tensor, dim: int, layer_name: str) -> None:
+        if x.dim() != 3 or x.shape[-1] != dim:
+            raise ValueError(
+                f"{layer_name}: input of shape {tuple(x.shape)} - expected [batch, tokens, {dim}] "
+                f"(in_features={dim})"
+            )
+
+    def balancing_step(self) -> None:
+        """Called once per optimizer step by :func:`update_balancing_biases`; layers with state that
+        is updated outside autograd (loss-free balancing) override it."""
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoELayer]]:
+    """Yield ``(qualified_name, layer)`` for every :class:`MoELayer` inside ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            yield name, module
+
+
+@dataclass
+class MoEOutputs:
+    """What :func:`collect_moe_outputs` returns.
+
+    Attributes:
+        aux_loss: the sum of every weighted auxiliary loss of every layer (a scalar; ``0.`` if none).
+        aux_losses: ``{loss_name: sum over layers}`` - for logging each loss separately.
+        layer_aux_losses: ``{layer_name: {loss_name: value}}``.
+        stats: ``{layer_name: {stat_name: detached tensor}}``.
+    """
+
+    aux_loss: Tensor
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    layer_aux_losses: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    stats: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+
+
+def collect_moe_outputs(model: nn.Module) -> MoEOutputs:
+    """Gather the auxiliary losses and routing statistics that every MoE layer of ``model`` recorded
+    during its latest forward.
+
+    Use it right after the forward of a training step::
+
+        logits = model(images)
+        moe = collect_moe_outputs(model)
+        loss = F.cross_entropy(logits, labels) + moe.aux_loss
+
+    Each layer overwrites its record on every forward, so a layer that did not run in the latest
+    forward still reports its previous values.
+    """
+    total: Optional[Tensor] = None
+    per_name: dict[str, Tensor] = {}
+    per_layer: dict[str, dict[str, Tensor]] = {}
+    stats: dict[str, dict[str, Tensor]] = {}
+    device = None
+    for name, layer in moe_layers(model):
+        if layer.aux_losses:
+            per_layer[name] = dict(layer.aux_losses)
+            for loss_name, value in layer.aux_losses.items():
+                per_name[loss_name] = per_name[loss_name] + value if loss_name in per_name else value
+                total = value if total is None else total + value
+        if layer.stats:
+            stats[name] = dict(layer.stats)
+        if device is None:
+            param = next(layer.parameters(), None)
+            device = param.device if param is not None else None
+    if total is None:
+        total = torch.zeros((), device=device)
+    return MoEOutputs(aux_loss=total, aux_losses=per_name, layer_aux_losses=per_layer, stats=stats)
+
+
+def update_balancing_biases(model: nn.Module) -> None:
+    """Apply the per-step updates that live outside autograd (loss-free balancing biases) in every
+    MoE layer of ``model``. Call once after each optimizer step; under ``torch.distributed`` the token
+    counts are summed over ranks first so every rank applies the same update."""
+    for _, layer in moe_layers(model):
+        layer.balancing_step()
+
+
+def require_causal(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the first MoE layer of ``model`` whose routing mixes tokens and so
+    would let a token see the future in a causal language model."""
+    for name, layer in moe_layers(model):
+        if not layer.causal_safe:
+            raise ValueError(
+                f"MoE layer '{name}' ({type(layer).__name__}) is not causal: its routing of a token depends on "
+                "other tokens of the batch, including later ones. In a causal model use a per-token router "
+                "(TopKMoE with capacity_factor=None, HashMoE, DenseMoE)."
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry: name -> layer class, so configs and model builders can say `moe_layer="soft_moe"`.
+# ---------------------------------------------------------------------------------------------
+_MOE_LAYERS: dict[str, type] = {}
+
+
+def register_moe_layer(name: str):
+    def decorator(cls):
+        if name in _MOE_LAYERS:
+            raise ValueError(f"MoE layer name {name!r} is already registered to {_MOE_LAYERS[name].__name__}")
+        _MOE_LAYERS[name] = cls
+        cls.registry_name = name
+        return cls
+
+    return decorator
+
+
+def get_moe_layer(name: str) -> type:
+    """Look up an MoE layer class by its registry name (see :func:`list_moe_layers`)."""
+    try:
+        return _MOE_LAYERS[name]
+    except KeyError:
+        raise ValueError(f"unknown MoE layer {name!r}; registered layers: {sorted(_MOE_LAYERS)}") from None
+
+
+def list_moe_layers() -> Sequence[str]:
+    return sorted(_MOE_LAYERS)

@@ -1,0 +1,104 @@
+"""Dense soft mixture of experts: every expert processes every token, and the outputs are mixed
+with softmax gates, ``y = sum_e softmax(x W^T)_e * expert_e(x)``.
+
+This is the "continuous" MoE baseline (Jacobs et al. 1991 style): it pays ``E`` times the compute
+of one expert and drops nothing; each token's output depends on that token only (causal).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .base import MlpSpec, MoELayer, register_moe_layer
+from .experts import ExpertBank, Kernel
+from .losses import router_z_loss
+from .routers import router_logits
+from .stats import entropy
+
+__all__ = ["DenseMoE"]
+
+
+@register_moe_layer("dense")
+class DenseMoE(MoELayer):
+    """Dense soft mixture of ``num_experts`` experts, a drop-in replacement for timm's ``Mlp``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: Optional[int] = None,
+        out_features: Optional[int] = None,
+        act_layer=nn.GELU,
+        norm_layer=None,
+        bias=True,
+        drop=0.0,
+        use_conv: bool = False,
+        *,
+        num_experts: int = 4,
+        z_loss_weight: float = 0.0,
+        expert_hidden_features: Optional[int] = None,
+        gated: bool = False,
+        expert_init: str = "independent",
+        expert_init_std: Optional[float] = None,
+        kernel: Kernel = "auto",
+        compute_stats: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(compute_stats)
+        spec = MlpSpec.from_mlp_kwargs(
+            in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv, "DenseMoE"
+        )
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"DenseMoE: num_experts={num_experts!r} must be a positive int")
+        self.in_features = spec.in_features
+        self.num_experts = num_experts
+        self.z_loss_weight = z_loss_weight
+        dd = {"device": device, "dtype": dtype}
+        self.router_weight = nn.Parameter(torch.empty(num_experts, spec.in_features, **dd))
+        nn.init.kaiming_uniform_(self.router_weight, a=5**0.5)
+        self.experts = ExpertBank(
+            num_experts,
+            spec.in_features,
+            expert_hidden_features or spec.hidden_features,
+            spec.out_features,
+            act_layer=spec.act_layer,
+            gated=gated,
+            bias=spec.bias,
+            drop=spec.drop,
+            init=expert_init,
+            init_std=expert_init_std,
+            kernel=kernel,
+            **dd,
+        )
+
+    @property
+    def causal_safe(self) -> bool:
+        return True
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x, self.in_features, "DenseMoE")
+        batch, tokens, dim = x.shape
+        x_flat = x.reshape(batch * tokens, dim)
+        logits = router_logits(x_flat, self.router_weight)
+        gates = torch.softmax(logits, dim=-1)  # [N, E]
+        num_tokens = x_flat.shape[0]
+        expert_in = x_flat.unsqueeze(0).expand(self.num_experts, -1, -1).reshape(-1, dim)
+        expert_out = self.experts(expert_in, num_tokens).view(self.num_experts, num_tokens, -1)  # [E, N, o]
+        out = torch.einsum("ne,eno->no", gates.to(expert_out.dtype), expert_out)
+        losses = {"z": self.z_loss_weight * router_z_loss(logits)} if self.z_loss_weight else {}
+        stats = {}
+        if self.compute_stats:
+            with torch.no_grad():
+                load = gates.mean(dim=0)
+                stats = {
+                    "expert_load": load,
+                    "load_cv": load.std(unbiased=False) / load.mean(),
+                    "dropped_fraction": gates.new_zeros(()),
+                    "router_entropy": entropy(gates).mean(),
+                    "mean_top_gate": gates.max(dim=-1).values.mean(),
+                }
+        self._record(losses, stats)
+        return out.view(batch, tokens, -1)

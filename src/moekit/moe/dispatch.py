@@ -1,0 +1,113 @@
+"""Token dispatch for tokens-choice routing: expert capacity, Batch Prioritized Routing, and the
+permutation of token copies into expert-sorted rows and back.
+
+Each of ``N`` tokens chose ``k`` experts: ``expert_ids [N, k]``. Assignment ``a = n * k + j`` is the
+``j``-th choice of token ``n``. :func:`plan_dispatch` decides which assignments an expert keeps when
+its capacity ``C`` is exceeded and orders the kept ones by expert; :func:`dispatch` gathers their
+token rows; :func:`combine` puts expert outputs back and sums each token's gated copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["DispatchPlan", "expert_capacity", "plan_dispatch", "dispatch", "combine"]
+
+
+@dataclass
+class DispatchPlan:
+    """Where every assignment goes.
+
+    Attributes:
+        order: ``[N * k]`` assignment ids sorted by expert, kept ones first, dropped ones last.
+        counts: ``[E]`` kept assignments per expert (``<= capacity``).
+        keep: ``[N, k]`` bool, False where capacity dropped the assignment.
+        top_k: ``k``.
+    """
+
+    order: Tensor
+    counts: Tensor
+    keep: Tensor
+    top_k: int
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """``C = ceil(k * tokens * capacity_factor / experts)``: the assignments one expert may process."""
+    # Round before ceil so that e.g. 2 * 6 * 1.1 / 4 = 3.3000000000000003 does not become 4 + float noise.
+    return max(1, int(-(-round(top_k * num_tokens * capacity_factor / num_experts, 9) // 1)))
+
+
+def _keep_within_capacity(expert_ids: Tensor, num_experts: int, capacity: int, priority: Optional[Tensor]) -> Tensor:
+    """``[N, k]`` bool: an assignment is kept if fewer than ``capacity`` assignments come before it in
+    its expert's queue. The queue holds all first choices, then all second choices, ...; within one
+    choice rank, tokens come in ``priority`` order (highest first; Batch Prioritized Routing) or in
+    index order (first come, first served)."""
+    num_tokens, top_k = expert_ids.shape
+    if priority is None:
+        token_order = torch.arange(num_tokens, device=expert_ids.device)
+    else:
+        token_order = torch.sort(priority, descending=True, stable=True).indices
+    queue = expert_ids.index_select(0, token_order).t().reshape(-1)  # [k * N], choice-major
+    sorted_experts, perm = torch.sort(queue, stable=True)
+    counts = torch.bincount(queue, minlength=num_experts)
+    starts = counts.cumsum(0) - counts
+    position_sorted = torch.arange(queue.numel(), device=queue.device) - starts.index_select(0, sorted_experts)
+    position = torch.empty_like(position_sorted).scatter_(0, perm, position_sorted)
+    keep_queue = (position < capacity).view(top_k, num_tokens).t()  # [N, k] in token_order
+    return torch.empty_like(keep_queue).index_copy_(0, token_order, keep_queue)
+
+
+def plan_dispatch(
+    expert_ids: Tensor,
+    num_experts: int,
+    capacity: Optional[int] = None,
+    priority: Optional[Tensor] = None,
+) -> DispatchPlan:
+    """Plan the dispatch of ``expert_ids: [N, k]``.
+
+    Args:
+        expert_ids: ``[N, k]`` chosen experts per token.
+        num_experts: ``E``.
+        capacity: assignments per expert (see :func:`expert_capacity`), or None for dropless.
+        priority: ``[N]`` token priority for Batch Prioritized Routing (higher is served first), or
+            None to serve tokens in index order. Ignored when ``capacity`` is None.
+    """
+    if capacity is None:
+        keep = torch.ones_like(expert_ids, dtype=torch.bool)
+        key = expert_ids.reshape(-1)
+    else:
+        keep = _keep_within_capacity(expert_ids, num_experts, capacity, priority)
+        key = torch.where(keep, expert_ids, num_experts).reshape(-1)  # dropped ones sort last
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1])
+
+
+def dispatch(x: Tensor, plan: DispatchPlan) -> Tensor:
+    """``x: [N, d]`` -> ``[N * k, d]`` token copies in ``plan.order`` (expert-sorted rows)."""
+    return x.index_select(0, torch.div(plan.order, plan.top_k, rounding_mode="floor"))
+
+
+def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
+    """Weighted sum of each token's expert outputs.
+
+    Args:
+        expert_out: ``[N * k, o]`` in ``plan.order`` (rows of dropped assignments are ignored).
+        plan: the plan used for :func:`dispatch`.
+        gates: ``[N, k]`` gate values.
+
+    Returns:
+        ``[N, o]``: ``sum_j keep[n, j] * gates[n, j] * expert_out[n, j]``; a token whose assignments
+        were all dropped gets zeros (the block's residual then carries it through unchanged).
+    """
+    num_tokens, top_k = gates.shape
+    inverse = torch.empty_like(plan.order).scatter_(0, plan.order, torch.arange(plan.order.numel(), device=plan.order.device))
+    per_assignment = expert_out.index_select(0, inverse).view(num_tokens, top_k, -1)
+    weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
+    if top_k == 1:
+        return per_assignment[:, 0] * weights
+    return torch.bmm(weights.unsqueeze(1), per_assignment).squeeze(1)

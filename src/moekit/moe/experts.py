@@ -1,0 +1,339 @@
+"""The expert bank: ``num_experts`` MLPs stored as stacked weights and computed in one batched call.
+
+Layout. ``fc1_weight`` is ``[experts, in, hidden]`` (``[experts, in, 2 * hidden]`` for gated experts:
+the gate columns first, then the up-projection columns), ``fc2_weight`` is ``[experts, hidden, out]``.
+A token row ``x`` of expert ``e`` computes ``fc2(act(x @ fc1_weight[e] + fc1_bias[e]))`` like timm's
+``Mlp``; gated experts compute ``act(x @ W_gate) * (x @ W_up)`` (SwiGLU with ``act_layer=nn.SiLU``, the
+Mixtral expert).
+
+Input layout. :meth:`ExpertBank.forward` takes rows sorted by expert, ``x: [rows, in]``, and the rows
+per expert, either
+
+* an ``int`` ``C`` - every expert owns ``C`` consecutive rows (``rows == experts * C``): Soft MoE slots,
+  experts-choice buffers, balanced assignment; or
+* a ``LongTensor [experts]`` of counts - ragged groups (dropless tokens-choice). Rows after
+  ``counts.sum()`` (dropped assignments) come out as zeros.
+
+Kernels (``kernel=``): ``"loop"`` - one BLAS call per expert from a custom autograd function that
+writes into preallocated outputs (ragged counts are read on the host: a sync, free on CPU);
+``"bmm"`` - one batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with
+device-side offsets (no host sync). ``"auto"`` picks per device and layout from the measurements
+of ``scripts/bench_moe.py`` (see :data:`AUTO_KERNELS`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from timm.layers import get_act_layer
+from torch import Tensor, nn
+
+__all__ = ["ExpertBank", "grouped_linear", "AUTO_KERNELS", "Kernel"]
+
+Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
+GroupSizes = Union[int, Tensor]
+
+# Chosen by scripts/bench_moe.py on the machines named in the README (forward + backward, fp32 on CPU).
+# Keys: (device type, "equal" | "ragged").
+AUTO_KERNELS: dict[tuple[str, str], str] = {
+    ("cpu", "equal"): "bmm",
+    ("cpu", "ragged"): "loop",
+    ("cuda", "equal"): "bmm",
+    ("cuda", "ragged"): "grouped_mm",
+}
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+class _LoopGroupedLinear(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ weight[e] (+ bias[e])`` with one BLAS call per expert.
+
+    Outputs and gradients are written into preallocated tensors: no per-expert autograd nodes and no
+    zero-filled full-size gradient per expert (which ``weight[e]`` indexing in a Python loop costs).
+    The per-expert views come from one ``split`` / ``unbind`` each, to keep Python overhead low.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], sizes: list[int]) -> Tensor:
+        rows = sum(sizes)
+        out = x.new_empty(x.shape[0], weight.shape[-1])
+        x_parts = x[:rows].split(sizes)
+        out_parts = out[:rows].split(sizes)
+        if bias is None:
+            for e, (x_e, w_e) in enumerate(zip(x_parts, weight.unbind(0))):
+                if sizes[e]:
+                    torch.mm(x_e, w_e, out=out_parts[e])
+        else:
+            for e, (x_e, w_e, b_e) in enumerate(zip(x_parts, weight.unbind(0), bias.unbind(0))):
+                if sizes[e]:
+                    torch.addmm(b_e, x_e, w_e, out=out_parts[e])
+        if rows < x.shape[0]:
+            out[rows:].zero_()
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        sizes = ctx.sizes
+        rows = sum(sizes)
+        grad_out = grad_out.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g_parts = grad_out[:rows].split(sizes)
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = torch.empty_like(x)
+            for e, (g_e, w_t, gx_e) in enumerate(zip(g_parts, weight.transpose(1, 2).unbind(0), grad_x[:rows].split(sizes))):
+                if sizes[e]:
+                    torch.mm(g_e, w_t, out=gx_e)
+            if rows < x.shape[0]:
+                grad_x[rows:].zero_()
+        if need_w:
+            grad_w = torch.empty_like(weight)
+            x_t_parts = x[:rows].t().split(sizes, dim=1)
+            for e, (x_t, g_e, gw_e) in enumerate(zip(x_t_parts, g_parts, grad_w.unbind(0))):
+                if sizes[e]:
+                    torch.mm(x_t, g_e, out=gw_e)
+                else:
+                    gw_e.zero_()
+        if need_b and ctx.has_bias:
+            grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[-1])
+            for e, (g_e, gb_e) in enumerate(zip(g_parts, grad_b.unbind(0))):
+                if sizes[e]:
+                    torch.sum(g_e, dim=0, out=gb_e)
+        return grad_x, grad_w, grad_b, None
+
+
+def _grouped_mm_ok(x: Tensor, weight: Tensor) -> bool:
+    """``torch._grouped_mm`` needs 16-byte aligned rows of both operands."""
+    size = x.element_size()
+    return _HAS_GROUPED_MM and (x.shape[-1] * size) % 16 == 0 and (weight.shape[-1] * size) % 16 == 0
+
+
+def _resolve_kernel(kernel: str, x: Tensor, weight: Tensor, equal_groups: bool) -> str:
+    if kernel == "auto":
+        kernel = AUTO_KERNELS.get((x.device.type, "equal" if equal_groups else "ragged"), "loop")
+        if kernel == "grouped_mm" and not (x.dtype == torch.bfloat16 and _grouped_mm_ok(x, weight)):
+            kernel = "bmm" if equal_groups else "loop"
+    if kernel == "bmm" and not equal_groups:
+        raise ValueError("kernel='bmm' needs equal rows per expert (capacity buffers); use 'loop' or 'grouped_mm'")
+    if kernel == "grouped_mm" and not _grouped_mm_ok(x, weight):
+        raise ValueError(
+            f"kernel='grouped_mm' needs torch._grouped_mm (torch {torch.__version__}: "
+            f"{'present' if _HAS_GROUPED_MM else 'absent'}) and 16-byte aligned rows; got in={x.shape[-1]}, "
+            f"out={weight.shape[-1]} in {x.dtype}. Use kernel='loop' or 'auto'."
+        )
+    return kernel
+
+
+def grouped_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], group_sizes: GroupSizes, kernel: str = "auto"
+) -> Tensor:
+    """Per-expert affine map of rows sorted by expert.
+
+    Args:
+        x: ``[rows, in]``, the rows of expert 0 first, then expert 1, ...
+        weight: ``[experts, in, out]``.
+        bias: ``[experts, out]`` or None.
+        group_sizes: ``int`` rows per expert (all equal) or ``LongTensor [experts]`` counts.
+        kernel: ``"auto" | "loop" | "bmm" | "grouped_mm"``.
+
+    Returns:
+        ``[rows, out]``; rows after the last group are zeros.
+    """
+    num_experts = weight.shape[0]
+    equal = isinstance(group_sizes, int)
+    kernel = _resolve_kernel(kernel, x, weight, equal)
+    if kernel == "bmm":
+        xb = x.view(num_experts, group_sizes, x.shape[-1])
+        out = torch.bmm(xb, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), xb, weight)
+        return out.view(x.shape[0], weight.shape[-1])
+    if kernel == "loop":
+        sizes = [group_sizes] * num_experts if equal else group_sizes.tolist()
+        return _LoopGroupedLinear.apply(x, weight, bias, sizes)
+    # grouped_mm: device-side offsets, no host sync.
+    if equal:
+        counts = torch.full((num_experts,), group_sizes, device=x.device, dtype=torch.int64)
+    else:
+        counts = group_sizes
+    offsets = counts.cumsum(0)
+    row = torch.arange(x.shape[0], device=x.device)
+    valid = (row < offsets[-1]).unsqueeze(-1)
+    if not equal:  # rows past the last group: grouped_mm leaves their outputs and gradients unset
+        x = torch.where(valid, x, x.new_zeros(()))
+    out = torch._grouped_mm(x, weight, offs=offsets.to(torch.int32))
+    if bias is not None:
+        expert_of_row = torch.searchsorted(offsets, row, right=True).clamp_(max=num_experts - 1)
+        out = out + bias.index_select(0, expert_of_row)
+    if not equal:
+        out = torch.where(valid, out, out.new_zeros(()))
+    return out
+
+
+class ExpertBank(nn.Module):
+    """``num_experts`` MLP experts with stacked weights (see the module docstring for layouts).
+
+    Args:
+        num_experts: number of experts ``n``.
+        in_features, hidden_features, out_features: expert sizes ``d -> h -> o``.
+        act_layer: activation (class, factory, or timm name such as ``"gelu"`` / ``"silu"``).
+        gated: GLU experts ``act(x W_gate) * (x W_up)``; with ``act_layer=nn.SiLU`` this is SwiGLU.
+        bias: bias of (fc1, fc2), one bool for both.
+        drop: dropout after the activation and after fc2, one float for both.
+        init: ``"independent"`` (each expert its own draw) or ``"shared"`` (all experts start as copies
+            of one draw, as vmoe can). For sparse upcycling from a dense MLP see :meth:`load_dense_mlp`.
+        init_std: ``None`` for ``nn.Linear``'s default per expert, or the std of a truncated normal for
+            weights with zero biases (timm's ViT initialisation uses 0.02).
+        kernel: ``"auto" | "loop" | "bmm" | "grouped_mm"``, see :func:`grouped_linear`.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        hidden_features: int,
+        out_features: Optional[int] = None,
+        act_layer: Union[str, type, None] = nn.GELU,
+        gated: bool = False,
+        bias: Union[bool, tuple[bool, bool]] = True,
+        drop: Union[float, tuple[float, float]] = 0.0,
+        init: Literal["independent", "shared"] = "independent",
+        init_std: Optional[float] = None,
+        kernel: Kernel = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"ExpertBank: num_experts={num_experts!r} must be a positive int")
+        if init not in ("independent", "shared"):
+            raise ValueError(f"ExpertBank: init={init!r}; allowed: 'independent', 'shared'")
+        if kernel not in ("auto", "loop", "bmm", "grouped_mm"):
+            raise ValueError(f"ExpertBank: kernel={kernel!r}; allowed: 'auto', 'loop', 'bmm', 'grouped_mm'")
+        out_features = out_features or in_features
+        bias1, bias2 = bias if isinstance(bias, (tuple, list)) else (bias, bias)
+        drop1, drop2 = drop if isinstance(drop, (tuple, list)) else (drop, drop)
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.hidden_features = hidden_features
+        self.out_features = out_features
+        self.gated = gated
+        self.init = init
+        self.init_std = init_std
+        self.kernel = kernel
+        fc1_out = 2 * hidden_features if gated else hidden_features
+        dd = {"device": device, "dtype": dtype}
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, in_features, fc1_out, **dd))
+        self.fc1_bias = nn.Parameter(torch.empty(num_experts, fc1_out, **dd)) if bias1 else None
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_features, out_features, **dd))
+        self.fc2_bias = nn.Parameter(torch.empty(num_experts, out_features, **dd)) if bias2 else None
+        act = get_act_layer(act_layer) if isinstance(act_layer, str) else act_layer
+        self.act = act() if act is not None else nn.Identity()
+        self.drop1 = nn.Dropout(drop1)
+        self.drop2 = nn.Dropout(drop2)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        count = 1 if self.init == "shared" else self.num_experts
+        for weight, bias in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
+            fan_in = weight.shape[1]
+            if self.init_std is None:  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                bound = 1.0 / math.sqrt(fan_in)
+                weight[:count].uniform_(-bound, bound)
+                if bias is not None:
+                    bias[:count].uniform_(-bound, bound)
+            else:
+                nn.init.trunc_normal_(weight[:count], std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
+                if bias is not None:
+                    bias[:count].zero_()
+            if count == 1:
+                weight.copy_(weight[:1].expand_as(weight))
+                if bias is not None:
+                    bias.copy_(bias[:1].expand_as(bias))
+
+    @torch.no_grad()
+    def load_dense_mlp(self, mlp: nn.Module, noise_std: float = 0.0) -> None:
+        """Sparse upcycling: make every expert a copy of a dense MLP.
+
+        Accepts timm ``Mlp`` (``fc1``, ``fc2``) for plain experts and timm ``SwiGLU`` (``fc1_g``,
+        ``fc1_x``, ``fc2``) or ``GluMlp`` (``fc1`` holding both halves) for gated experts.
+        ``noise_std`` > 0 adds independent Gaussian noise to each copy to break the symmetry.
+        """
+        if self.gated:
+            if hasattr(mlp, "fc1_g"):
+                w_in = torch.cat([mlp.fc1_g.weight, mlp.fc1_x.weight], dim=0)
+                b_in = (
+                    torch.cat([mlp.fc1_g.bias, mlp.fc1_x.bias], dim=0) if mlp.fc1_g.bias is not None else None
+                )
+            elif hasattr(mlp, "fc1") and mlp.fc1.weight.shape[0] == 2 * self.hidden_features:
+                # timm GluMlp chunks fc1's output as (x, gate): reorder to our (gate, up) layout.
+                up, gate = mlp.fc1.weight.chunk(2, dim=0)
+                w_in = torch.cat([gate, up], dim=0)
+                b_in = torch.cat(mlp.fc1.bias.chunk(2)[::-1]) if mlp.fc1.bias is not None else None
+            else:
+                raise ValueError(
+                    f"load_dense_mlp: {type(mlp).__name__} is not a gated MLP; gated experts need timm SwiGLU "
+                    "(fc1_g, fc1_x, fc2) or GluMlp"
+                )
+        else:
+            if not hasattr(mlp, "fc1") or not hasattr(mlp, "fc2"):
+                raise ValueError(f"load_dense_mlp: {type(mlp).__name__} has no fc1/fc2 linear layers")
+            w_in, b_in = mlp.fc1.weight, mlp.fc1.bias
+        w_out, b_out = mlp.fc2.weight, mlp.fc2.bias
+        expected = (self.fc1_weight.shape[2], self.in_features)
+        if tuple(w_in.shape) != expected or tuple(w_out.shape) != (self.out_features, self.hidden_features):
+            raise ValueError(
+                f"load_dense_mlp: dense MLP sizes fc1 {tuple(w_in.shape)}, fc2 {tuple(w_out.shape)} do not match the "
+                f"experts' fc1 {expected}, fc2 {(self.out_features, self.hidden_features)}"
+            )
+        for target, source in (
+            (self.fc1_weight, w_in.t()),
+            (self.fc1_bias, b_in),
+            (self.fc2_weight, w_out.t()),
+            (self.fc2_bias, b_out),
+        ):
+            if target is None:
+                continue
+            if source is None:
+                target.zero_()
+                continue
+            target.copy_(source.unsqueeze(0).expand_as(target))
+            if noise_std > 0:
+                target.add_(torch.randn_like(target) * noise_std)
+
+    def forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
+        """Args: ``x: [rows, in]`` sorted by expert; ``group_sizes``: ``int`` rows per expert or
+        ``LongTensor [experts]`` counts. Returns ``[rows, out]`` (rows past the last group are zero)."""
+        weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            x = x.to(dtype)
+            weights = tuple(w.to(dtype) if w is not None else None for w in weights)
+        w1, b1, w2, b2 = weights
+        with torch.autocast(device_type, enabled=False):
+            h = grouped_linear(x, w1, b1, group_sizes, self.kernel)
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act(gate) * up
+            else:
+                h = self.act(h)
+            h = self.drop1(h)
+            y = grouped_linear(h, w2, b2, group_sizes, self.kernel)
+        return self.drop2(y)
+
+    def flops_per_row(self) -> int:
+        """Multiply-adds x 2 of one row through one expert (forward)."""
+        return 2 * self.in_features * self.fc1_weight.shape[2] + 2 * self.hidden_features * self.out_features
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, {self.in_features}->{self.hidden_features}->{self.out_features}, "
+            f"gated={self.gated}, kernel={self.kernel!r}"
+        )

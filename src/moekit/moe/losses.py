@@ -1,0 +1,96 @@
+"""Load-balancing and stability losses of the sparse MoE literature, as pure functions of router outputs.
+
+All inputs are router tensors (float32, or float64 in tests) over ``N`` tokens and ``E`` experts. Each layer multiplies
+these by its own weight (zero turns a loss off).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "switch_load_balancing_loss",
+    "cv_squared",
+    "importance_loss",
+    "load_loss",
+    "load_probabilities",
+    "smooth_load",
+    "router_z_loss",
+]
+
+
+def switch_load_balancing_loss(router_probs: Tensor, expert_ids: Tensor, num_experts: int) -> Tensor:
+    """Switch Transformer (Fedus et al. 2021) balancing loss ``E * sum_i f_i * P_i``.
+
+    Args:
+        router_probs: ``[N, E]`` softmax router probabilities.
+        expert_ids: ``[N]`` or ``[N, k]`` chosen experts (before capacity).
+        num_experts: ``E``.
+
+    ``f_i`` is the fraction of routing assignments that chose expert ``i`` (over all ``k`` choices, so a
+    perfectly balanced router gives ``f_i = 1/E`` for any ``k``) and ``P_i`` the mean router probability
+    of expert ``i``. The loss is 1 at perfect balance and ``E`` when all tokens collapse onto one expert.
+    """
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(router_probs.dtype)
+    fraction = counts / expert_ids.numel()
+    mean_prob = router_probs.mean(dim=0)
+    return num_experts * torch.sum(fraction * mean_prob)
+
+
+def cv_squared(values: Tensor, eps: float = 1e-10) -> Tensor:
+    """Squared coefficient of variation ``Var(v) / Mean(v)^2`` (population variance), 0 for one value."""
+    if values.numel() <= 1:
+        return values.new_zeros(())
+    return values.var(unbiased=False) / (values.mean() ** 2 + eps)
+
+
+def importance_loss(gates: Tensor) -> Tensor:
+    """Shazeer et al. 2017 importance loss ``CV(Importance)^2`` with ``Importance_i = sum_x G(x)_i``.
+
+    Args:
+        gates: ``[N, E]`` sparse gate values (zero for unselected experts).
+    """
+    return cv_squared(gates.sum(dim=0))
+
+
+def load_probabilities(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor, k: int) -> Tensor:
+    """Shazeer et al. 2017 ``P(x, i)``: the probability that expert ``i`` stays in the top ``k`` of the
+    noisy logits ``H`` if its own noise were drawn again,
+    ``P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i)``.
+
+    The threshold is the ``k``-th largest noisy logit among the other experts: the ``(k+1)``-th largest
+    of ``H`` when ``i`` is in the top ``k``, the ``k``-th largest otherwise.
+
+    Args:
+        clean_logits, noisy_logits, noise_std: ``[N, E]``.
+        k: experts per token.
+
+    Returns:
+        ``[N, E]``.
+    """
+    num_experts = noisy_logits.shape[-1]
+    if k >= num_experts:  # every expert is always selected
+        return torch.ones_like(noisy_logits)
+    top_values = noisy_logits.topk(k + 1, dim=-1).values  # [N, k+1]
+    threshold_if_in = top_values[:, k : k + 1]
+    threshold_if_out = top_values[:, k - 1 : k]
+    is_in = noisy_logits >= threshold_if_out
+    threshold = torch.where(is_in, threshold_if_in, threshold_if_out)
+    return torch.special.ndtr((clean_logits - threshold) / noise_std)
+
+
+def smooth_load(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor, k: int) -> Tensor:
+    """Shazeer et al. 2017 smooth load estimator ``Load_i = sum_x P(x, i)`` (see
+    :func:`load_probabilities`); ``[E]``."""
+    return load_probabilities(clean_logits, noisy_logits, noise_std, k).sum(dim=0)
+
+
+def load_loss(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor, k: int) -> Tensor:
+    """Shazeer et al. 2017 load loss ``CV(Load)^2`` from :func:`smooth_load`."""
+    return cv_squared(smooth_load(clean_logits, noisy_logits, noise_std, k))
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE (Zoph et al. 2022) router z-loss ``mean_x (logsumexp_i logits_x,i)^2``."""
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()

@@ -1,0 +1,107 @@
+"""Routing statistics of one forward, computed on device with no host synchronisation.
+
+Every function returns ``{name: tensor}`` of detached scalars, except ``expert_load`` (``[E]``, the
+fraction of routed work each expert received; it sums to 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["entropy", "token_choice_stats", "experts_choice_stats", "soft_moe_stats"]
+
+
+def entropy(probs: Tensor, dim: int = -1) -> Tensor:
+    """Shannon entropy in nats along ``dim`` (``0 log 0 = 0``)."""
+    return -(probs * torch.log(probs.clamp_min(torch.finfo(probs.dtype).tiny))).sum(dim)
+
+
+@torch.no_grad()
+def token_choice_stats(router_probs: Tensor, kept_counts: Tensor, gates: Tensor, keep: Tensor) -> dict[str, Tensor]:
+    """Statistics of tokens-choice routing.
+
+    Args:
+        router_probs: ``[N, E]`` router distribution over experts.
+        kept_counts: ``[E]`` assignments each expert processed (after capacity).
+        gates: ``[N, k]`` gate values of the chosen experts.
+        keep: ``[N, k]`` bool, False for assignments dropped by capacity.
+    """
+    total = keep.numel()
+    kept = kept_counts.sum().float()
+    return {
+        "expert_load": kept_counts.float() / kept.clamp_min(1.0),
+        "load_cv": _cv(kept_counts.float()),
+        "unused_experts": (kept_counts == 0).float().mean(),
+        "dropped_fraction": 1.0 - kept / total,
+        "tokens_fully_dropped": (~keep.any(dim=-1)).float().mean(),
+        "router_entropy": entropy(router_probs.float()).mean(),
+        "mean_top_gate": gates[:, 0].float().mean(),
+    }
+
+
+@torch.no_grad()
+def experts_choice_stats(router_probs: Tensor, experts_per_token: Tensor, gates: Tensor) -> dict[str, Tensor]:
+    """Statistics of experts-choice routing.
+
+    Args:
+        router_probs: ``[N, E]``; experts_per_token: ``[N]`` how many experts picked each token;
+        gates: ``[E, C]`` gate values of the picked tokens.
+    """
+    num_experts = router_probs.shape[-1]
+    return {
+        "expert_load": torch.full((num_experts,), 1.0 / num_experts, device=router_probs.device),
+        "load_cv": router_probs.new_zeros(()),
+        "unused_experts": router_probs.new_zeros(()),
+        "dropped_fraction": (experts_per_token == 0).float().mean(),
+        "mean_experts_per_token": experts_per_token.float().mean(),
+        "router_entropy": entropy(router_probs.float()).mean(),
+        "mean_top_gate": gates.float().max(dim=-1).values.mean(),
+    }
+
+
+@torch.no_grad()
+def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_mask: Tensor | None) -> dict[str, Tensor]:
+    """Statistics of Soft MoE routing.
+
+    Args:
+        dispatch: ``[B, M, S]`` dispatch weights (softmax over tokens ``M`` per slot).
+        combine: ``[B, M, S]`` combine weights (softmax over slots ``S`` per token).
+        num_experts: experts ``n``; slot ``s`` belongs to expert ``s // (S // n)``.
+        token_mask: ``[B, M]`` bool of real (not padding) tokens, or None.
+
+    ``tokens_per_slot`` is the perplexity ``exp(H)`` of a slot's dispatch distribution: the effective
+    number of tokens mixed into the slot. ``expert_load`` is each expert's share of the combine mass.
+    """
+    batch, _, num_slots = combine.shape
+    dispatch_entropy = entropy(dispatch.float(), dim=1)  # [B, S]
+    combine_entropy = entropy(combine.float(), dim=2)  # [B, M]
+    max_combine = combine.float().amax(dim=2)  # [B, M]
+    per_expert = combine.float().reshape(batch, -1, num_experts, num_slots // num_experts).sum(dim=(-1))  # [B,M,n]
+    if token_mask is None:
+        count = combine.shape[0] * combine.shape[1]
+        combine_entropy_mean = combine_entropy.mean()
+        max_combine_mean = max_combine.mean()
+        expert_mass = per_expert.sum(dim=(0, 1))
+    else:
+        mask = token_mask.float()
+        count = mask.sum().clamp_min(1.0)
+        combine_entropy_mean = (combine_entropy * mask).sum() / count
+        max_combine_mean = (max_combine * mask).sum() / count
+        expert_mass = (per_expert * mask.unsqueeze(-1)).sum(dim=(0, 1))
+    load = expert_mass / expert_mass.sum().clamp_min(torch.finfo(expert_mass.dtype).tiny)
+    return {
+        "expert_load": load,
+        "load_cv": _cv(load),
+        "dropped_fraction": dispatch.new_zeros((), dtype=torch.float32),
+        "dispatch_entropy": dispatch_entropy.mean(),
+        "combine_entropy": combine_entropy_mean,
+        "max_dispatch_weight": dispatch.float().amax(dim=1).mean(),
+        "max_combine_weight": max_combine_mean,
+        "tokens_per_slot": dispatch_entropy.exp().mean(),
+    }
+
+
+def _cv(values: Tensor) -> Tensor:
+    mean = values.mean()
+    return values.std(unbiased=False) / mean.clamp_min(torch.finfo(values.dtype).tiny)

@@ -1,0 +1,1 @@
+"""Small utilities shared by scripts and training code."""

@@ -1,0 +1,64 @@
+"""Shared fixtures and naive reference implementations written straight from the papers' equations
+(per token / per slot loops: slow, obviously right)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.moe import ExpertBank
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def reference_expert(bank: ExpertBank, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of ``bank`` applied to rows ``x: [n, d]`` with plain matmuls."""
+    h = x @ bank.fc1_weight[e]
+    if bank.fc1_bias is not None:
+        h = h + bank.fc1_bias[e]
+    if bank.gated:
+        gate, up = h.chunk(2, dim=-1)
+        h = bank.act(gate) * up
+    else:
+        h = bank.act(h)
+    y = h @ bank.fc2_weight[e]
+    if bank.fc2_bias is not None:
+        y = y + bank.fc2_bias[e]
+    return y
+
+
+def reference_soft_moe(layer, x: torch.Tensor) -> torch.Tensor:
+    """Soft MoE, Algorithm 1 of Puigcerver et al., one sequence and one slot at a time."""
+    outputs = []
+    p = layer.slots_per_expert
+    for X in x:  # [m, d]
+        phi = layer.phi
+        if layer.normalize:
+            logits = F.normalize(X, dim=1) @ (layer.scale * F.normalize(phi, dim=0))
+        else:
+            logits = X @ phi
+        D = torch.softmax(logits, dim=0)
+        C = torch.softmax(logits, dim=1)
+        slots = D.t() @ X
+        slot_out = torch.stack([reference_expert(layer.experts, i // p, slots[i : i + 1])[0] for i in range(slots.shape[0])])
+        outputs.append(C @ slot_out)
+    return torch.stack(outputs)
+
+
+def reference_token_choice(layer, x: torch.Tensor, expert_ids, gates, keep) -> torch.Tensor:
+    """Output of a tokens-choice layer token by token: sum of kept gated expert outputs."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = []
+    for n in range(flat.shape[0]):
+        y = torch.zeros(layer.out_features, dtype=x.dtype)
+        for j in range(expert_ids.shape[1]):
+            if keep[n, j]:
+                e = int(expert_ids[n, j])
+                y = y + gates[n, j] * reference_expert(layer.experts, e, flat[n : n + 1])[0]
+        rows.append(y)
+    out = torch.stack(rows)
+    if layer.shared_experts is not None:
+        out = out + reference_expert(layer.shared_experts, 0, flat)
+    return out.view(*x.shape[:-1], -1)

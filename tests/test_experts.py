@@ -1,0 +1,143 @@
+"""Expert bank: every kernel equals the per-expert reference, in values and gradients."""
+
+import pytest
+import torch
+from timm.layers import GluMlp, Mlp, SwiGLU
+from torch import nn
+
+from moekit.moe import ExpertBank, grouped_linear
+from moekit.moe.experts import _HAS_GROUPED_MM
+
+from conftest import reference_expert
+
+KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
+
+
+def _reference_grouped(x, weight, bias, counts):
+    out = torch.zeros(x.shape[0], weight.shape[-1], dtype=x.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        rows = slice(start, start + n)
+        out[rows] = x[rows] @ weight[e] + (bias[e] if bias is not None else 0)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_grouped_linear_equal_groups_matches_reference(kernel, with_bias):
+    x = torch.randn(4 * 5, 8, requires_grad=True)
+    w = torch.randn(4, 8, 4, requires_grad=True)
+    b = torch.randn(4, 4, requires_grad=True) if with_bias else None
+    grad = torch.randn(20, 4)
+    out = grouped_linear(x, w, b, 5, kernel)
+    out.backward(grad)
+    got = [x.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if with_bias else [])
+    for t in [x, w] + ([b] if with_bias else []):
+        t.grad = None
+    ref = _reference_grouped(x, w, b, [5] * 4)
+    ref.backward(grad)
+    want = [x.grad, w.grad] + ([b.grad] if with_bias else [])
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "bmm"])
+def test_grouped_linear_ragged_with_empty_experts_and_tail(kernel):
+    counts = torch.tensor([3, 0, 5, 1])  # expert 1 empty; 2 tail rows belong to no expert
+    x = torch.randn(11, 4, requires_grad=True)
+    w = torch.randn(4, 4, 8, requires_grad=True)
+    b = torch.randn(4, 8, requires_grad=True)
+    grad = torch.randn(11, 8)
+    out = grouped_linear(x, w, b, counts, kernel)
+    assert torch.all(out[9:] == 0), "rows past the last group must be zeros"
+    out.backward(grad)
+    got = (x.grad.clone(), w.grad.clone(), b.grad.clone())
+    x.grad = w.grad = b.grad = None
+    ref = torch.cat([_reference_grouped(x[:9], w, b, counts.tolist()), torch.zeros(2, 8)])
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(got, (x.grad, w.grad, b.grad)):
+        torch.testing.assert_close(g, r)
+    assert torch.all(got[1][1] == 0) and torch.all(got[2][1] == 0), "the empty expert gets zero gradient"
+
+
+def test_loop_kernel_gradcheck_float64():
+    counts = torch.tensor([2, 0, 3])
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: grouped_linear(x, w, b, counts, "loop"), (x, w, b))
+
+
+def test_bmm_kernel_rejects_ragged_groups():
+    with pytest.raises(ValueError, match="equal rows per expert"):
+        grouped_linear(torch.randn(4, 2), torch.randn(2, 2, 2), None, torch.tensor([1, 3]), "bmm")
+
+
+def test_grouped_mm_kernel_rejects_unaligned_rows():
+    with pytest.raises(ValueError, match="aligned"):
+        grouped_linear(torch.randn(4, 3), torch.randn(2, 3, 5), None, 2, "grouped_mm")
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("kernel", ["loop", "bmm"])
+def test_expert_bank_matches_reference_experts(gated, kernel):
+    bank = ExpertBank(3, 5, 8, 4, act_layer=nn.SiLU if gated else nn.GELU, gated=gated, kernel=kernel)
+    x = torch.randn(3 * 4, 5)
+    out = bank(x, 4)
+    ref = torch.cat([reference_expert(bank, e, x[4 * e : 4 * e + 4]) for e in range(3)])
+    torch.testing.assert_close(out, ref)
+
+
+def test_expert_bank_init_modes():
+    independent = ExpertBank(4, 6, 8, init="independent")
+    assert not torch.equal(independent.fc1_weight[0], independent.fc1_weight[1])
+    bound = 1 / 6**0.5  # nn.Linear's default bound for fan_in 6
+    assert independent.fc1_weight.abs().max() <= bound
+    shared = ExpertBank(4, 6, 8, init="shared")
+    for p in (shared.fc1_weight, shared.fc1_bias, shared.fc2_weight, shared.fc2_bias):
+        assert torch.equal(p, p[:1].expand_as(p)), "all experts start from one draw"
+    assert not torch.equal(shared.fc1_weight[0], torch.zeros_like(shared.fc1_weight[0]))
+    normal = ExpertBank(4, 6, 8, init_std=0.02)
+    assert normal.fc1_weight.abs().max() <= 0.04 + 1e-7 and torch.all(normal.fc1_bias == 0)
+    assert 0.005 < normal.fc1_weight.std() < 0.03
+
+
+@pytest.mark.parametrize(
+    "dense, gated",
+    [
+        (Mlp(6, 10, 5), False),
+        (SwiGLU(6, 10, 5), True),
+        (GluMlp(6, 20, 5, act_layer=nn.SiLU), True),  # timm GluMlp halves hidden: 20 -> 10
+    ],
+)
+def test_load_dense_mlp_makes_every_expert_the_dense_mlp(dense, gated):
+    dense.eval()
+    bank = ExpertBank(3, 6, 10, 5, act_layer=nn.SiLU if gated else nn.GELU, gated=gated).eval()
+    bank.load_dense_mlp(dense)
+    x = torch.randn(9, 6)
+    torch.testing.assert_close(bank(x, 3), dense(x))
+
+
+def test_load_dense_mlp_shape_mismatch_is_a_clear_error():
+    bank = ExpertBank(2, 6, 12, 6)
+    with pytest.raises(ValueError, match="do not match"):
+        bank.load_dense_mlp(Mlp(6, 10, 6))
+
+
+def test_expert_bank_bad_arguments():
+    with pytest.raises(ValueError, match="num_experts"):
+        ExpertBank(0, 4, 4)
+    with pytest.raises(ValueError, match="init="):
+        ExpertBank(2, 4, 4, init="orthogonal")
+    with pytest.raises(ValueError, match="kernel="):
+        ExpertBank(2, 4, 4, kernel="cuda")
+
+
+def test_expert_bank_under_bf16_autocast_runs_in_bf16():
+    bank = ExpertBank(2, 4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bank(torch.randn(6, 4), 3)
+    assert out.dtype == torch.bfloat16

@@ -1,0 +1,169 @@
+"""Experts-choice, BASE, hash, hierarchical and dense-mixture layers."""
+
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE
+from moekit.moe.assignment import balanced_assignment, balanced_capacities
+from moekit.moe.losses import cv_squared, load_probabilities, smooth_load
+
+from conftest import reference_expert, reference_token_choice
+
+
+# ----------------------------------------------------------------------------- experts-choice
+def test_experts_choice_exact_loads_and_reference_output():
+    layer = ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=1.5)
+    x = torch.randn(2, 10, 8)
+    flat = x.reshape(-1, 8)
+    token_idx, gates, probs, _ = layer.route(flat)
+    assert token_idx.shape == (4, 8)  # C = round(20 * 1.5 / 4) = 7.5 -> 8
+    for e in range(4):
+        assert len(set(token_idx[e].tolist())) == 8, "an expert takes C distinct tokens"
+        # its top-C tokens by router probability
+        assert set(token_idx[e].tolist()) == set(probs[:, e].topk(8).indices.tolist())
+    torch.testing.assert_close(gates, probs.gather(0, token_idx.t()).t())
+    expected = torch.zeros(20, 8)
+    for e in range(4):
+        for c in range(8):
+            n = token_idx[e, c]
+            expected[n] += gates[e, c] * reference_expert(layer.experts, e, flat[n : n + 1])[0]
+    torch.testing.assert_close(layer(x), expected.view(2, 10, 8), rtol=1e-5, atol=1e-6)
+    assert layer.stats["mean_experts_per_token"] == pytest.approx(32 / 20)
+
+
+def test_experts_choice_eval_capacity_and_errors():
+    layer = ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=1.0, eval_capacity_factor=2.0)
+    assert layer.train().tokens_per_expert(20) == 5 and layer.eval().tokens_per_expert(20) == 10
+    with pytest.raises(ValueError, match="capacity_factor=0"):
+        ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=0)
+    with pytest.raises(ValueError, match="capacity_factor=5"):
+        ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=5)
+    assert not layer.causal_safe
+
+
+# ----------------------------------------------------------------------------- BASE
+def _optimal_total(scores, caps):
+    columns = torch.repeat_interleave(torch.arange(scores.shape[1]), caps)
+    cost = scores[:, columns].double().numpy()
+    rows, cols = linear_sum_assignment(-cost)
+    return cost[rows, cols].sum()
+
+
+@pytest.mark.parametrize("tokens, experts, skew", [(24, 4, 0.0), (50, 8, 0.0), (60, 6, 3.0), (200, 16, 1.0)])
+def test_balanced_assignment_is_exact_and_optimal(tokens, experts, skew):
+    scores = torch.randn(tokens, experts)
+    scores[:, 0] += skew  # one popular expert
+    caps = balanced_capacities(tokens, experts)
+    assignment = balanced_assignment(scores, caps)
+    assert torch.equal(torch.bincount(assignment, minlength=experts), caps)
+    total = scores.double().gather(1, assignment.unsqueeze(1)).sum().item()
+    assert total == pytest.approx(_optimal_total(scores, caps), abs=1e-6)
+
+
+def test_balanced_assignment_ties_and_uneven_capacities():
+    assert torch.bincount(balanced_assignment(torch.zeros(10, 3)), minlength=3).tolist() == [4, 3, 3]
+    caps = torch.tensor([5, 0, 1, 2])
+    scores = torch.randn(8, 4)
+    assert torch.equal(torch.bincount(balanced_assignment(scores, caps), minlength=4), caps)
+    with pytest.raises(ValueError, match="summing to the 8 tokens"):
+        balanced_assignment(scores, torch.tensor([1, 1, 1, 1]))
+
+
+def test_base_layer_balanced_in_training_greedy_at_inference():
+    layer = BaseMoE(8, 16, num_experts=4)
+    x = torch.randn(2, 12, 8)
+    flat = x.reshape(-1, 8)
+    layer.train()
+    routing = layer.route(flat, None)
+    assert torch.bincount(routing.expert_ids[:, 0], minlength=4).tolist() == [6, 6, 6, 6]
+    scores = flat @ layer.router.weight.t()
+    torch.testing.assert_close(routing.gates[:, 0], torch.sigmoid(scores.gather(1, routing.expert_ids)[:, 0]))
+    plan = layer.plan(routing)
+    ref = reference_token_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
+    assert layer.stats["load_cv"] == 0
+    layer.eval()
+    assert torch.equal(layer.route(flat, None).expert_ids[:, 0], scores.argmax(-1))
+    assert not layer.causal_safe
+
+
+# ----------------------------------------------------------------------------- hash
+def test_hash_routing_is_fixed_balanced_and_needs_ids():
+    layer = HashMoE(8, 16, num_experts=4, vocab_size=10, hash_seed=3)
+    table = layer.router.expert_of_token
+    assert sorted(torch.bincount(table, minlength=4).tolist()) == [2, 2, 3, 3]
+    again = HashMoE(8, 16, num_experts=4, vocab_size=10, hash_seed=3)
+    assert torch.equal(table, again.router.expert_of_token), "the map depends on the seed only"
+    ids = torch.tensor([[1, 2, 1, 9]])
+    x = torch.randn(1, 4, 8)
+    out = layer(x, token_ids=ids)
+    for t in range(4):
+        e = int(table[ids[0, t]])
+        torch.testing.assert_close(out[0, t], reference_expert(layer.experts, e, x[0, t : t + 1])[0])
+    assert layer.causal_safe
+    with pytest.raises(ValueError, match="token_ids"):
+        layer(x)
+    with pytest.raises(ValueError, match="4 tokens"):
+        layer(x, token_ids=torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="vocab_size"):
+        HashMoE(8, 16, num_experts=4, vocab_size=0)
+
+
+# ----------------------------------------------------------------------------- hierarchical
+def test_hierarchical_routing_structure_and_output():
+    layer = HierarchicalMoE(8, 16, num_groups=3, experts_per_group=4, top_k_groups=2, top_k=2).eval()
+    x = torch.randn(2, 6, 8)
+    flat = x.reshape(-1, 8)
+    routing = layer.route(flat, None)
+    assert routing.expert_ids.shape == (12, 4)
+    groups = routing.expert_ids // 4
+    for row in groups.tolist():
+        assert len(set(row)) == 2 and sorted(row).count(row[0]) == 2, "2 experts in each of 2 groups"
+    torch.testing.assert_close(routing.gates.sum(-1), torch.ones(12))  # product of two softmaxes over top-k
+    plan = layer.plan(routing)
+    ref = reference_token_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_hierarchical_losses_follow_appendix_b():
+    layer = HierarchicalMoE(
+        8, 16, num_groups=2, experts_per_group=3, top_k_groups=1, top_k=2, importance_loss_weight=1.0, load_loss_weight=1.0
+    ).train()
+    with torch.no_grad():
+        for p in (layer.router.primary_noise, layer.router.secondary_noise):
+            p.normal_(0, 0.3)
+    flat = torch.randn(40, 8)
+    torch.manual_seed(5)
+    routing = layer.route(flat, None)
+    # Recompute with the same noise draws: importance over the flat [groups * experts] gates.
+    dense = torch.zeros(40, 6).scatter(1, routing.expert_ids, routing.gates)
+    torch.testing.assert_close(routing.aux_losses["importance"], cv_squared(dense.sum(0)))
+    torch.manual_seed(5)
+    r = layer.router
+    p_clean = flat @ r.primary_weight.t()
+    p_std = torch.nn.functional.softplus(flat @ r.primary_noise.t())
+    p_noisy = p_clean + torch.randn_like(p_clean) * p_std
+    s_clean = flat @ r.secondary_weight.t()
+    s_std = torch.nn.functional.softplus(flat @ r.secondary_noise.t())
+    s_noisy = s_clean + torch.randn_like(s_clean) * s_std
+    group = p_noisy.argmax(-1)
+    load_primary = smooth_load(p_clean, p_noisy, p_std, 1)
+    load_h = torch.zeros(2, 3)
+    for g in range(2):
+        members = group == g
+        sl = slice(3 * g, 3 * g + 3)
+        secondary = load_probabilities(s_clean[members, sl], s_noisy[members, sl], s_std[members, sl], 2).sum(0)
+        load_h[g] = load_primary[g] * secondary / members.sum().clamp_min(1)
+    torch.testing.assert_close(routing.aux_losses["load"], cv_squared(load_h.reshape(-1)), rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- dense mixture
+def test_dense_mixture_runs_every_expert_on_every_token():
+    layer = DenseMoE(8, 16, num_experts=3)
+    x = torch.randn(2, 5, 8)
+    flat = x.reshape(-1, 8)
+    gates = torch.softmax(flat @ layer.router_weight.t(), -1)
+    expected = sum(gates[:, e : e + 1] * reference_expert(layer.experts, e, flat) for e in range(3))
+    torch.testing.assert_close(layer(x), expected.view(2, 5, 8), rtol=1e-5, atol=1e-6)
+    assert layer.causal_safe

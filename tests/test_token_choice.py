@@ -1,0 +1,235 @@
+"""Tokens-choice top-k (Switch, GShard, Mixtral, noisy top-k, DeepSeekMoE), capacity and BPR."""
+
+import pytest
+import torch
+from timm.layers import Mlp, SwiGLU
+from torch import nn
+
+from moekit.moe import TopKMoE, update_balancing_biases
+from moekit.moe.dispatch import expert_capacity, plan_dispatch
+
+from conftest import reference_token_choice
+
+
+def _routing_and_plan(layer, x):
+    routing = layer.route(x.reshape(-1, x.shape[-1]), None)
+    return routing, layer.plan(routing)
+
+
+def test_expert_capacity_formula():
+    assert expert_capacity(num_tokens=10, top_k=2, num_experts=4, capacity_factor=1.0) == 5
+    assert expert_capacity(10, 1, 4, 1.0) == 3  # ceil(2.5)
+    assert expert_capacity(6, 2, 4, 1.1) == 4  # ceil(3.3)
+    assert expert_capacity(100, 2, 8, 1.25) == 32  # ceil(31.25)
+
+
+def test_plan_dispatch_hand_computed_capacity_choice_major():
+    expert_ids = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    plan = plan_dispatch(expert_ids, num_experts=3, capacity=2)
+    # first choices fill buffers first (t0, t1 -> expert 0; t3 -> expert 1), then second choices
+    expected_keep = torch.tensor([[True, True], [True, True], [False, False], [True, False]])
+    assert torch.equal(plan.keep, expected_keep)
+    assert plan.counts.tolist() == [2, 2, 1]
+    kept_sorted = torch.sort(torch.where(plan.keep, expert_ids, 3).reshape(-1)).values
+    assert torch.equal(torch.where(plan.keep, expert_ids, 3).reshape(-1)[plan.order], kept_sorted)
+
+
+def test_batch_prioritized_routing_drops_lowest_priority_first():
+    expert_ids = torch.zeros(6, 1, dtype=torch.long)  # everyone wants expert 0, capacity 2
+    priority = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.2, 0.5])
+    fifo = plan_dispatch(expert_ids, 2, capacity=2)
+    bpr = plan_dispatch(expert_ids, 2, capacity=2, priority=priority)
+    assert fifo.keep[:, 0].tolist() == [True, True, False, False, False, False]
+    assert bpr.keep[:, 0].tolist() == [False, True, False, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=1),  # Switch
+        dict(top_k=2, normalize_gates=True),  # Mixtral
+        dict(top_k=2, capacity_factor=0.5),  # drops
+        dict(top_k=2, capacity_factor=0.5, batch_priority=True),
+        dict(top_k=3, score_func="sigmoid", normalize_gates=True, num_shared_experts=2),
+        dict(top_k=2, gated=True, act_layer=nn.SiLU, bias=False),
+    ],
+)
+def test_forward_equals_per_token_reference(kw):
+    layer = TopKMoE(8, 16, num_experts=5, **kw).eval()
+    x = torch.randn(2, 7, 8)
+    routing, plan = _routing_and_plan(layer, x)
+    ref = reference_token_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_each_token_reaches_at_most_k_distinct_experts_and_capacity_holds():
+    layer = TopKMoE(8, 16, num_experts=6, top_k=3, capacity_factor=0.7).train()
+    x = torch.randn(4, 25, 8)
+    routing, plan = _routing_and_plan(layer, x)
+    assert routing.expert_ids.shape == (100, 3)
+    assert all(len(set(row)) == 3 for row in routing.expert_ids.tolist())
+    capacity = expert_capacity(100, 3, 6, 0.7)
+    kept_per_expert = torch.bincount(routing.expert_ids[plan.keep], minlength=6)
+    assert torch.equal(kept_per_expert, plan.counts)
+    assert int(plan.counts.max()) <= capacity
+    layer(x)
+    assert 0 < layer.stats["dropped_fraction"] < 1
+
+
+def test_overflow_tokens_come_out_unchanged_through_the_residual():
+    layer = TopKMoE(8, 16, num_experts=2, top_k=1, capacity_factor=0.5).eval()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 10.0  # every token with x[0] > 0 strongly prefers expert 0
+    x = torch.randn(1, 8, 8)
+    x[..., 0] = torch.linspace(1, 2, 8)
+    out = layer(x)
+    routing, plan = _routing_and_plan(layer, x)
+    dropped = ~plan.keep[:, 0]
+    assert dropped.sum() == 6  # capacity ceil(8 * 0.5 / 2) = 2 for expert 0
+    assert torch.all(out[0][dropped] == 0), "a dropped token adds nothing: x + moe(x) == x"
+    assert torch.all(out[0][~dropped].abs().sum(-1) > 0)
+
+
+def test_switch_gate_is_the_top1_probability():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1)
+    x = torch.randn(10, 8)
+    routing = layer.route(x, None)
+    probs = torch.softmax(x @ layer.router.weight.t(), dim=-1)
+    torch.testing.assert_close(routing.gates[:, 0], probs.max(dim=-1).values)
+    assert torch.equal(routing.expert_ids[:, 0], probs.argmax(dim=-1))
+
+
+def test_normalized_top2_gates_sum_to_one():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, normalize_gates=True)
+    routing = layer.route(torch.randn(10, 8), None)
+    torch.testing.assert_close(routing.gates.sum(-1), torch.ones(10))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_upcycled_moe_equals_the_dense_mlp(gated):
+    dense = SwiGLU(8, 16, bias=True) if gated else Mlp(8, 16)
+    layer = TopKMoE(
+        8, 16, num_experts=4, top_k=2, normalize_gates=True, gated=gated, act_layer=nn.SiLU if gated else nn.GELU
+    )
+    layer.load_dense_mlp(dense)
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_reach_router_and_experts_gradcheck():
+    layer = TopKMoE(4, 6, num_experts=3, top_k=2, normalize_gates=True, num_shared_experts=1).double()
+    x = torch.randn(1, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: layer(x), (x,))
+    layer(x).pow(2).sum().backward()
+    for name in ("router.weight", "experts.fc1_weight", "experts.fc2_bias", "shared_experts.fc1_weight"):
+        grad = layer.get_parameter(name).grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_router_runs_in_float32_under_bf16_autocast():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, z_loss_weight=1e-3)
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = layer.route(x.reshape(-1, 8).bfloat16(), None)
+        out = layer(x)
+    assert routing.gates.dtype == routing.probs.dtype == torch.float32
+    assert layer.aux_losses["z"].dtype == torch.float32
+    assert out.dtype == torch.bfloat16
+
+
+def test_noisy_gating_noise_in_training_only_and_losses():
+    layer = TopKMoE(8, 16, num_experts=6, top_k=2, noisy_gating=True, importance_loss_weight=0.1, load_loss_weight=0.1)
+    assert torch.all(layer.router.noise_weight == 0), "W_noise starts at zero (Shazeer et al.)"
+    x = torch.randn(2, 20, 8)
+    layer.eval()
+    a, b = layer.route(x.reshape(-1, 8), None), layer.route(x.reshape(-1, 8), None)
+    assert torch.equal(a.expert_ids, b.expert_ids)
+    assert set(a.aux_losses) == {"importance"}, "the load loss is defined through the training noise"
+    layer.train()
+    a, b = layer.route(x.reshape(-1, 8), None), layer.route(x.reshape(-1, 8), None)
+    assert not torch.equal(a.expert_ids, b.expert_ids)
+    assert set(a.aux_losses) == {"importance", "load"}
+    layer(x)
+    sum(layer.aux_losses.values()).backward()
+    assert layer.router.noise_weight.grad.abs().sum() > 0, "the load loss trains W_noise"
+
+
+def test_loss_free_balancing_bias_steers_selection_not_gates():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1, bias_update_rate=0.1)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 1.0  # expert 0 gets every token with x[0] > 0
+    x = torch.randn(1, 40, 8).abs()
+    layer.train()
+    layer(x)
+    counts = layer.router.pending_counts.clone()
+    assert counts.sum() == 40 and counts[0] == 40
+    update_balancing_biases(layer)
+    # mean load 10: expert 0 (40) goes down by the rate, the others (0) go up by it
+    torch.testing.assert_close(layer.router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+    assert torch.all(layer.router.pending_counts == 0)
+    routing = layer.route(x.reshape(-1, 8), None)
+    probs = torch.softmax(x.reshape(-1, 8) @ layer.router.weight.t(), -1)
+    torch.testing.assert_close(routing.gates[:, 0], probs.gather(1, routing.expert_ids)[:, 0])
+    layer.router.pending_counts.zero_()
+    layer.eval()
+    layer(x)
+    assert torch.all(layer.router.pending_counts == 0), "only training forwards count"
+
+
+def test_loss_free_balancing_evens_out_the_load():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1, bias_update_rate=0.002).train()
+    with torch.no_grad():
+        layer.router.weight.mul_(0.1)
+        layer.router.weight[0] += 1.0  # expert 0 is far more popular
+    x = torch.randn(4, 64, 8)
+    layer(x)
+    before = layer.stats["load_cv"].item()
+    loads = []
+    for _ in range(300):
+        layer(x)
+        update_balancing_biases(layer)
+        loads.append(layer.stats["expert_load"])
+    average = torch.stack(loads[-50:]).mean(0)  # sign updates hover around balance
+    assert before > 0.5
+    assert average.std(unbiased=False) / average.mean() < 0.1
+
+
+def test_capacity_at_eval():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1, capacity_factor=0.5, eval_capacity_factor=None)
+    assert layer.train().capacity(16) == 2 and layer.eval().capacity(16) is None
+    same = TopKMoE(8, 16, num_experts=4, top_k=1, capacity_factor=0.5)
+    assert same.eval().capacity(16) == 2
+
+
+def test_shared_experts_add_a_dense_mlp_of_the_expert_size():
+    layer = TopKMoE(8, 16, num_experts=8, top_k=2, expert_hidden_features=4, num_shared_experts=2)
+    assert layer.experts.hidden_features == 4
+    assert layer.shared_experts.num_experts == 1 and layer.shared_experts.hidden_features == 8
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(top_k=5), "top_k=5"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(capacity_factor=0.0), "capacity_factor=0.0"),
+        (dict(capacity_factor=-1), "capacity_factor=-1"),
+        (dict(eval_capacity_factor=0), "eval_capacity_factor=0"),
+        (dict(load_loss_weight=0.1), "needs noisy_gating=True"),
+        (dict(switch_loss_weight=-0.1), "switch_loss_weight"),
+        (dict(score_func="relu"), "score_func"),
+        (dict(num_shared_experts=-1), "num_shared_experts"),
+        (dict(norm_layer=nn.LayerNorm), "norm_layer"),
+        (dict(use_conv=True), "use_conv"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TopKMoE(8, 16, num_experts=4, **kw)
+
+
+def test_wrong_input_shape():
+    with pytest.raises(ValueError, match=r"expected \[batch, tokens, 8\]"):
+        TopKMoE(8, 16, num_experts=4)(torch.randn(3, 9))
