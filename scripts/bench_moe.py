@@ -21,14 +21,15 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from timm.layers import Mlp, SwiGLU
 from torch import nn
 
-from moekit.moe import DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE, SoftMoE, TopKMoE, BaseMoE
+from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE, SoftMoE, TopKMoE
+from moekit.utils.allocator import active_allocator, reexec_with_tcmalloc
 
 
 @dataclass
@@ -48,33 +49,36 @@ def _step(candidate: Candidate, x: torch.Tensor, grad: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def time_candidates(candidates: list[Candidate], x: torch.Tensor, rounds: int, warmup: int = 1) -> dict[str, float]:
-    """Median forward+backward seconds of each candidate, measured in interleaved rounds."""
-    grads = {}
+def time_candidates(candidates: list[Candidate], x: torch.Tensor, rounds: int) -> dict[str, float]:
+    """Median forward+backward seconds of each candidate, measured in interleaved rounds after one
+    warm-up step. A candidate more than 20x slower than the fastest is timed once (its ratio is
+    then far from any target; the rounds would only cost minutes)."""
+    grads, warm = {}, {}
     for c in list(candidates):
         c.module.train()
         try:
             with torch.no_grad():
                 grads[c.name] = torch.randn_like(c.forward(c.module, x))
+            warm[c.name] = _step(c, x, grads[c.name])
         except (RuntimeError, MemoryError) as err:  # e.g. a reference that gathers a weight copy per token
             print(f"({c.name}: skipped, {str(err).splitlines()[0][:120]})")
             candidates.remove(c)
+    fastest = min(warm.values())
     times: dict[str, list[float]] = {c.name: [] for c in candidates}
-    for r in range(warmup + rounds):
+    for r in range(rounds):
         for c in candidates:
-            t = _step(c, x, grads[c.name])
-            if r >= warmup:
-                times[c.name].append(t)
+            if r == 0 or warm[c.name] < 20 * fastest:
+                times[c.name].append(_step(c, x, grads[c.name]))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def print_table(title: str, rows: list[tuple[str, float, str]], baseline: str) -> None:
-    base = dict((n, t) for n, t, _ in rows)[baseline]
+def print_table(title: str, rows: list[tuple[str, float]], baseline: str) -> None:
+    base = dict(rows)[baseline]
     print(f"\n### {title}\n")
-    print(f"| layer | fwd+bwd ms | vs {baseline} | note |")
-    print("|---|---:|---:|---|")
-    for name, t, note in rows:
-        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x | {note} |")
+    print(f"| layer | fwd+bwd ms | vs {baseline} |")
+    print("|---|---:|---:|")
+    for name, t in rows:
+        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |")
     sys.stdout.flush()
 
 
@@ -101,15 +105,12 @@ def table_soft(args) -> None:
             ref = LucidSoftMoE(dim, num_experts=experts, num_slots=per, expert_mult=hidden // dim)
             cands.append(Candidate("soft-moe-pytorch SoftMoE", ref))
         t = time_candidates(cands, x, args.rounds)
-        rows = [(c.name, t[c.name], "") for c in cands]
-        if LucidSoftMoE is not None:
-            rows.append(("ratio soft-moe-pytorch / moekit", t["soft-moe-pytorch SoftMoE"] / t["moekit SoftMoE"] * t["moekit SoftMoE"], "speedup of moekit"))
         print_table(
             f"Soft MoE, {experts} experts x {per} slots, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
-            rows[:len(cands)],
+            [(c.name, t[c.name]) for c in cands if c.name in t],
             "moekit SoftMoE",
         )
-        if LucidSoftMoE is not None:
+        if "soft-moe-pytorch SoftMoE" in t:
             print(f"\nsoft-moe-pytorch / moekit: {t['soft-moe-pytorch SoftMoE'] / t['moekit SoftMoE']:.2f}x")
 
 
@@ -152,8 +153,16 @@ def table_topk(args) -> None:
             Candidate(f"dense SwiGLU (h={2 * hidden}, same active FLOPs)", SwiGLU(dim, 2 * hidden, bias=False)),
             Candidate(
                 "moekit TopKMoE",
-                TopKMoE(dim, hidden, num_experts=experts, top_k=2, normalize_gates=True, gated=True,
-                        act_layer=nn.SiLU, bias=False),
+                TopKMoE(
+                    dim,
+                    hidden,
+                    num_experts=experts,
+                    top_k=2,
+                    normalize_gates=True,
+                    gated=True,
+                    act_layer=nn.SiLU,
+                    bias=False,
+                ),
             ),
         ]
         for impl, block in _mixtral_blocks(dim, hidden, experts, 2):
@@ -163,7 +172,7 @@ def table_topk(args) -> None:
         cands = [c for c in cands if c.name in t]
         print_table(
             f"Tokens-choice top-2, {experts} SwiGLU experts of hidden {hidden}, {tokens} tokens, d={dim} (dropless)",
-            [(c.name, t[c.name], "") for c in cands],
+            [(c.name, t[c.name]) for c in cands],
             dense,
         )
         mixtral = [t[c.name] for c in cands if c.name.startswith("Mixtral")]
@@ -180,20 +189,54 @@ def table_layers(args) -> None:
     cands = [
         Candidate("dense Mlp", Mlp(dim, hidden)),
         Candidate("SoftMoE (1 slot/expert)", SoftMoE(dim, hidden, num_experts=experts)),
-        Candidate("SoftMoE (slots = tokens)", SoftMoE(dim, hidden, num_experts=experts, capacity_factor=1.0, num_tokens=tokens)),
-        Candidate("TopKMoE top-1 (Switch, cf 1.25)", TopKMoE(dim, hidden, num_experts=experts, top_k=1, capacity_factor=1.25, switch_loss_weight=0.01)),
-        Candidate("TopKMoE top-2 (cf 1.25, BPR)", TopKMoE(dim, hidden, num_experts=experts, top_k=2, capacity_factor=1.25, batch_priority=True)),
-        Candidate("TopKMoE noisy top-2 (dropless)", TopKMoE(dim, hidden, num_experts=experts, top_k=2, noisy_gating=True, normalize_gates=True, importance_loss_weight=0.1, load_loss_weight=0.1)),
-        Candidate("TopKMoE 2 shared + 32 fine-grained top-4", TopKMoE(dim, hidden, num_experts=4 * experts, top_k=4, expert_hidden_features=hidden // 4, num_shared_experts=2)),
+        Candidate(
+            "SoftMoE (slots = tokens)",
+            SoftMoE(dim, hidden, num_experts=experts, capacity_factor=1.0, num_tokens=tokens),
+        ),
+        Candidate(
+            "TopKMoE top-1 (Switch, cf 1.25)",
+            TopKMoE(dim, hidden, num_experts=experts, top_k=1, capacity_factor=1.25, switch_loss_weight=0.01),
+        ),
+        Candidate(
+            "TopKMoE top-2 (cf 1.25, BPR)",
+            TopKMoE(dim, hidden, num_experts=experts, top_k=2, capacity_factor=1.25, batch_priority=True),
+        ),
+        Candidate(
+            "TopKMoE noisy top-2 (dropless)",
+            TopKMoE(
+                dim,
+                hidden,
+                num_experts=experts,
+                top_k=2,
+                noisy_gating=True,
+                normalize_gates=True,
+                importance_loss_weight=0.1,
+                load_loss_weight=0.1,
+            ),
+        ),
+        Candidate(
+            "TopKMoE 2 shared + 32 fine-grained top-4",
+            TopKMoE(
+                dim, hidden, num_experts=4 * experts, top_k=4, expert_hidden_features=hidden // 4, num_shared_experts=2
+            ),
+        ),
         Candidate("ExpertsChoiceMoE (cf 1)", ExpertsChoiceMoE(dim, hidden, num_experts=experts, capacity_factor=1.0)),
         Candidate("BaseMoE", BaseMoE(dim, hidden, num_experts=experts)),
-        Candidate("HashMoE", HashMoE(dim, hidden, num_experts=experts, vocab_size=1000), lambda m, x: m(x, token_ids=ids)),
+        Candidate(
+            "HashMoE", HashMoE(dim, hidden, num_experts=experts, vocab_size=1000), lambda m, x: m(x, token_ids=ids)
+        ),
         Candidate("DenseMoE (all experts)", DenseMoE(dim, hidden, num_experts=experts)),
-        Candidate("HierarchicalMoE 2x4, top 1x2", HierarchicalMoE(dim, hidden, num_groups=2, experts_per_group=experts // 2, top_k_groups=1, top_k=2)),
+        Candidate(
+            "HierarchicalMoE 2x4, top 1x2",
+            HierarchicalMoE(dim, hidden, num_groups=2, experts_per_group=experts // 2, top_k_groups=1, top_k=2),
+        ),
     ]
     t = time_candidates(cands, x, args.rounds)
-    print_table(f"All layers, {experts} experts, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
-                [(c.name, t[c.name], "") for c in cands], "dense Mlp")
+    print_table(
+        f"All layers, {experts} experts, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
+        [(c.name, t[c.name]) for c in cands],
+        "dense Mlp",
+    )
 
 
 def table_scaling(args) -> None:
@@ -203,8 +246,10 @@ def table_scaling(args) -> None:
     expert_counts = (8, 16, 32, 64, 128, 256) if not args.quick else (4, 8, 16)
     x = torch.randn(batch, tokens, dim, requires_grad=True)
     print(f"\n### Scaling experts, batch {batch} x {tokens} tokens, d={dim}, expert mlp {hidden}\n")
-    print("Soft MoE: 128 slots in total; tokens-choice top-1 and experts-choice: capacity factor 1.0 "
-          "(total expert work fixed). Times are fwd+bwd ms; ratios are against the dense Mlp of the same run.\n")
+    print(
+        "Soft MoE: 128 slots in total; tokens-choice top-1 and experts-choice: capacity factor 1.0 "
+        "(total expert work fixed). Times are fwd+bwd ms; ratios are against the dense Mlp of the same run.\n"
+    )
     print("| experts | dense Mlp | SoftMoE | TopKMoE top-1 cf1 | ExpertsChoice cf1 |")
     print("|---:|---:|---:|---:|---:|")
     for experts in expert_counts:
@@ -223,19 +268,39 @@ def table_scaling(args) -> None:
         del cands
 
 
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.machine()} x{os.cpu_count()}"
+
+
 TABLES = {"soft": table_soft, "topk": table_topk, "layers": table_layers, "scaling": table_scaling}
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", nargs="+", choices=sorted(TABLES), default=list(TABLES))
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (median reported)")
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run of the script")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--allocator",
+        choices=["tcmalloc", "system"],
+        default="tcmalloc",
+        help="tcmalloc (default, when installed: restarts the script with it preloaded) or the system malloc",
+    )
     args = parser.parse_args(argv)
+    if args.allocator == "tcmalloc":
+        reexec_with_tcmalloc()
     torch.manual_seed(args.seed)
-    print(f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, fp32, forward + backward")
+    print(
+        f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{_cpu_name()}, fp32, forward + backward, allocator: {active_allocator()}"
+    )
     for name in args.tables:
         TABLES[name](args)
 

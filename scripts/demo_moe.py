@@ -44,7 +44,7 @@ def main() -> None:
         shown = {k: round(v.item(), 3) for k, v in stats.items() if v.numel() == 1}
         load = stats.get("expert_load")
         print(f"{name:>15}: {type(block.mlp).__name__}, {sum(p.numel() for p in block.mlp.parameters()):,} params")
-        print(f"{'':>15}  aux losses {({k: round(v.item(), 4) for k, v in moe.aux_losses.items()})}")
+        print(f"{'':>15}  aux losses { ({k: round(v.item(), 4) for k, v in moe.aux_losses.items()}) }")
         print(f"{'':>15}  stats {shown}")
         if load is not None:
             print(f"{'':>15}  expert load {[round(v, 3) for v in load.tolist()]}")

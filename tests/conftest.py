@@ -42,7 +42,9 @@ def reference_soft_moe(layer, x: torch.Tensor) -> torch.Tensor:
         D = torch.softmax(logits, dim=0)
         C = torch.softmax(logits, dim=1)
         slots = D.t() @ X
-        slot_out = torch.stack([reference_expert(layer.experts, i // p, slots[i : i + 1])[0] for i in range(slots.shape[0])])
+        slot_out = torch.stack(
+            [reference_expert(layer.experts, i // p, slots[i : i + 1])[0] for i in range(slots.shape[0])]
+        )
         outputs.append(C @ slot_out)
     return torch.stack(outputs)
 

@@ -5,10 +5,9 @@ import torch
 from timm.layers import GluMlp, Mlp, SwiGLU
 from torch import nn
 
+from conftest import reference_expert
 from moekit.moe import ExpertBank, grouped_linear
 from moekit.moe.experts import _HAS_GROUPED_MM
-
-from conftest import reference_expert
 
 KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 

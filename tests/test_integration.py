@@ -27,11 +27,14 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "moe"
 LAYER_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 
 
-@pytest.mark.parametrize("factory", [
-    partial(SoftMoE, num_experts=4),
-    partial(TopKMoE, num_experts=4, top_k=2, capacity_factor=1.25),
-    partial(ExpertsChoiceMoE, num_experts=4),
-])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        partial(SoftMoE, num_experts=4),
+        partial(TopKMoE, num_experts=4, top_k=2, capacity_factor=1.25),
+        partial(ExpertsChoiceMoE, num_experts=4),
+    ],
+)
 def test_timm_block_takes_moe_layers_as_mlp_layer(factory):
     block = Block(dim=32, num_heads=4, mlp_ratio=2.0, mlp_layer=factory)
     assert isinstance(block.mlp, MoELayer)
@@ -44,8 +47,18 @@ def test_timm_block_takes_moe_layers_as_mlp_layer(factory):
 
 
 def test_moe_layers_accept_every_timm_mlp_keyword():
-    kwargs = dict(in_features=8, hidden_features=16, out_features=12, act_layer=nn.ReLU, norm_layer=None,
-                  bias=(True, False), drop=(0.0, 0.1), use_conv=False, device="cpu", dtype=torch.float32)
+    kwargs = dict(
+        in_features=8,
+        hidden_features=16,
+        out_features=12,
+        act_layer=nn.ReLU,
+        norm_layer=None,
+        bias=(True, False),
+        drop=(0.0, 0.1),
+        use_conv=False,
+        device="cpu",
+        dtype=torch.float32,
+    )
     Mlp(**kwargs)  # the contract we mirror
     for name in list_moe_layers():
         extra = {"vocab_size": 10} if name == "hash" else {}
@@ -70,8 +83,18 @@ def test_every_layer_config_instantiates_and_runs(path):
 
 
 def test_hydra_and_python_construction_agree():
-    cfg = OmegaConf.create({"_target_": "moekit.moe.TopKMoE", "in_features": 8, "hidden_features": 16,
-                            "num_experts": 4, "top_k": 2, "capacity_factor": 1.5, "act_layer": "silu", "gated": True})
+    cfg = OmegaConf.create(
+        {
+            "_target_": "moekit.moe.TopKMoE",
+            "in_features": 8,
+            "hidden_features": 16,
+            "num_experts": 4,
+            "top_k": 2,
+            "capacity_factor": 1.5,
+            "act_layer": "silu",
+            "gated": True,
+        }
+    )
     torch.manual_seed(1)
     from_config = instantiate(cfg)
     torch.manual_seed(1)
@@ -124,3 +147,16 @@ def test_registry():
     assert get_moe_layer("soft_moe") is SoftMoE
     with pytest.raises(ValueError, match="unknown MoE layer 'sofmoe'"):
         get_moe_layer("sofmoe")
+
+
+def test_expert_rows_per_token():
+    assert SoftMoE(8, 16, num_experts=4, slots_per_expert=2).expert_rows_per_token(16) == 0.5
+    assert TopKMoE(8, 16, num_experts=4, top_k=2).expert_rows_per_token(16) == 2
+    capped = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=0.5)
+    assert capped.expert_rows_per_token(16) == 1.0  # capacity 4 per expert: at most 16 of 32 assignments
+    shared = TopKMoE(8, 16, num_experts=8, top_k=2, expert_hidden_features=4, num_shared_experts=2)
+    assert shared.expert_rows_per_token(16) == 4.0
+    assert ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=1.5).expert_rows_per_token(16) == 1.5
+    for name in list_moe_layers():
+        extra = {"vocab_size": 10} if name == "hash" else {}
+        assert get_moe_layer(name)(8, 16, **extra).expert_rows_per_token(16) > 0

@@ -86,5 +86,5 @@ def test_router_z_loss():
 @pytest.mark.parametrize("fn", ["importance", "z"])
 def test_losses_are_differentiable(fn):
     logits = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    f = {"importance": lambda l: importance_loss(torch.softmax(l, -1)), "z": router_z_loss}[fn]
+    f = {"importance": lambda z: importance_loss(torch.softmax(z, -1)), "z": router_z_loss}[fn]
     assert torch.autograd.gradcheck(f, (logits,))

@@ -4,11 +4,10 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from conftest import reference_expert, reference_token_choice
 from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE
 from moekit.moe.assignment import balanced_assignment, balanced_capacities
 from moekit.moe.losses import cv_squared, load_probabilities, smooth_load
-
-from conftest import reference_expert, reference_token_choice
 
 
 # ----------------------------------------------------------------------------- experts-choice
@@ -128,7 +127,14 @@ def test_hierarchical_routing_structure_and_output():
 
 def test_hierarchical_losses_follow_appendix_b():
     layer = HierarchicalMoE(
-        8, 16, num_groups=2, experts_per_group=3, top_k_groups=1, top_k=2, importance_loss_weight=1.0, load_loss_weight=1.0
+        8,
+        16,
+        num_groups=2,
+        experts_per_group=3,
+        top_k_groups=1,
+        top_k=2,
+        importance_loss_weight=1.0,
+        load_loss_weight=1.0,
     ).train()
     with torch.no_grad():
         for p in (layer.router.primary_noise, layer.router.secondary_noise):

@@ -5,9 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit.moe import SoftMoE
-
 from conftest import reference_soft_moe
+from moekit.moe import SoftMoE
 
 
 def _layer(**kw):

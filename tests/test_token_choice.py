@@ -5,10 +5,9 @@ import torch
 from timm.layers import Mlp, SwiGLU
 from torch import nn
 
+from conftest import reference_token_choice
 from moekit.moe import TopKMoE, update_balancing_biases
 from moekit.moe.dispatch import expert_capacity, plan_dispatch
-
-from conftest import reference_token_choice
 
 
 def _routing_and_plan(layer, x):

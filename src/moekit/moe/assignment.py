@@ -24,8 +24,6 @@ on the host: BASE routing is a data-dependent solve and synchronises by nature.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -49,7 +47,7 @@ def _sort_within_expert(expert: Tensor, key: Tensor, num_experts: int) -> tuple[
 
 
 @torch.no_grad()
-def balanced_assignment(scores: Tensor, capacities: Optional[Tensor] = None, price_rounds: int = 20) -> Tensor:
+def balanced_assignment(scores: Tensor, capacities: Tensor | None = None, price_rounds: int = 20) -> Tensor:
     """Assign each of ``N`` tokens to one of ``E`` experts, expert ``e`` taking exactly ``c_e`` tokens,
     maximising the total score (see the module docstring).
 

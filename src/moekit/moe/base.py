@@ -8,15 +8,17 @@ build it. After each forward a layer holds:
 * ``aux_losses``: ``{name: weighted scalar}`` - the terms to add to the training loss (only the losses
   whose weight is non-zero appear);
 * ``stats``: ``{name: detached tensor}`` - routing statistics of that forward, computed on device
-  without host synchronisation (scalars, or ``[num_experts]`` vectors such as ``expert_load``).
+  without host synchronisation (scalars, or ``[num_experts]`` vectors such as ``expert_load``). They
+  are computed when first read (a training loop that logs every N steps pays for them every N steps)
+  from the routing tensors the forward kept.
 
 :func:`collect_moe_outputs` gathers both from any model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +36,7 @@ __all__ = [
     "list_moe_layers",
 ]
 
-ActLayer = Union[str, Type[nn.Module], Callable[[], nn.Module]]
+ActLayer = str | type[nn.Module] | Callable[[], nn.Module]
 
 
 def _pair(value, name: str):
@@ -53,22 +55,22 @@ class MlpSpec:
     hidden_features: int
     out_features: int
     act_layer: ActLayer
-    bias: Tuple[bool, bool]
-    drop: Tuple[float, float]
+    bias: tuple[bool, bool]
+    drop: tuple[float, float]
 
     @classmethod
     def from_mlp_kwargs(
         cls,
         in_features: int,
-        hidden_features: Optional[int],
-        out_features: Optional[int],
+        hidden_features: int | None,
+        out_features: int | None,
         act_layer: ActLayer,
         norm_layer,
         bias,
         drop,
         use_conv: bool,
         layer_name: str,
-    ) -> "MlpSpec":
+    ) -> MlpSpec:
         if not isinstance(in_features, int) or in_features <= 0:
             raise ValueError(f"{layer_name}: in_features={in_features!r} must be a positive int (the token dim)")
         hidden = in_features * 4 if hidden_features is None else hidden_features
@@ -93,6 +95,38 @@ class MlpSpec:
                 raise ValueError(f"{layer_name}: drop={drop!r} must lie in [0, 1)")
         return cls(in_features, hidden, out, act_layer, bias_pair, drop_pair)
 
+    def expert_bank(
+        self,
+        num_experts: int,
+        hidden_features: int | None = None,
+        *,
+        gated: bool = False,
+        init: str = "independent",
+        init_std: float | None = None,
+        kernel: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        """An :class:`~moekit.moe.experts.ExpertBank` of ``num_experts`` MLPs with these sizes,
+        activation, biases and dropout (``hidden_features`` overrides the hidden size)."""
+        from .experts import ExpertBank
+
+        return ExpertBank(
+            num_experts,
+            self.in_features,
+            hidden_features or self.hidden_features,
+            self.out_features,
+            act_layer=self.act_layer,
+            gated=gated,
+            bias=self.bias,
+            drop=self.drop,
+            init=init,
+            init_std=init_std,
+            kernel=kernel,
+            device=device,
+            dtype=dtype,
+        )
+
 
 class MoELayer(nn.Module):
     """Base of all MoE layers: holds the latest ``aux_losses`` and ``stats`` and the causality flag.
@@ -105,7 +139,8 @@ class MoELayer(nn.Module):
         super().__init__()
         self.compute_stats = compute_stats
         self.aux_losses: dict[str, Tensor] = {}
-        self.stats: dict[str, Tensor] = {}
+        self._stats_fn: Callable[[], dict[str, Tensor]] | None = None
+        self._stats: dict[str, Tensor] = {}
 
     @property
     def causal_safe(self) -> bool:
@@ -114,16 +149,33 @@ class MoELayer(nn.Module):
         BASE, capacity limits over a batch) return False."""
         return False
 
-    def _record(self, aux_losses: dict[str, Tensor], stats: dict[str, Tensor]) -> None:
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        """Average number of expert-MLP applications per token in a forward over ``num_tokens``
+        tokens (per sequence for Soft MoE): the layer's compute in units of one expert MLP per token,
+        e.g. ``k`` for dropless top-k, ``slots / tokens`` for Soft MoE. Shared experts count too."""
+        raise NotImplementedError
+
+    @property
+    def stats(self) -> dict[str, Tensor]:
+        """Routing statistics of the latest forward (``{}`` when ``compute_stats`` is False)."""
+        if self._stats_fn is not None:
+            compute, self._stats_fn = self._stats_fn, None  # drop the kept routing tensors
+            with torch.no_grad():
+                self._stats = {k: v.detach() for k, v in compute().items()}
+        return self._stats
+
+    def _record(self, aux_losses: dict[str, Tensor], stats: Callable[[], dict[str, Tensor]]) -> None:
+        """Keep this forward's weighted aux losses, and the function that computes its statistics
+        (closing over detached routing tensors) for when they are read."""
         self.aux_losses = aux_losses
-        self.stats = {k: v.detach() for k, v in stats.items()} if self.compute_stats else {}
+        self._stats_fn = stats if self.compute_stats else None
+        self._stats = {}
 
     @staticmethod
     def _check_input(x: Tensor, dim: int, layer_name: str) -> None:
         if x.dim() != 3 or x.shape[-1] != dim:
             raise ValueError(
-                f"{layer_name}: input of shape {tuple(x.shape)} - expected [batch, tokens, {dim}] "
-                f"(in_features={dim})"
+                f"{layer_name}: input of shape {tuple(x.shape)} - expected [batch, tokens, {dim}] (in_features={dim})"
             )
 
     def balancing_step(self) -> None:
@@ -146,13 +198,18 @@ class MoEOutputs:
         aux_loss: the sum of every weighted auxiliary loss of every layer (a scalar; ``0.`` if none).
         aux_losses: ``{loss_name: sum over layers}`` - for logging each loss separately.
         layer_aux_losses: ``{layer_name: {loss_name: value}}``.
-        stats: ``{layer_name: {stat_name: detached tensor}}``.
+        layers: ``{layer_name: layer}``.
+        stats: ``{layer_name: {stat_name: detached tensor}}``, computed when first read.
     """
 
     aux_loss: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     layer_aux_losses: dict[str, dict[str, Tensor]] = field(default_factory=dict)
-    stats: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    layers: dict[str, MoELayer] = field(default_factory=dict, repr=False)
+
+    @property
+    def stats(self) -> dict[str, dict[str, Tensor]]:
+        return {name: layer.stats for name, layer in self.layers.items() if layer.stats}
 
 
 def collect_moe_outputs(model: nn.Module) -> MoEOutputs:
@@ -168,25 +225,24 @@ def collect_moe_outputs(model: nn.Module) -> MoEOutputs:
     Each layer overwrites its record on every forward, so a layer that did not run in the latest
     forward still reports its previous values.
     """
-    total: Optional[Tensor] = None
+    total: Tensor | None = None
     per_name: dict[str, Tensor] = {}
     per_layer: dict[str, dict[str, Tensor]] = {}
-    stats: dict[str, dict[str, Tensor]] = {}
+    layers: dict[str, MoELayer] = {}
     device = None
     for name, layer in moe_layers(model):
+        layers[name] = layer
         if layer.aux_losses:
             per_layer[name] = dict(layer.aux_losses)
             for loss_name, value in layer.aux_losses.items():
                 per_name[loss_name] = per_name[loss_name] + value if loss_name in per_name else value
                 total = value if total is None else total + value
-        if layer.stats:
-            stats[name] = dict(layer.stats)
         if device is None:
             param = next(layer.parameters(), None)
             device = param.device if param is not None else None
     if total is None:
         total = torch.zeros((), device=device)
-    return MoEOutputs(aux_loss=total, aux_losses=per_name, layer_aux_losses=per_layer, stats=stats)
+    return MoEOutputs(aux_loss=total, aux_losses=per_name, layer_aux_losses=per_layer, layers=layers)
 
 
 def update_balancing_biases(model: nn.Module) -> None:

@@ -7,16 +7,14 @@ of one expert and drops nothing; each token's output depends on that token only 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
-from .experts import ExpertBank, Kernel
+from .experts import Kernel
 from .losses import router_z_loss
-from .routers import router_logits
-from .stats import entropy
+from .routers import router_logits, router_weight
+from .stats import dense_mixture_stats
 
 __all__ = ["DenseMoE"]
 
@@ -28,8 +26,8 @@ class DenseMoE(MoELayer):
     def __init__(
         self,
         in_features: int,
-        hidden_features: Optional[int] = None,
-        out_features: Optional[int] = None,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
         act_layer=nn.GELU,
         norm_layer=None,
         bias=True,
@@ -38,10 +36,10 @@ class DenseMoE(MoELayer):
         *,
         num_experts: int = 4,
         z_loss_weight: float = 0.0,
-        expert_hidden_features: Optional[int] = None,
+        expert_hidden_features: int | None = None,
         gated: bool = False,
         expert_init: str = "independent",
-        expert_init_std: Optional[float] = None,
+        expert_init_std: float | None = None,
         kernel: Kernel = "auto",
         compute_stats: bool = True,
         device=None,
@@ -54,29 +52,27 @@ class DenseMoE(MoELayer):
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"DenseMoE: num_experts={num_experts!r} must be a positive int")
         self.in_features = spec.in_features
+        self.out_features = spec.out_features
         self.num_experts = num_experts
         self.z_loss_weight = z_loss_weight
-        dd = {"device": device, "dtype": dtype}
-        self.router_weight = nn.Parameter(torch.empty(num_experts, spec.in_features, **dd))
-        nn.init.kaiming_uniform_(self.router_weight, a=5**0.5)
-        self.experts = ExpertBank(
+        self.router_weight = router_weight(num_experts, spec.in_features, device, dtype)
+        self.experts = spec.expert_bank(
             num_experts,
-            spec.in_features,
-            expert_hidden_features or spec.hidden_features,
-            spec.out_features,
-            act_layer=spec.act_layer,
+            expert_hidden_features,
             gated=gated,
-            bias=spec.bias,
-            drop=spec.drop,
             init=expert_init,
             init_std=expert_init_std,
             kernel=kernel,
-            **dd,
+            device=device,
+            dtype=dtype,
         )
 
     @property
     def causal_safe(self) -> bool:
         return True
+
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        return float(self.num_experts)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x, self.in_features, "DenseMoE")
@@ -89,16 +85,6 @@ class DenseMoE(MoELayer):
         expert_out = self.experts(expert_in, num_tokens).view(self.num_experts, num_tokens, -1)  # [E, N, o]
         out = torch.einsum("ne,eno->no", gates.to(expert_out.dtype), expert_out)
         losses = {"z": self.z_loss_weight * router_z_loss(logits)} if self.z_loss_weight else {}
-        stats = {}
-        if self.compute_stats:
-            with torch.no_grad():
-                load = gates.mean(dim=0)
-                stats = {
-                    "expert_load": load,
-                    "load_cv": load.std(unbiased=False) / load.mean(),
-                    "dropped_fraction": gates.new_zeros(()),
-                    "router_entropy": entropy(gates).mean(),
-                    "mean_top_gate": gates.max(dim=-1).values.mean(),
-                }
-        self._record(losses, stats)
+        gates = gates.detach()
+        self._record(losses, lambda: dense_mixture_stats(gates))
         return out.view(batch, tokens, -1)

@@ -10,7 +10,6 @@ token rows; :func:`combine` puts expert outputs back and sums each token's gated
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -41,7 +40,7 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return max(1, int(-(-round(top_k * num_tokens * capacity_factor / num_experts, 9) // 1)))
 
 
-def _keep_within_capacity(expert_ids: Tensor, num_experts: int, capacity: int, priority: Optional[Tensor]) -> Tensor:
+def _keep_within_capacity(expert_ids: Tensor, num_experts: int, capacity: int, priority: Tensor | None) -> Tensor:
     """``[N, k]`` bool: an assignment is kept if fewer than ``capacity`` assignments come before it in
     its expert's queue. The queue holds all first choices, then all second choices, ...; within one
     choice rank, tokens come in ``priority`` order (highest first; Batch Prioritized Routing) or in
@@ -64,8 +63,8 @@ def _keep_within_capacity(expert_ids: Tensor, num_experts: int, capacity: int, p
 def plan_dispatch(
     expert_ids: Tensor,
     num_experts: int,
-    capacity: Optional[int] = None,
-    priority: Optional[Tensor] = None,
+    capacity: int | None = None,
+    priority: Tensor | None = None,
 ) -> DispatchPlan:
     """Plan the dispatch of ``expert_ids: [N, k]``.
 
@@ -105,7 +104,9 @@ def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
         were all dropped gets zeros (the block's residual then carries it through unchanged).
     """
     num_tokens, top_k = gates.shape
-    inverse = torch.empty_like(plan.order).scatter_(0, plan.order, torch.arange(plan.order.numel(), device=plan.order.device))
+    inverse = torch.empty_like(plan.order).scatter_(
+        0, plan.order, torch.arange(plan.order.numel(), device=plan.order.device)
+    )
     per_assignment = expert_out.index_select(0, inverse).view(num_tokens, top_k, -1)
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:

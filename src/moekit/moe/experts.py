@@ -24,17 +24,16 @@ of ``scripts/bench_moe.py`` (see :data:`AUTO_KERNELS`).
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from timm.layers import get_act_layer
 from torch import Tensor, nn
 
 __all__ = ["ExpertBank", "grouped_linear", "AUTO_KERNELS", "Kernel"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
-GroupSizes = Union[int, Tensor]
+GroupSizes = int | Tensor
 
 # Chosen by scripts/bench_moe.py on the machines named in the README (forward + backward, fp32 on CPU).
 # Keys: (device type, "equal" | "ragged").
@@ -57,7 +56,7 @@ class _LoopGroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], sizes: list[int]) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
         rows = sum(sizes)
         out = x.new_empty(x.shape[0], weight.shape[-1])
         x_parts = x[:rows].split(sizes)
@@ -88,7 +87,9 @@ class _LoopGroupedLinear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if need_x:
             grad_x = torch.empty_like(x)
-            for e, (g_e, w_t, gx_e) in enumerate(zip(g_parts, weight.transpose(1, 2).unbind(0), grad_x[:rows].split(sizes))):
+            for e, (g_e, w_t, gx_e) in enumerate(
+                zip(g_parts, weight.transpose(1, 2).unbind(0), grad_x[:rows].split(sizes))
+            ):
                 if sizes[e]:
                     torch.mm(g_e, w_t, out=gx_e)
             if rows < x.shape[0]:
@@ -132,7 +133,7 @@ def _resolve_kernel(kernel: str, x: Tensor, weight: Tensor, equal_groups: bool) 
 
 
 def grouped_linear(
-    x: Tensor, weight: Tensor, bias: Optional[Tensor], group_sizes: GroupSizes, kernel: str = "auto"
+    x: Tensor, weight: Tensor, bias: Tensor | None, group_sizes: GroupSizes, kernel: str = "auto"
 ) -> Tensor:
     """Per-expert affine map of rows sorted by expert.
 
@@ -197,13 +198,13 @@ class ExpertBank(nn.Module):
         num_experts: int,
         in_features: int,
         hidden_features: int,
-        out_features: Optional[int] = None,
-        act_layer: Union[str, type, None] = nn.GELU,
+        out_features: int | None = None,
+        act_layer: str | type | None = nn.GELU,
         gated: bool = False,
-        bias: Union[bool, tuple[bool, bool]] = True,
-        drop: Union[float, tuple[float, float]] = 0.0,
+        bias: bool | tuple[bool, bool] = True,
+        drop: float | tuple[float, float] = 0.0,
         init: Literal["independent", "shared"] = "independent",
-        init_std: Optional[float] = None,
+        init_std: float | None = None,
         kernel: Kernel = "auto",
         device=None,
         dtype=None,
@@ -268,9 +269,7 @@ class ExpertBank(nn.Module):
         if self.gated:
             if hasattr(mlp, "fc1_g"):
                 w_in = torch.cat([mlp.fc1_g.weight, mlp.fc1_x.weight], dim=0)
-                b_in = (
-                    torch.cat([mlp.fc1_g.bias, mlp.fc1_x.bias], dim=0) if mlp.fc1_g.bias is not None else None
-                )
+                b_in = torch.cat([mlp.fc1_g.bias, mlp.fc1_x.bias], dim=0) if mlp.fc1_g.bias is not None else None
             elif hasattr(mlp, "fc1") and mlp.fc1.weight.shape[0] == 2 * self.hidden_features:
                 # timm GluMlp chunks fc1's output as (x, gate): reorder to our (gate, up) layout.
                 up, gate = mlp.fc1.weight.chunk(2, dim=0)

@@ -11,15 +11,13 @@ Which tokens an expert picks depends on all tokens of the forward, so the layer 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
-from .experts import ExpertBank, Kernel
+from .experts import Kernel
 from .losses import router_z_loss
-from .routers import router_logits
+from .routers import router_logits, router_weight
 from .stats import experts_choice_stats
 
 __all__ = ["ExpertsChoiceMoE"]
@@ -41,8 +39,8 @@ class ExpertsChoiceMoE(MoELayer):
     def __init__(
         self,
         in_features: int,
-        hidden_features: Optional[int] = None,
-        out_features: Optional[int] = None,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
         act_layer=nn.GELU,
         norm_layer=None,
         bias=True,
@@ -53,10 +51,10 @@ class ExpertsChoiceMoE(MoELayer):
         capacity_factor: float = 1.0,
         eval_capacity_factor="same",
         z_loss_weight: float = 0.0,
-        expert_hidden_features: Optional[int] = None,
+        expert_hidden_features: int | None = None,
         gated: bool = False,
         expert_init: str = "independent",
-        expert_init_std: Optional[float] = None,
+        expert_init_std: float | None = None,
         kernel: Kernel = "auto",
         compute_stats: bool = True,
         device=None,
@@ -83,22 +81,16 @@ class ExpertsChoiceMoE(MoELayer):
         self.capacity_factor = float(capacity_factor)
         self.eval_capacity_factor = float(eval_capacity_factor)
         self.z_loss_weight = z_loss_weight
-        dd = {"device": device, "dtype": dtype}
-        self.router_weight = nn.Parameter(torch.empty(num_experts, spec.in_features, **dd))
-        nn.init.kaiming_uniform_(self.router_weight, a=5**0.5)
-        self.experts = ExpertBank(
+        self.router_weight = router_weight(num_experts, spec.in_features, device, dtype)
+        self.experts = spec.expert_bank(
             num_experts,
-            spec.in_features,
-            expert_hidden_features or spec.hidden_features,
-            spec.out_features,
-            act_layer=spec.act_layer,
+            expert_hidden_features,
             gated=gated,
-            bias=spec.bias,
-            drop=spec.drop,
             init=expert_init,
             init_std=expert_init_std,
             kernel=kernel,
-            **dd,
+            device=device,
+            dtype=dtype,
         )
 
     def tokens_per_expert(self, num_tokens: int) -> int:
@@ -126,12 +118,16 @@ class ExpertsChoiceMoE(MoELayer):
         out = weighted.new_zeros(x_flat.shape[0], weighted.shape[-1]).index_add_(0, flat_idx, weighted)
 
         losses = {"z": self.z_loss_weight * router_z_loss(logits)} if self.z_loss_weight else {}
-        stats = {}
-        if self.compute_stats:
-            experts_per_token = torch.bincount(flat_idx, minlength=x_flat.shape[0])
-            stats = experts_choice_stats(probs, experts_per_token, gates)
-        self._record(losses, stats)
+        num_tokens = x_flat.shape[0]
+        probs, gates = probs.detach(), gates.detach()
+        self._record(
+            losses,
+            lambda: experts_choice_stats(probs, torch.bincount(flat_idx, minlength=num_tokens), gates),
+        )
         return out.view(batch, tokens, -1)
+
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        return self.tokens_per_expert(num_tokens) * self.num_experts / num_tokens
 
     def extra_repr(self) -> str:
         return (

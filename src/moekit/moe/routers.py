@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,16 @@ from .losses import (
     switch_load_balancing_loss,
 )
 
-__all__ = ["Routing", "TopKRouter", "HashRouter", "BalancedRouter", "HierarchicalRouter", "router_logits", "router_precision"]
+__all__ = [
+    "Routing",
+    "TopKRouter",
+    "HashRouter",
+    "BalancedRouter",
+    "HierarchicalRouter",
+    "router_logits",
+    "router_precision",
+    "router_weight",
+]
 
 
 @dataclass
@@ -43,9 +52,16 @@ class Routing:
 
     expert_ids: Tensor
     gates: Tensor
-    probs: Optional[Tensor] = None
-    priority: Optional[Tensor] = None
+    probs: Tensor | None = None
+    priority: Tensor | None = None
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
+
+
+def router_weight(num_experts: int, in_features: int, device=None, dtype=None) -> nn.Parameter:
+    """A ``[E, d]`` router projection with ``nn.Linear``'s default initialisation."""
+    weight = nn.Parameter(torch.empty(num_experts, in_features, device=device, dtype=dtype))
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    return weight
 
 
 def router_precision(t: Tensor) -> Tensor:
@@ -132,10 +148,10 @@ class TopKRouter(nn.Module):
             "load": load_loss_weight,
             "z": z_loss_weight,
         }
-        dd = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(num_experts, in_features, **dd))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
-        self.noise_weight = nn.Parameter(torch.zeros(num_experts, in_features, **dd)) if noisy_gating else None
+        self.weight = router_weight(num_experts, in_features, device, dtype)
+        self.noise_weight = (
+            nn.Parameter(torch.zeros(num_experts, in_features, device=device, dtype=dtype)) if noisy_gating else None
+        )
         if bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
             self.register_buffer("pending_counts", torch.zeros(num_experts, device=device))
@@ -231,8 +247,7 @@ class BalancedRouter(nn.Module):
         super().__init__()
         _check_k(num_experts, 1, "BalancedRouter")
         self.num_experts = num_experts
-        self.weight = nn.Parameter(torch.empty(num_experts, in_features, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.weight = router_weight(num_experts, in_features, device, dtype)
 
     def forward(self, x: Tensor) -> Routing:
         scores = router_logits(x, self.weight)
@@ -284,17 +299,15 @@ class HierarchicalRouter(nn.Module):
         self.importance_loss_weight = importance_loss_weight
         self.load_loss_weight = load_loss_weight
         dd = {"device": device, "dtype": dtype}
-        self.primary_weight = nn.Parameter(torch.empty(num_groups, in_features, **dd))
-        self.secondary_weight = nn.Parameter(torch.empty(num_groups * experts_per_group, in_features, **dd))
-        for w in (self.primary_weight, self.secondary_weight):
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        self.primary_weight = router_weight(num_groups, in_features, **dd)
+        self.secondary_weight = router_weight(num_groups * experts_per_group, in_features, **dd)
         if noisy_gating:
             self.primary_noise = nn.Parameter(torch.zeros(num_groups, in_features, **dd))
             self.secondary_noise = nn.Parameter(torch.zeros(num_groups * experts_per_group, in_features, **dd))
         else:
             self.primary_noise = self.secondary_noise = None
 
-    def _noisy(self, x: Tensor, weight: Tensor, noise_weight: Optional[Tensor]):
+    def _noisy(self, x: Tensor, weight: Tensor, noise_weight: Tensor | None):
         clean = router_logits(x, weight)
         if noise_weight is None or not self.training:
             return clean, clean, None
@@ -338,7 +351,7 @@ class HierarchicalRouter(nn.Module):
             group_size = in_group.sum(0).clamp_min(1.0)
             load_h = load_primary.unsqueeze(-1) * load_secondary / group_size.unsqueeze(-1)
             losses["load"] = self.load_loss_weight * cv_squared(load_h.reshape(-1))
-        probs = torch.softmax(p_noisy, -1).repeat_interleave(per_group, dim=1) * torch.softmax(
-            s_noisy, -1
-        ).reshape(num_tokens, -1)
+        probs = torch.softmax(p_noisy, -1).repeat_interleave(per_group, dim=1) * torch.softmax(s_noisy, -1).reshape(
+            num_tokens, -1
+        )
         return Routing(expert_ids, gates, probs, priority=gates[:, 0], aux_losses=losses)

@@ -17,14 +17,13 @@ the three matmuls over tokens run in the compute dtype.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
-from .experts import ExpertBank, Kernel
+from .experts import Kernel
 from .routers import router_precision
 from .stats import soft_moe_stats
 
@@ -57,8 +56,8 @@ class SoftMoE(MoELayer):
     def __init__(
         self,
         in_features: int,
-        hidden_features: Optional[int] = None,
-        out_features: Optional[int] = None,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
         act_layer=nn.GELU,
         norm_layer=None,
         bias=True,
@@ -66,14 +65,14 @@ class SoftMoE(MoELayer):
         use_conv: bool = False,
         *,
         num_experts: int = 128,
-        slots_per_expert: Optional[int] = None,
-        capacity_factor: Optional[float] = None,
-        num_tokens: Optional[int] = None,
+        slots_per_expert: int | None = None,
+        capacity_factor: float | None = None,
+        num_tokens: int | None = None,
         normalize: bool = True,
         noise_std: float = 0.0,
         gated: bool = False,
         expert_init: str = "independent",
-        expert_init_std: Optional[float] = None,
+        expert_init_std: float | None = None,
         kernel: Kernel = "auto",
         compute_stats: bool = True,
         device=None,
@@ -98,15 +97,9 @@ class SoftMoE(MoELayer):
         # Phi: one d-dimensional parameter vector per slot (LeCun-normal, as vmoe).
         self.phi = nn.Parameter(torch.randn(spec.in_features, self.num_slots, **dd) / math.sqrt(spec.in_features))
         self.scale = nn.Parameter(torch.ones((), **dd)) if normalize else None
-        self.experts = ExpertBank(
+        self.experts = spec.expert_bank(
             num_experts,
-            spec.in_features,
-            spec.hidden_features,
-            spec.out_features,
-            act_layer=spec.act_layer,
             gated=gated,
-            bias=spec.bias,
-            drop=spec.drop,
             init=expert_init,
             init_std=expert_init_std,
             kernel=kernel,
@@ -132,7 +125,8 @@ class SoftMoE(MoELayer):
                 raise ValueError(
                     f"SoftMoE: capacity_factor={capacity_factor} with num_tokens={num_tokens} and "
                     f"num_experts={num_experts} gives round({num_tokens}*{capacity_factor}/{num_experts}) = 0 slots "
-                    f"per expert; raise capacity_factor to at least {num_experts / (2 * num_tokens):.3g} or use fewer experts"
+                    f"per expert; raise capacity_factor to at least {num_experts / (2 * num_tokens):.3g} "
+                    "or use fewer experts"
                 )
             return slots
         slots = 1 if slots_per_expert is None else slots_per_expert
@@ -150,7 +144,7 @@ class SoftMoE(MoELayer):
                 phi = self.scale.to(x.dtype) * F.normalize(phi, dim=0)
             return torch.matmul(x, phi)
 
-    def routing_weights(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def routing_weights(self, x: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Dispatch and combine weights ``D, C: [B, M, S]`` (float32) for ``x: [B, M, d]``.
 
         ``D`` is a softmax over tokens (each slot's column sums to 1 over real tokens), ``C`` a softmax
@@ -174,7 +168,7 @@ class SoftMoE(MoELayer):
             combine = combine * padding_mask.unsqueeze(-1)
         return dispatch, combine
 
-    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
         self._check_input(x, self.in_features, "SoftMoE")
         batch = x.shape[0]
@@ -189,9 +183,12 @@ class SoftMoE(MoELayer):
         slot_out = expert_out.view(self.num_experts, batch, p, -1).transpose(0, 1).reshape(batch, self.num_slots, -1)
         out = torch.bmm(combine.to(slot_out.dtype), slot_out)  # [B, M, o]
 
-        stats = soft_moe_stats(dispatch, combine, self.num_experts, padding_mask) if self.compute_stats else {}
-        self._record({}, stats)
+        dispatch, combine = dispatch.detach(), combine.detach()
+        self._record({}, lambda: soft_moe_stats(dispatch, combine, self.num_experts, padding_mask))
         return out
+
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        return self.num_slots / num_tokens
 
     def extra_repr(self) -> str:
         return (

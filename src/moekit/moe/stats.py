@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["entropy", "token_choice_stats", "experts_choice_stats", "soft_moe_stats"]
+__all__ = ["entropy", "token_choice_stats", "experts_choice_stats", "soft_moe_stats", "dense_mixture_stats"]
 
 
 def entropy(probs: Tensor, dim: int = -1) -> Tensor:
@@ -77,9 +77,8 @@ def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_ma
     dispatch_entropy = entropy(dispatch.float(), dim=1)  # [B, S]
     combine_entropy = entropy(combine.float(), dim=2)  # [B, M]
     max_combine = combine.float().amax(dim=2)  # [B, M]
-    per_expert = combine.float().reshape(batch, -1, num_experts, num_slots // num_experts).sum(dim=(-1))  # [B,M,n]
+    per_expert = combine.float().reshape(batch, -1, num_experts, num_slots // num_experts).sum(dim=-1)  # [B, M, n]
     if token_mask is None:
-        count = combine.shape[0] * combine.shape[1]
         combine_entropy_mean = combine_entropy.mean()
         max_combine_mean = max_combine.mean()
         expert_mass = per_expert.sum(dim=(0, 1))
@@ -99,6 +98,19 @@ def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_ma
         "max_dispatch_weight": dispatch.float().amax(dim=1).mean(),
         "max_combine_weight": max_combine_mean,
         "tokens_per_slot": dispatch_entropy.exp().mean(),
+    }
+
+
+@torch.no_grad()
+def dense_mixture_stats(gates: Tensor) -> dict[str, Tensor]:
+    """Statistics of a dense mixture: ``gates [N, E]`` softmax weights of every expert."""
+    load = gates.float().mean(dim=0)
+    return {
+        "expert_load": load,
+        "load_cv": _cv(load),
+        "dropped_fraction": gates.new_zeros((), dtype=torch.float32),
+        "router_entropy": entropy(gates.float()).mean(),
+        "mean_top_gate": gates.float().max(dim=-1).values.mean(),
     }
 
 

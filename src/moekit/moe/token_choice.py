@@ -16,25 +16,27 @@ connection passes it through unchanged.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
-from .experts import ExpertBank, Kernel
+from .experts import Kernel
 from .routers import BalancedRouter, HashRouter, HierarchicalRouter, Routing, TopKRouter
 from .stats import token_choice_stats
 
 __all__ = ["TokenChoiceMoE", "TopKMoE", "HashMoE", "BaseMoE", "HierarchicalMoE"]
 
-CapacityFactor = Optional[float]
+CapacityFactor = float | None
 
 
 def _check_capacity(value, name: str, layer: str) -> None:
     if value is not None and not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"{layer}: {name}={value!r} must be a positive number, or None for no capacity limit (dropless)")
+        raise ValueError(
+            f"{layer}: {name}={value!r} must be a positive number, or None for no capacity limit (dropless)"
+        )
 
 
 class TokenChoiceMoE(MoELayer):
@@ -64,13 +66,13 @@ class TokenChoiceMoE(MoELayer):
         num_experts: int,
         top_k: int,
         capacity_factor: CapacityFactor,
-        eval_capacity_factor: Union[CapacityFactor, Literal["same"]],
+        eval_capacity_factor: CapacityFactor | Literal["same"],
         batch_priority: bool,
-        expert_hidden_features: Optional[int],
+        expert_hidden_features: int | None,
         num_shared_experts: int,
         gated: bool,
         expert_init: str,
-        expert_init_std: Optional[float],
+        expert_init_std: float | None,
         kernel: Kernel,
         compute_stats: bool,
         device=None,
@@ -93,33 +95,29 @@ class TokenChoiceMoE(MoELayer):
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
         self.batch_priority = batch_priority
-        dd = {"device": device, "dtype": dtype}
-        bank_kwargs = dict(
-            act_layer=spec.act_layer,
-            gated=gated,
-            bias=spec.bias,
-            drop=spec.drop,
-            init=expert_init,
-            init_std=expert_init_std,
-            kernel=kernel,
-            **dd,
+        bank_options = dict(
+            gated=gated, init=expert_init, init_std=expert_init_std, kernel=kernel, device=device, dtype=dtype
         )
-        self.experts = ExpertBank(num_experts, spec.in_features, expert_hidden, spec.out_features, **bank_kwargs)
+        self.experts = spec.expert_bank(num_experts, expert_hidden, **bank_options)
         self.shared_experts = (
-            ExpertBank(1, spec.in_features, num_shared_experts * expert_hidden, spec.out_features, **bank_kwargs)
-            if num_shared_experts
-            else None
+            spec.expert_bank(1, num_shared_experts * expert_hidden, **bank_options) if num_shared_experts else None
         )
 
     @property
     def causal_safe(self) -> bool:
         return self.capacity_factor is None and self.eval_capacity_factor is None
 
-    def route(self, x: Tensor, token_ids: Optional[Tensor]) -> Routing:
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        capacity = self.capacity(num_tokens)
+        routed = self.top_k if capacity is None else min(self.top_k, capacity * self.num_experts / num_tokens)
+        shared = self.shared_experts.hidden_features / self.experts.hidden_features if self.shared_experts else 0.0
+        return routed + shared
+
+    def route(self, x: Tensor, token_ids: Tensor | None) -> Routing:
         """``x: [N, d]`` (and ``token_ids: [N]`` for hash routing) -> :class:`Routing`."""
         raise NotImplementedError
 
-    def capacity(self, num_tokens: int) -> Optional[int]:
+    def capacity(self, num_tokens: int) -> int | None:
         """Assignments each expert may take in a forward of ``num_tokens`` tokens (None: dropless)."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return None if factor is None else expert_capacity(num_tokens, self.top_k, self.num_experts, factor)
@@ -129,7 +127,7 @@ class TokenChoiceMoE(MoELayer):
         priority = routing.priority if self.batch_priority else None
         return plan_dispatch(routing.expert_ids, self.num_experts, self.capacity(routing.expert_ids.shape[0]), priority)
 
-    def forward(self, x: Tensor, token_ids: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``.
 
         ``token_ids: [batch, tokens]`` long is needed by :class:`HashMoE` only.
@@ -145,15 +143,15 @@ class TokenChoiceMoE(MoELayer):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat, x_flat.shape[0])
 
-        stats = {}
-        if self.compute_stats:
-            probs = routing.probs
-            if probs is None:  # hash routing: the distribution is the one-hot choice
-                probs = torch.zeros(x_flat.shape[0], self.num_experts, device=x.device)
-                probs.scatter_(1, routing.expert_ids, 1.0)
-            stats = token_choice_stats(probs, plan.counts, routing.gates, plan.keep)
-        self._record(routing.aux_losses, stats)
+        self._record(routing.aux_losses, lambda: self._stats_of(routing, plan))
         return out.view(batch, tokens, -1)
+
+    def _stats_of(self, routing: Routing, plan: DispatchPlan) -> dict[str, Tensor]:
+        probs = routing.probs
+        if probs is None:  # hash routing: the distribution is the one-hot choice
+            probs = torch.zeros(routing.expert_ids.shape[0], self.num_experts, device=routing.expert_ids.device)
+            probs.scatter_(1, routing.expert_ids, 1.0)
+        return token_choice_stats(probs.detach(), plan.counts, routing.gates.detach(), plan.keep)
 
     def extra_repr(self) -> str:
         return (
@@ -190,8 +188,8 @@ class TopKMoE(TokenChoiceMoE):
     def __init__(
         self,
         in_features: int,
-        hidden_features: Optional[int] = None,
-        out_features: Optional[int] = None,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
         act_layer=nn.GELU,
         norm_layer=None,
         bias=True,
@@ -201,7 +199,7 @@ class TopKMoE(TokenChoiceMoE):
         num_experts: int = 8,
         top_k: int = 2,
         capacity_factor: CapacityFactor = None,
-        eval_capacity_factor: Union[CapacityFactor, Literal["same"]] = "same",
+        eval_capacity_factor: CapacityFactor | Literal["same"] = "same",
         batch_priority: bool = False,
         score_func: Literal["softmax", "sigmoid"] = "softmax",
         normalize_gates: bool = False,
@@ -211,17 +209,19 @@ class TopKMoE(TokenChoiceMoE):
         importance_loss_weight: float = 0.0,
         load_loss_weight: float = 0.0,
         z_loss_weight: float = 0.0,
-        expert_hidden_features: Optional[int] = None,
+        expert_hidden_features: int | None = None,
         num_shared_experts: int = 0,
         gated: bool = False,
         expert_init: str = "independent",
-        expert_init_std: Optional[float] = None,
+        expert_init_std: float | None = None,
         kernel: Kernel = "auto",
         compute_stats: bool = True,
         device=None,
         dtype=None,
     ) -> None:
-        spec = _mlp_spec("TopKMoE", in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv)
+        spec = _mlp_spec(
+            "TopKMoE", in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv
+        )
         router = TopKRouter(
             spec.in_features,
             num_experts,
@@ -256,7 +256,7 @@ class TopKMoE(TokenChoiceMoE):
         )
         self.router = router
 
-    def route(self, x: Tensor, token_ids: Optional[Tensor]) -> Routing:
+    def route(self, x: Tensor, token_ids: Tensor | None) -> Routing:
         return self.router(x)
 
     def balancing_step(self) -> None:
@@ -280,8 +280,8 @@ class HashMoE(TokenChoiceMoE):
     def __init__(
         self,
         in_features: int,
-        hidden_features: Optional[int] = None,
-        out_features: Optional[int] = None,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
         act_layer=nn.GELU,
         norm_layer=None,
         bias=True,
@@ -291,17 +291,19 @@ class HashMoE(TokenChoiceMoE):
         num_experts: int = 8,
         vocab_size: int,
         hash_seed: int = 0,
-        expert_hidden_features: Optional[int] = None,
+        expert_hidden_features: int | None = None,
         num_shared_experts: int = 0,
         gated: bool = False,
         expert_init: str = "independent",
-        expert_init_std: Optional[float] = None,
+        expert_init_std: float | None = None,
         kernel: Kernel = "auto",
         compute_stats: bool = True,
         device=None,
         dtype=None,
     ) -> None:
-        spec = _mlp_spec("HashMoE", in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv)
+        spec = _mlp_spec(
+            "HashMoE", in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv
+        )
         router = HashRouter(num_experts, vocab_size, seed=hash_seed, device=device)
         super().__init__(
             spec,
@@ -322,7 +324,7 @@ class HashMoE(TokenChoiceMoE):
         )
         self.router = router
 
-    def route(self, x: Tensor, token_ids: Optional[Tensor]) -> Routing:
+    def route(self, x: Tensor, token_ids: Tensor | None) -> Routing:
         if token_ids is None:
             raise ValueError(
                 "HashMoE needs the token ids: call it as layer(x, token_ids=ids) with ids of shape [batch, tokens] "
@@ -345,8 +347,8 @@ class BaseMoE(TokenChoiceMoE):
     def __init__(
         self,
         in_features: int,
-        hidden_features: Optional[int] = None,
-        out_features: Optional[int] = None,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
         act_layer=nn.GELU,
         norm_layer=None,
         bias=True,
@@ -354,17 +356,19 @@ class BaseMoE(TokenChoiceMoE):
         use_conv: bool = False,
         *,
         num_experts: int = 8,
-        expert_hidden_features: Optional[int] = None,
+        expert_hidden_features: int | None = None,
         num_shared_experts: int = 0,
         gated: bool = False,
         expert_init: str = "independent",
-        expert_init_std: Optional[float] = None,
+        expert_init_std: float | None = None,
         kernel: Kernel = "auto",
         compute_stats: bool = True,
         device=None,
         dtype=None,
     ) -> None:
-        spec = _mlp_spec("BaseMoE", in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv)
+        spec = _mlp_spec(
+            "BaseMoE", in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv
+        )
         router = BalancedRouter(spec.in_features, num_experts, device=device, dtype=dtype)
         super().__init__(
             spec,
@@ -389,7 +393,7 @@ class BaseMoE(TokenChoiceMoE):
     def causal_safe(self) -> bool:
         return False  # the balanced assignment of a token depends on every other token
 
-    def route(self, x: Tensor, token_ids: Optional[Tensor]) -> Routing:
+    def route(self, x: Tensor, token_ids: Tensor | None) -> Routing:
         return self.router(x)
 
 
@@ -403,8 +407,8 @@ class HierarchicalMoE(TokenChoiceMoE):
     def __init__(
         self,
         in_features: int,
-        hidden_features: Optional[int] = None,
-        out_features: Optional[int] = None,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
         act_layer=nn.GELU,
         norm_layer=None,
         bias=True,
@@ -419,12 +423,12 @@ class HierarchicalMoE(TokenChoiceMoE):
         importance_loss_weight: float = 0.0,
         load_loss_weight: float = 0.0,
         capacity_factor: CapacityFactor = None,
-        eval_capacity_factor: Union[CapacityFactor, Literal["same"]] = "same",
+        eval_capacity_factor: CapacityFactor | Literal["same"] = "same",
         batch_priority: bool = False,
-        expert_hidden_features: Optional[int] = None,
+        expert_hidden_features: int | None = None,
         gated: bool = False,
         expert_init: str = "independent",
-        expert_init_std: Optional[float] = None,
+        expert_init_std: float | None = None,
         kernel: Kernel = "auto",
         compute_stats: bool = True,
         device=None,
@@ -464,5 +468,5 @@ class HierarchicalMoE(TokenChoiceMoE):
         )
         self.router = router
 
-    def route(self, x: Tensor, token_ids: Optional[Tensor]) -> Routing:
+    def route(self, x: Tensor, token_ids: Tensor | None) -> Routing:
         return self.router(x)

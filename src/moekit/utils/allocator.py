@@ -15,7 +15,6 @@ import ctypes.util
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 __all__ = ["find_tcmalloc", "reexec_with_tcmalloc", "active_allocator"]
 
@@ -28,7 +27,7 @@ _CANDIDATES = (
 )
 
 
-def find_tcmalloc() -> Optional[str]:
+def find_tcmalloc() -> str | None:
     """Path of an installed tcmalloc shared library, or None."""
     for path in _CANDIDATES:
         if Path(path).exists():
