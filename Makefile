@@ -1,10 +1,10 @@
-# moekit: `make test` sets up .venv and runs the test suite; `make demo` runs the main job.
+# moekit: `make train` sets up .venv and the data and runs the main job; `make test` runs the test suite.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test demo bench clean
+.PHONY: install test train demo bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+train: install data
+	$(PY) scripts/train.py experiment=soft_moe_vit
 
 demo: install
 	$(PY) scripts/demo_moe.py
@@ -28,3 +31,14 @@ bench: $(VENV)/.bench-installed
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Fashion-MNIST for the default data config: the Debian package puts the 4 IDX files in FASHION_MNIST_DIR.
+FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
+.PHONY: data
+data:
+	@if [ ! -f $(FASHION_MNIST_DIR)/train-images-idx3-ubyte.gz ]; then \
+		SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		echo "Installing dataset-fashion-mnist (files go to $(FASHION_MNIST_DIR))"; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist \
+		|| { $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist; }; \
+	fi

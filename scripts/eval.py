@@ -1,0 +1,10 @@
+"""Test a checkpoint: ``python scripts/eval.py ckpt_path=<run>/checkpoints/last.ckpt`` (the network and,
+unless ``data=`` is given, the dataset come from the checkpoint)."""
+
+from pathlib import Path
+
+from moekit.cli import run_script
+from moekit.run import evaluate
+
+if __name__ == "__main__":
+    run_script(evaluate, "eval", Path(__file__).parents[1] / "configs")

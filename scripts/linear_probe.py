@@ -1,0 +1,10 @@
+"""Few-shot linear probe of a checkpoint's frozen network (the Soft MoE paper's 10-shot protocol):
+``python scripts/linear_probe.py ckpt_path=<ckpt> [shots=10] [data=<dataset>]``."""
+
+from pathlib import Path
+
+from moekit.cli import run_script
+from moekit.run import linear_probe
+
+if __name__ == "__main__":
+    run_script(linear_probe, "linear_probe", Path(__file__).parents[1] / "configs")

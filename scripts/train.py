@@ -1,0 +1,16 @@
+"""Train a model: ``python scripts/train.py experiment=soft_moe_vit``.
+
+Fits, then tests the best checkpoint, and prints where logs and checkpoints went. Every config
+value can be overridden from the command line (``trainer.max_epochs=3``, ``model.num_experts=32``,
+``seed=1``, ``paths.output_dir=runs/a``, ``ckpt_path=<last.ckpt>`` to resume); ``-m`` sweeps.
+"""
+
+from pathlib import Path
+
+from moekit.cli import run_script
+from moekit.run import train
+from moekit.utils.allocator import reexec_with_tcmalloc
+
+if __name__ == "__main__":
+    reexec_with_tcmalloc()  # MoE gradients are large: avoid glibc's per-step page faults (moekit.utils.allocator)
+    run_script(train, "train", Path(__file__).parents[1] / "configs")

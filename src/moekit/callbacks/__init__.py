@@ -1,0 +1,5 @@
+"""Lightning callbacks."""
+
+from .throughput import ThroughputLogger
+
+__all__ = ["ThroughputLogger"]

@@ -1,0 +1,44 @@
+"""An ImageNet-style folder tree: ``<root>/{train,val}[,test]/<class name>/<image>``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["imagefolder_class_names", "imagefolder_split_dirs"]
+
+
+def imagefolder_split_dirs(root: str | os.PathLike[str]) -> dict[str, Path]:
+    """``{"train", "val", "test"}`` -> split folder; ``test`` is ``val`` when ``<root>/test`` is absent.
+
+    Raises:
+        FileNotFoundError: ``<root>/train`` or ``<root>/val`` is missing (the message names it).
+        ValueError: a split's class folders differ from train's (labels would not line up).
+    """
+    root = Path(root)
+    dirs = {split: root / split for split in ("train", "val", "test")}
+    for split in ("train", "val"):
+        if not dirs[split].is_dir():
+            raise FileNotFoundError(
+                f"imagefolder: {dirs[split]} is not a directory; root={root} must hold train/ and val/ "
+                "(and optionally test/), each with one sub-folder per class"
+            )
+    if not dirs["test"].is_dir():
+        dirs["test"] = dirs["val"]
+    train_classes = imagefolder_class_names(dirs["train"])
+    for split in ("val", "test"):
+        classes = imagefolder_class_names(dirs[split])
+        if classes != train_classes:
+            difference = sorted(set(classes) ^ set(train_classes))
+            raise ValueError(
+                f"imagefolder: class folders of {dirs[split]} differ from {dirs['train']}: {difference[:10]}"
+            )
+    return dirs
+
+
+def imagefolder_class_names(split_dir: Path) -> list[str]:
+    """The sorted class-folder names of one split (what torchvision's ImageFolder maps to 0..K-1)."""
+    classes = sorted(entry.name for entry in os.scandir(split_dir) if entry.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"imagefolder: {split_dir} has no class sub-folders")
+    return classes

@@ -1,0 +1,49 @@
+"""MoE Vision Transformers on timm.
+
+* :func:`create_moe_vit` - a timm ``VisionTransformer`` with MoE layers as the MLP of chosen blocks;
+  :func:`resolve_moe_blocks` - the placement forms (``"second_half"``, ``"every_2"``, ``"last_3"``, ...).
+* Importing this package registers the models of :mod:`moekit.models.registry` with timm
+  (``soft_moe_vit_small_patch16_224``, ``vmoe_vit_small_patch16_224``, ``soft_moe_vit_tiny_patch4_28``,
+  the dense ``vit_tiny_patch4_28``, ...), so ``timm.create_model(name, **overrides)`` builds them.
+* :func:`model_summary` - total / expert / active-per-token parameters and measured FLOPs per image.
+* :func:`upcycle_vit` - sparse upcycling from a dense ViT.
+* :func:`export_safetensors` - weights that ``timm.create_model(name, pretrained=True,
+  pretrained_cfg_overlay=dict(file=path))`` loads.
+"""
+
+import timm
+from torch import nn
+
+from . import registry
+from .export import export_safetensors
+from .summary import ModelSummary, MoELayerSummary, model_summary
+from .upcycle import upcycle_vit
+from .vit import EXPERT_INIT_STD, MoEBlocks, create_moe_vit, resolve_moe_blocks
+
+
+def create_model(model_name: str, **kwargs) -> nn.Module:
+    """``timm.create_model`` with moekit's models registered: the ``_target_`` of model configs.
+
+    Unknown names raise ``ValueError`` listing the moekit models (timm's own names work as well).
+    """
+    if model_name not in timm.list_models():
+        ours = sorted(n for n in timm.list_models() if "moe" in n or n.startswith("vit_tiny_patch4"))
+        raise ValueError(
+            f"unknown model_name={model_name!r}; moekit models: {ours} (or any timm model name, see timm.list_models())"
+        )
+    return timm.create_model(model_name, **kwargs)
+
+
+__all__ = [
+    "create_model",
+    "registry",
+    "create_moe_vit",
+    "resolve_moe_blocks",
+    "MoEBlocks",
+    "EXPERT_INIT_STD",
+    "model_summary",
+    "ModelSummary",
+    "MoELayerSummary",
+    "upcycle_vit",
+    "export_safetensors",
+]

@@ -1,0 +1,43 @@
+"""Export a model's weights as a safetensors file that timm's ``pretrained=True`` loads.
+
+Round trip::
+
+    export_safetensors(model, "soft_moe_tiny.safetensors")
+    same = timm.create_model("soft_moe_vit_tiny_patch4_28", pretrained=True,
+                             pretrained_cfg_overlay=dict(file="soft_moe_tiny.safetensors"), **same_overrides)
+
+``same_overrides`` are the architecture overrides ``model`` was created with (``depth``, ``num_experts``,
+``moe_kwargs``, ...); the file holds weights only.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import nn
+
+__all__ = ["export_safetensors"]
+
+
+def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write ``model.state_dict()`` (parameters and persistent buffers, on CPU) to ``path``.
+
+    The file is written next to ``path`` under a temporary name and moved into place with
+    ``os.replace``, so readers never see a partial file. Missing parent folders are created.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

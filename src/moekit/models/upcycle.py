@@ -1,0 +1,122 @@
+"""Sparse upcycling (Komatsuzaki et al. 2023): start an MoE ViT from a trained dense ViT.
+
+Every weight outside the MoE layers is copied from the dense model; every expert of an MoE layer
+becomes a copy of the dense MLP that sat at the same place (``blocks.i.mlp.fc1`` / ``fc2``, or timm's
+``SwiGLU`` / ``GluMlp`` for gated experts); routers, Soft MoE's slot parameters and always-on shared
+experts keep their fresh initialisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from timm.models.vision_transformer import checkpoint_filter_fn
+from torch import Tensor, nn
+
+from moekit.moe import ExpertBank, moe_layers
+
+__all__ = ["upcycle_vit"]
+
+
+def _dense_mlp(entries: Mapping[str, Tensor], prefix: str, offending: list[str]) -> nn.Module:
+    """A module with one ``nn.Linear`` per ``<child>.weight`` entry (``fc1``, ``fc2``, ``fc1_g``, ...): the
+    attributes ``load_dense_mlp`` reads. Entries that are not a linear layer's weight or bias are added
+    to ``offending``."""
+    mlp = nn.Module()
+    for key, weight in entries.items():
+        child, _, kind = key.rpartition(".")
+        if kind == "bias" and f"{child}.weight" in entries and weight.dim() == 1:
+            continue
+        if kind != "weight" or weight.dim() != 2 or not child or "." in child:
+            offending.append(f"{prefix}{key} (not a linear layer of a dense MLP)")
+            continue
+        bias = entries.get(f"{child}.bias")
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+        mlp.add_module(child, linear)
+    return mlp
+
+
+def _shape_check(bank: ExpertBank, mlp: nn.Module) -> None:
+    """Raise ``load_dense_mlp``'s ``ValueError`` if ``mlp`` does not fit ``bank``, without writing to ``bank``."""
+    probe = ExpertBank(
+        1,
+        bank.in_features,
+        bank.hidden_features,
+        bank.out_features,
+        act_layer=None,
+        gated=bank.gated,
+        bias=(bank.fc1_bias is not None, bank.fc2_bias is not None),
+        device="meta",
+    )
+    probe.load_dense_mlp(mlp)
+
+
+@torch.no_grad()
+def upcycle_vit(
+    moe_model: nn.Module,
+    dense: nn.Module | Mapping[str, Tensor],
+    noise_std: float = 0.0,
+) -> nn.Module:
+    """Initialise ``moe_model`` (an MoE ViT from :func:`~moekit.models.create_moe_vit`) from a dense ViT.
+
+    Args:
+        moe_model: the MoE ViT, written in place.
+        dense: the dense ViT of the same dims, its ``state_dict()``, or a timm checkpoint dict (wrapped
+            in ``"model"`` / ``"state_dict"`` or in a layout timm's ViT checkpoint filter converts; as
+            when timm loads pretrained weights, position embeddings and patch embeddings are resampled to
+            ``moe_model``'s grid).
+        noise_std: std of Gaussian noise added to each expert copy to break their symmetry (0 = exact copies).
+
+    Returns:
+        ``moe_model``. Its non-MoE weights equal the dense ones; each MoE layer's experts are copies of
+        the dense MLP of that block. With top-k routing, gates that sum to one and no capacity limit, the
+        upcycled model computes the dense model's function.
+
+    Raises:
+        ValueError: listing every missing key, unexpected key and shape mismatch; nothing is written then.
+    """
+    source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
+    source = checkpoint_filter_fn(source, moe_model)
+    layers = {f"{name}.": layer for name, layer in moe_layers(moe_model)}
+    if not layers:
+        raise ValueError(f"upcycle_vit: {type(moe_model).__name__} has no MoE layer to upcycle into")
+
+    def moe_prefix(key: str):
+        return next((prefix for prefix in layers if key.startswith(prefix)), None)
+
+    target = moe_model.state_dict()
+    missing = [k for k in target if moe_prefix(k) is None and k not in source]
+    unexpected = [k for k in source if moe_prefix(k) is None and k not in target]
+    problems = [
+        f"{k}: dense {tuple(source[k].shape)} vs MoE {tuple(target[k].shape)}"
+        for k in target
+        if moe_prefix(k) is None and k in source and source[k].shape != target[k].shape
+    ]
+    dense_mlps = {}
+    for prefix, layer in layers.items():
+        entries = {k[len(prefix) :]: v for k, v in source.items() if k.startswith(prefix)}
+        if not entries:
+            missing.append(f"{prefix}* (the dense MLP of this MoE layer)")
+            continue
+        dense_mlps[prefix] = mlp = _dense_mlp(entries, prefix, unexpected)
+        try:
+            _shape_check(layer.experts, mlp)
+        except ValueError as err:
+            problems.append(f"{prefix[:-1]}: {err}")
+    if missing or unexpected or problems:
+        found = (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", problems))
+        raise ValueError(
+            "upcycle_vit: the dense weights do not fit the MoE model: "
+            + "; ".join(f"{what} {items}" for what, items in found if items)
+        )
+
+    moe_model.load_state_dict({k: source[k] for k in target if moe_prefix(k) is None}, strict=False)
+    for prefix, mlp in dense_mlps.items():
+        layer = layers[prefix]
+        load = getattr(layer, "load_dense_mlp", layer.experts.load_dense_mlp)
+        load(mlp, noise_std)
+    return moe_model

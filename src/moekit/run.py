@@ -1,0 +1,173 @@
+"""What ``scripts/train.py`` and ``scripts/eval.py`` do, as functions of a composed Hydra config.
+
+Kept apart from the scripts so tests (and notebooks) can call them with
+``hydra.compose(config_name="train", overrides=[...])``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as hydra_instantiate
+from lightning import Callback, LightningDataModule, Trainer
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+
+from moekit.checkpoint import CheckpointError
+from moekit.tasks import ImageClassifier
+
+log = logging.getLogger("moekit")
+
+__all__ = ["train", "evaluate", "export", "linear_probe", "load_task", "USER_ERRORS"]
+
+# Errors caused by the user's input: the scripts print them as one paragraph and exit with status 1.
+USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
+
+
+def instantiate(config: Any, *args, **kwargs) -> Any:
+    """``hydra.utils.instantiate`` that re-raises a user error (a bad value, a missing file) from a
+    target's constructor as itself, not wrapped in Hydra's nested ``InstantiationException``."""
+    try:
+        return hydra_instantiate(config, *args, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        while isinstance(cause, InstantiationException):
+            cause = cause.__cause__
+        if isinstance(cause, USER_ERRORS):
+            raise cause from None
+        raise
+
+
+def _instantiate_group(group: DictConfig | None) -> list:
+    """Instantiate each ``_target_`` entry of a callbacks/logger group."""
+    if not group:
+        return []
+    return [instantiate(entry) for entry in group.values() if isinstance(entry, DictConfig) and "_target_" in entry]
+
+
+def _check_ckpt_path(ckpt_path: str | None) -> None:
+    if ckpt_path and not Path(ckpt_path).is_file():
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} does not exist; give the path of a .ckpt file (e.g. <run>/checkpoints/last.ckpt)"
+        )
+
+
+def _where(trainer: Trainer) -> str:
+    lines = [f"outputs: {trainer.default_root_dir}"]
+    for logger in trainer.loggers:
+        lines.append(f"{type(logger).__name__}: {logger.log_dir}")
+    if trainer.checkpoint_callback is not None and getattr(trainer.checkpoint_callback, "dirpath", None):
+        lines.append(f"checkpoints: {trainer.checkpoint_callback.dirpath}")
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+        if best:
+            lines.append(f"best checkpoint: {best}")
+    return "\n  ".join(lines)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit the task on the data, then test the best checkpoint. Returns the final metrics."""
+    L.seed_everything(cfg.seed, workers=True)
+    _check_ckpt_path(cfg.get("ckpt_path"))
+    datamodule: LightningDataModule = instantiate(cfg.data)
+    run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
+    callbacks: list[Callback] = _instantiate_group(cfg.get("callbacks"))
+    loggers: list[Logger] = _instantiate_group(cfg.get("logger"))
+    trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    log.info("model: %s", _summary_line(module, datamodule))
+    metrics: dict[str, float] = {}
+    if cfg.get("train", True):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        metrics.update(_floats(trainer.callback_metrics))
+    if cfg.get("test", True):
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "") if cfg.get("train", True) else ""
+        trainer.test(module, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
+        metrics.update(_floats(trainer.callback_metrics))
+    log.info("done.\n  %s", _where(trainer))
+    return metrics
+
+
+def load_task(ckpt_path: str) -> ImageClassifier:
+    """The task of a checkpoint written by :func:`train`, with a clear error for anything else."""
+    _check_ckpt_path(ckpt_path)
+    try:
+        return ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} is not a moekit training checkpoint that can be loaded "
+            f"({type(err).__name__}: {err}). Pass a .ckpt written by scripts/train.py."
+        ) from None
+
+
+def _datamodule_for(cfg: DictConfig, module: ImageClassifier) -> LightningDataModule:
+    """``cfg.data`` when given, else the dataset the checkpoint was trained on."""
+    data_cfg = cfg.get("data")
+    if data_cfg is None:
+        run_config = module.hparams.get("run_config") or {}
+        if "data" not in run_config:
+            raise ValueError(f"the checkpoint {cfg.ckpt_path!r} does not record its dataset; pass data=<dataset>")
+        data_cfg = OmegaConf.create(run_config["data"])
+    return instantiate(data_cfg)
+
+
+def evaluate(cfg: DictConfig) -> dict[str, float]:
+    """Test a checkpoint: the network and, unless ``data`` is set, the dataset come from it."""
+    module = load_task(cfg.ckpt_path)
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = _datamodule_for(cfg, module)
+    trainer: Trainer = instantiate(cfg.trainer, logger=_instantiate_group(cfg.get("logger")) or False, callbacks=[])
+    trainer.test(module, datamodule=datamodule)
+    metrics = _floats(trainer.callback_metrics)
+    log.info("done.\n  %s", _where(trainer))
+    return metrics
+
+
+def export(cfg: DictConfig) -> Path:
+    """Write the checkpoint's network as a safetensors state dict that timm loads."""
+    from moekit.models import export_safetensors
+
+    module = load_task(cfg.ckpt_path)
+    output = Path(cfg.get("output_path") or Path(cfg.ckpt_path).with_suffix(".safetensors"))
+    path = export_safetensors(module.net, output)
+    net_cfg = {k: v for k, v in module.hparams["net"].items() if not k.startswith("_")}
+    name = net_cfg.pop("model_name")
+    args = ", ".join(f"{k}={v!r}" for k, v in net_cfg.items())
+    log.info(
+        "exported %s\n  load it with: timm.create_model(%r, pretrained=True, "
+        "pretrained_cfg_overlay=dict(file=%r), %s)  (after `import moekit.models`)",
+        path,
+        name,
+        str(path),
+        args,
+    )
+    return path
+
+
+def linear_probe(cfg: DictConfig) -> float:
+    """Few-shot linear probe of a checkpoint's frozen network (see :mod:`moekit.tasks.fewshot`)."""
+    from moekit.tasks.fewshot import fewshot_linear_probe
+
+    module = load_task(cfg.ckpt_path)
+    datamodule = _datamodule_for(cfg, module)
+    result = fewshot_linear_probe(module.net, datamodule, shots=cfg.shots, seed=cfg.seed)
+    log.info("%s", result)
+    return result.accuracy
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (torch.Tensor, float, int))}
+
+
+def _summary_line(module: ImageClassifier, datamodule: LightningDataModule) -> str:
+    try:
+        from moekit.models.summary import model_summary
+
+        size = (datamodule.in_chans, datamodule.img_size, datamodule.img_size)
+        return str(model_summary(module.net, input_size=size))
+    except Exception as err:  # the summary is informative only
+        return f"{type(module.net).__name__} (summary unavailable: {err})"

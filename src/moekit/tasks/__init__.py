@@ -1,0 +1,5 @@
+"""LightningModules: the training tasks."""
+
+from .classification import ImageClassifier
+
+__all__ = ["ImageClassifier"]

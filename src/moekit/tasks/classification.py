@@ -1,0 +1,218 @@
+"""Image classification with MoE (or dense) timm models as a LightningModule.
+
+Loss = cross-entropy (soft targets under mixup/cutmix) + the weighted auxiliary losses every MoE
+layer recorded in the forward (:func:`moekit.moe.collect_moe_outputs`); each aux loss is logged on
+its own. Metrics: top-1 and top-5 accuracy (torchmetrics). Optimizer: AdamW with parameter groups
+(no weight decay on 1-d parameters: norms, biases, the Soft MoE scale). Schedules: warmup + cosine,
+reciprocal square root, or constant, stepped per optimizer step.
+
+The network is given as a config (``{"_target_": ..., ...}``) so that a checkpoint alone rebuilds
+it: ``ImageClassifier.load_from_checkpoint(path)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from lightning import LightningModule
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from moekit.checkpoint import head_prefixes, load_weights, read_state_dict
+from moekit.moe import collect_moe_outputs, update_balancing_biases
+
+from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
+
+__all__ = ["ImageClassifier"]
+
+
+def _plain(config: Any) -> Any:
+    """DictConfig -> plain containers (resolved), so hyperparameters pickle and log cleanly."""
+    if isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True)
+    return config
+
+
+class ImageClassifier(LightningModule):
+    """Classifier training/evaluation.
+
+    Args:
+        net: the network config (Hydra ``_target_`` dict), instantiated here.
+        num_classes: classes of the task (checked against the network's head).
+        optimizer: ``{name, lr, weight_decay, betas, eps, decay_1d}``.
+        scheduler: :class:`~moekit.tasks.optim.ScheduleConfig` fields.
+        label_smoothing: cross-entropy label smoothing.
+        mixup: timm ``Mixup`` keywords (``mixup_alpha``, ``cutmix_alpha``, ``prob``, ...) or None.
+        compile: ``torch.compile`` the network in place (state-dict keys unchanged).
+        fused_attention: set timm attention's ``fused_attn`` (``scaled_dot_product_attention``); False
+            uses the explicit softmax(q k^T) v, which is faster in bf16 on CPU. None keeps timm's choice.
+        init_from: weights to start from: our checkpoint, a safetensors or torch state dict.
+        init_mode: ``"finetune"`` (load everything but a classifier head whose shape differs) or
+            ``"upcycle"`` (a dense ViT's weights into this MoE ViT: experts copy the dense MLPs).
+        freeze_backbone: train the classifier head only (linear probing).
+        run_config: the resolved run configuration, stored with the checkpoint and logged.
+    """
+
+    def __init__(
+        self,
+        net: Mapping[str, Any],
+        num_classes: int,
+        optimizer: Mapping[str, Any] | None = None,
+        scheduler: Mapping[str, Any] | None = None,
+        label_smoothing: float = 0.0,
+        mixup: Mapping[str, Any] | None = None,
+        compile: bool = False,
+        fused_attention: bool | None = None,
+        init_from: str | None = None,
+        init_mode: str = "finetune",
+        freeze_backbone: bool = False,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        net, optimizer, scheduler, mixup, run_config = map(_plain, (net, optimizer, scheduler, mixup, run_config))
+        self.save_hyperparameters(
+            {
+                "net": net,
+                "num_classes": num_classes,
+                "optimizer": optimizer,
+                "scheduler": scheduler,
+                "label_smoothing": label_smoothing,
+                "mixup": mixup,
+                "compile": compile,
+                "fused_attention": fused_attention,
+                "init_from": init_from,
+                "init_mode": init_mode,
+                "freeze_backbone": freeze_backbone,
+                "run_config": run_config,
+            }
+        )
+        if init_mode not in ("finetune", "upcycle"):
+            raise ValueError(f"init_mode={init_mode!r}; allowed: 'finetune', 'upcycle'")
+        self.net: nn.Module = instantiate(net)
+        head_classes = getattr(self.net, "num_classes", num_classes)
+        if head_classes != num_classes:
+            raise ValueError(
+                f"the network has {head_classes} outputs but the data has num_classes={num_classes}; "
+                "set model.num_classes to the dataset's class count"
+            )
+        self.optimizer_config = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.05, **(optimizer or {})}
+        self.schedule = ScheduleConfig(**(scheduler or {}))
+        self.label_smoothing = label_smoothing
+        self.mixup = None
+        if mixup:
+            from timm.data import Mixup
+
+            self.mixup = Mixup(num_classes=num_classes, label_smoothing=label_smoothing, **mixup)
+        if fused_attention is not None:
+            for module in self.net.modules():
+                if hasattr(module, "fused_attn"):
+                    module.fused_attn = fused_attention
+        if init_from:
+            self._initialise_from(init_from, init_mode)
+        if freeze_backbone:
+            heads = head_prefixes(self.net)
+            for name, param in self.net.named_parameters():
+                param.requires_grad = name.startswith(heads)
+        if compile:
+            self.net.compile()
+        top5 = min(5, num_classes)
+        self.metrics = nn.ModuleDict(
+            {
+                f"{split}_acc{k}": MulticlassAccuracy(num_classes=num_classes, top_k=k, average="micro")
+                for split in ("train", "val", "test")
+                for k in sorted({1, top5})
+            }
+        )
+        self.top5 = top5
+
+    # ------------------------------------------------------------------------------------------
+    def _initialise_from(self, path: str, mode: str) -> None:
+        state = read_state_dict(path)
+        if mode == "upcycle":
+            from moekit.models.upcycle import upcycle_vit
+
+            upcycle_vit(self.net, state)
+            return
+        own = self.net.state_dict()
+        heads = head_prefixes(self.net)
+        head_changed = any(k.startswith(heads) and k in state and state[k].shape != own[k].shape for k in own)
+        load_weights(self.net, state, source=path, skip_prefixes=heads if head_changed else ())
+
+    def forward(self, images: Tensor) -> Tensor:
+        """``images: [batch, channels, height, width]`` -> logits ``[batch, num_classes]``."""
+        return self.net(images)
+
+    def _shared_step(self, batch, split: str) -> Tensor:
+        images, labels = batch
+        targets = labels
+        if split == "train" and self.mixup is not None:
+            images, targets = self.mixup(images, labels)
+        logits = self(images)
+        if targets.dim() == 2:  # soft targets from mixup (label smoothing included)
+            task_loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+        else:
+            task_loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.label_smoothing)
+        moe = collect_moe_outputs(self.net)
+        loss = task_loss + moe.aux_loss
+        # Training logs per step (rank 0's values); evaluation logs epoch means reduced over ranks.
+        on_step = split == "train"
+        log = dict(on_step=on_step, on_epoch=True, batch_size=images.shape[0], sync_dist=not on_step)
+        self.log(f"{split}/loss", loss, prog_bar=True, **log)
+        self.log(f"{split}/ce", task_loss, **log)
+        for name, value in moe.aux_losses.items():
+            self.log(f"{split}/aux/{name}", value, **log)
+        if moe.aux_losses:
+            self.log(f"{split}/aux/total", moe.aux_loss, **log)
+        preds = logits.detach()
+        for k in sorted({1, self.top5}):
+            metric = self.metrics[f"{split}_acc{k}"]
+            metric(preds, labels)
+            self.log(
+                f"{split}/acc" if k == 1 else f"{split}/acc_top{k}",
+                metric,
+                on_step=False,
+                on_epoch=True,
+                prog_bar=k == 1,
+                batch_size=images.shape[0],
+            )
+        if split == "train" and self.trainer is not None and self._should_log_routing():
+            self._log_routing(moe.stats)
+        return loss
+
+    def _should_log_routing(self) -> bool:
+        every = max(1, self.trainer.log_every_n_steps)
+        return self.global_step % every == 0
+
+    def _log_routing(self, stats: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Scalar routing statistics of every MoE layer, ``moe/<layer>/<stat>``."""
+        for layer, values in stats.items():
+            for name, value in values.items():
+                if value.numel() == 1:
+                    self.log(f"moe/{layer}/{name}", value, on_step=True, on_epoch=False)
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "test")
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        update_balancing_biases(self.net)  # loss-free balancing: once per optimizer step
+
+    def configure_optimizers(self):
+        config = dict(self.optimizer_config)
+        weight_decay = config.pop("weight_decay")
+        decay_1d = config.pop("decay_1d", False)
+        optimizer = build_optimizer(param_groups(self.net, weight_decay, decay_1d), **config)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

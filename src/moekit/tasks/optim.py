@@ -1,0 +1,108 @@
+"""Optimizer parameter groups and learning-rate schedules shared by every task.
+
+Schedules are functions of the optimizer step, used through ``torch.optim.lr_scheduler.LambdaLR``
+with ``interval="step"``: linear warmup, then cosine decay to ``min_lr_ratio``, reciprocal square
+root decay (with an optional linear cooldown, as in ViT/Soft MoE training), or constant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+__all__ = ["ScheduleConfig", "param_groups", "lr_lambda", "build_optimizer"]
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) -> list[dict]:
+    """Split parameters into a decayed and a non-decayed group.
+
+    Without decay: every parameter with fewer than 2 dimensions (biases, norm weights, the Soft MoE
+    ``scale``, loss-free balancing biases are buffers anyway) unless ``decay_1d``, and the names the
+    model lists in ``no_weight_decay()`` (timm: ``pos_embed``, ``cls_token``, ...).
+    """
+    skip = set()
+    if hasattr(model, "no_weight_decay"):
+        skip = {name for name in model.no_weight_decay()}
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        short = name.split(".", 1)[-1] if name.startswith(("net.", "_orig_mod.")) else name
+        if (param.ndim < 2 and not decay_1d) or name in skip or short in skip:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule.
+
+    Attributes:
+        name: ``"cosine" | "rsqrt" | "constant"``.
+        warmup_steps: linear warmup from 0; a float in (0, 1) is a fraction of the total steps.
+        min_lr_ratio: cosine floor, as a fraction of the peak learning rate.
+        cooldown_steps: rsqrt only: linear decay to 0 over the last steps (int or fraction).
+        timescale: rsqrt only: ``lr = peak * sqrt(timescale / max(step, timescale))`` after warmup;
+            default the warmup length.
+    """
+
+    name: Literal["cosine", "rsqrt", "constant"] = "cosine"
+    warmup_steps: float = 0.05
+    min_lr_ratio: float = 0.0
+    cooldown_steps: float = 0.0
+    timescale: float | None = None
+
+
+def _steps(value: float, total: int) -> int:
+    return int(round(value * total)) if 0 < value < 1 else int(value)
+
+
+def lr_lambda(config: ScheduleConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate at each optimizer step."""
+    if config.name not in ("cosine", "rsqrt", "constant"):
+        raise ValueError(f"scheduler name={config.name!r}; allowed: 'cosine', 'rsqrt', 'constant'")
+    total_steps = max(1, total_steps)
+    warmup = min(_steps(config.warmup_steps, total_steps), total_steps)
+    cooldown = _steps(config.cooldown_steps, total_steps)
+    timescale = config.timescale or max(warmup, 1)
+
+    def multiplier(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if config.name == "constant":
+            return 1.0
+        if config.name == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        value = math.sqrt(timescale / max(step, timescale))
+        if cooldown and step >= total_steps - cooldown:
+            value *= max(0.0, (total_steps - step) / cooldown)
+        return value
+
+    return multiplier
+
+
+def build_optimizer(
+    params: Iterable[dict],
+    name: str = "adamw",
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    momentum: float = 0.9,
+) -> torch.optim.Optimizer:
+    """``adamw`` or ``sgd`` (with momentum) over pre-built parameter groups."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+    raise ValueError(f"optimizer name={name!r}; allowed: 'adamw', 'sgd'")

@@ -1,0 +1,313 @@
+"""The training template end to end on a tiny fake Fashion-MNIST: configs, fast_dev_run of every
+experiment, train -> eval, resume, fine-tuning, upcycling, export, few-shot probe, bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, open_dict
+
+import moekit.models  # noqa: F401  (registers the models with timm)
+from moekit.checkpoint import CheckpointError
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
+from moekit.moe import MoELayer, TopKMoE
+from moekit.run import evaluate, export, linear_probe, load_task, train
+from moekit.tasks import ImageClassifier
+from moekit.tasks.fewshot import fit_ridge_probe
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+SMALL_EXPERIMENTS = [e for e in EXPERIMENTS if "imagenet" not in e]
+
+
+@pytest.fixture(scope="module")
+def fake_fashion(tmp_path_factory) -> Path:
+    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fm") / "fashion-mnist", n_train=320, n_test=64)
+
+
+def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
+    """Compose a config like the scripts do, with Hydra's runtime values filled in."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir)
+        cfg.hydra.runtime.cwd = str(REPO)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def small_overrides(data_root: Path, epochs: int = 1) -> list[str]:
+    """A fast run: tiny model dims, few samples, CSV logs."""
+    return [
+        f"data.root={data_root}",
+        "data.val_size=64",
+        "data.batch_size=32",
+        "model.embed_dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "logger=csv",
+        f"trainer.max_epochs={epochs}",
+        "trainer.log_every_n_steps=1",
+        "+trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_instantiates(experiment, fake_fashion, tmp_path):
+    overrides = [f"experiment={experiment}"]
+    if "imagenet" in experiment:
+        # the S/16 recipe's 128 experts x 6 layers hold ~0.9 B parameters: build a narrow copy of it
+        overrides += [f"data.root={_image_folder(tmp_path)}", "data.num_classes=3", "model.num_experts=4"]
+    else:
+        overrides += [f"data.root={fake_fashion}"]
+    cfg = compose_config("train", overrides, tmp_path)
+    datamodule = instantiate(cfg.data)
+    module = instantiate(cfg.task, net=cfg.model, _recursive_=False)
+    assert isinstance(module, ImageClassifier)
+    assert module.net.num_classes == datamodule.num_classes
+    moe = [m for m in module.net.modules() if isinstance(m, MoELayer)]
+    if "dense" in experiment:
+        assert not moe
+    else:
+        depth = len(module.net.blocks)
+        assert len(moe) == depth - depth // 2, "MoE in the second half of the blocks"
+    for key in ("seed", "paths", "trainer", "ckpt_path"):
+        assert key in cfg
+
+
+@pytest.mark.parametrize("experiment", SMALL_EXPERIMENTS)
+def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
+    cfg = compose_config(
+        "train",
+        [
+            f"experiment={experiment}",
+            f"data.root={fake_fashion}",
+            "data.batch_size=16",
+            "data.val_size=64",
+            "+trainer.fast_dev_run=true",
+            "logger=csv",
+        ],
+        tmp_path,
+    )
+    metrics = train(cfg)
+    assert "test/acc" in metrics and 0.0 <= metrics["test/acc"] <= 1.0
+    assert torch.isfinite(torch.tensor(metrics["train/loss_step"]))
+
+
+def test_fast_dev_run_of_the_imagenet_recipe(tmp_path):
+    cfg = compose_config(
+        "train",
+        [
+            "experiment=soft_moe_vit_s16_imagenet",
+            f"data.root={_image_folder(tmp_path)}",
+            "data.num_classes=3",
+            "data.batch_size=2",
+            "data.num_workers=0",
+            "data.pin_memory=false",
+            "trainer.accelerator=cpu",
+            "trainer.devices=1",
+            "+trainer.fast_dev_run=true",
+            "logger=csv",
+            "+model.depth=2",
+            "model.num_experts=8",
+        ],
+        tmp_path / "run",
+    )
+    metrics = train(cfg)
+    assert "test/acc" in metrics
+
+
+def _image_folder(root: Path) -> Path:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in range(3):
+            folder = root / "images" / split / f"class{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(2):
+                Image.new("RGB", (40, 40), color=(80 * label, 10 * i, 50)).save(folder / f"{i}.png")
+    return root / "images"
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained_run(fake_fashion, tmp_path_factory):
+    """One short training run shared by the checkpoint tests."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = compose_config("train", small_overrides(fake_fashion, epochs=2), out)
+    metrics = train(cfg)
+    return out, metrics
+
+
+def test_train_then_eval_gives_the_same_test_metric(trained_run, tmp_path):
+    out, metrics = trained_run
+    best = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
+    cfg = compose_config("eval", [f"ckpt_path={best}", "logger=csv"], tmp_path)
+    again = evaluate(cfg)
+    assert again["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-6)
+    assert again["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
+
+
+def test_resume_continues_from_the_saved_step(trained_run, fake_fashion, tmp_path):
+    out, _ = trained_run
+    last = out / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    steps_per_epoch = saved["global_step"] // 2
+    assert saved["epoch"] == 1 and steps_per_epoch > 0
+    cfg = compose_config(
+        "train", small_overrides(fake_fashion, epochs=3) + [f"ckpt_path={last}", "test=false"], tmp_path
+    )
+    train(cfg)
+    resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert resumed["global_step"] == 3 * steps_per_epoch, "one more epoch on top of the saved two"
+    first_state = saved["optimizer_states"][0]["state"]
+    resumed_state = resumed["optimizer_states"][0]["state"]
+    key = next(iter(first_state))
+    assert int(resumed_state[key]["step"]) == int(first_state[key]["step"]) + steps_per_epoch
+    assert resumed["lr_schedulers"][0]["last_epoch"] == 3 * steps_per_epoch
+
+
+def test_finetune_from_a_checkpoint_with_a_new_head(trained_run):
+    out, _ = trained_run
+    ckpt = out / "checkpoints" / "last.ckpt"
+    source = load_task(str(ckpt))
+    net_cfg = dict(source.hparams["net"], num_classes=5)
+    module = ImageClassifier(net=net_cfg, num_classes=5, init_from=str(ckpt), freeze_backbone=True)
+    for name, value in module.net.state_dict().items():
+        if not name.startswith("head."):
+            torch.testing.assert_close(value, source.net.state_dict()[name], msg=name)
+    assert module.net.head.weight.shape == (5, source.net.embed_dim)
+    trainable = {n for n, p in module.net.named_parameters() if p.requires_grad}
+    assert trainable == {"head.weight", "head.bias"}
+
+
+def test_finetune_from_an_incompatible_checkpoint_names_the_keys(trained_run):
+    out, _ = trained_run
+    source = load_task(str(out / "checkpoints" / "last.ckpt"))
+    net_cfg = dict(source.hparams["net"], embed_dim=48)
+    with pytest.raises(CheckpointError, match=r"shape mismatch: .*pos_embed|blocks\.0"):
+        ImageClassifier(net=net_cfg, num_classes=10, init_from=str(out / "checkpoints" / "last.ckpt"))
+
+
+def test_upcycled_task_reproduces_the_dense_vit(tmp_path):
+    dense_cfg = {
+        "_target_": "moekit.models.create_model",
+        "model_name": "vit_tiny_patch4_28",
+        "embed_dim": 32,
+        "depth": 2,
+        "num_heads": 2,
+        "stem": "conv",
+    }
+    dense = ImageClassifier(net=dense_cfg, num_classes=10).eval()
+    path = tmp_path / "dense.pt"
+    torch.save(dense.net.state_dict(), path)
+    moe_cfg = dict(
+        dense_cfg,
+        model_name="top2_moe_vit_tiny_patch4_28",
+        num_experts=4,
+        moe_kwargs={"top_k": 2, "normalize_gates": True, "capacity_factor": None},
+    )
+    moe = ImageClassifier(net=moe_cfg, num_classes=10, init_from=str(path), init_mode="upcycle").eval()
+    assert any(isinstance(m, TopKMoE) for m in moe.net.modules())
+    images = torch.randn(4, 1, 28, 28)
+    torch.testing.assert_close(moe(images), dense(images), rtol=1e-5, atol=1e-5)
+
+
+def test_export_loads_in_timm_and_equals_the_trained_model(trained_run, tmp_path):
+    out, _ = trained_run
+    ckpt = out / "checkpoints" / "last.ckpt"
+    cfg = compose_config("export", [f"ckpt_path={ckpt}", f"output_path={tmp_path / 'model.safetensors'}"], tmp_path)
+    path = export(cfg)
+    task = load_task(str(ckpt)).eval()
+    overrides = {k: v for k, v in task.hparams["net"].items() if not k.startswith("_") and k != "model_name"}
+    model = timm.create_model(
+        task.hparams["net"]["model_name"], pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **overrides
+    ).eval()
+    images = torch.randn(3, 1, 28, 28)
+    torch.testing.assert_close(model(images), task.net(images))
+
+
+def test_fewshot_linear_probe_runs_on_a_checkpoint(trained_run, tmp_path):
+    out, _ = trained_run
+    cfg = compose_config("linear_probe", [f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "shots=3"], tmp_path)
+    accuracy = linear_probe(cfg)
+    assert 0.0 <= accuracy <= 1.0
+
+
+def test_ridge_probe_leave_one_out_matches_refitting():
+    torch.manual_seed(0)
+    features = torch.randn(12, 4)
+    labels = torch.arange(12) % 3
+    _, mean, std, l2, loo = fit_ridge_probe(features, labels, 3, l2_grid=(0.5,))
+    # explicit leave-one-out: refit without each example
+    x = torch.cat([((features.double() - mean) / std), torch.ones(12, 1, dtype=torch.float64)], 1)
+    y = -torch.ones(12, 3, dtype=torch.float64)
+    y[torch.arange(12), labels] = 1
+    hits = 0
+    for i in range(12):
+        keep = torch.arange(12) != i
+        w = torch.linalg.solve(x[keep].t() @ x[keep] + 0.5 * torch.eye(5, dtype=torch.float64), x[keep].t() @ y[keep])
+        hits += int((x[i] @ w).argmax() == labels[i])
+    assert loo == pytest.approx(hits / 12)
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (["model.model_name=soft_moe_vit_huge"], ValueError, "unknown model_name='soft_moe_vit_huge'"),
+        (["model.patch_size=5", "model.stem=patch"], ValueError, "not divisible"),
+        (["model.moe_blocks=[0,1,2,3,4,5,6]"], ValueError, "block"),
+        (["data.root=/nonexistent/fashion"], ValueError, "/nonexistent/fashion"),
+        (["ckpt_path=/nonexistent/last.ckpt"], CheckpointError, "does not exist"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(overrides, error, match, fake_fashion, tmp_path):
+    cfg = compose_config("train", small_overrides(fake_fashion) + overrides, tmp_path)
+    with pytest.raises(error, match=match):
+        train(cfg)
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_stays_untouched(tmp_path):
+    bad = tmp_path / "last.ckpt"
+    bad.write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(CheckpointError, match="not a moekit training checkpoint"):
+        load_task(str(bad))
+    assert bad.read_bytes() == b"PK\x03\x04 truncated"
+
+
+def _run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0")
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / args[0]), *args[1:]],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_unknown_experiment_exits_non_zero_with_the_options(tmp_path):
+    result = _run_script("train.py", "experiment=soft_moe_vitt", f"paths.log_dir={tmp_path}", cwd=REPO)
+    assert result.returncode != 0
+    assert "soft_moe_vitt" in result.stderr and "soft_moe_vit" in result.stderr
+
+
+def test_cli_missing_checkpoint_exits_non_zero_in_one_paragraph(tmp_path):
+    result = _run_script("eval.py", "ckpt_path=/nonexistent.ckpt", f"paths.log_dir={tmp_path}", cwd=REPO)
+    assert result.returncode == 1
+    assert "ckpt_path='/nonexistent.ckpt' does not exist" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
