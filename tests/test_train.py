@@ -311,3 +311,25 @@ def test_cli_missing_checkpoint_exits_non_zero_in_one_paragraph(tmp_path):
     assert result.returncode == 1
     assert "ckpt_path='/nonexistent.ckpt' does not exist" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
+    result = _run_script(
+        "train.py",
+        "-m",
+        "model.num_experts=2,4",
+        f"data.root={fake_fashion}",
+        "data.val_size=64",
+        "data.batch_size=16",
+        "model.embed_dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "+trainer.fast_dev_run=true",
+        "logger=csv",
+        f"paths.log_dir={tmp_path}",
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    jobs = sorted(tmp_path.glob("train/multiruns/*/[0-9]/.hydra/overrides.yaml"))
+    assert len(jobs) == 2
+    assert "model.num_experts=2" in jobs[0].read_text() and "model.num_experts=4" in jobs[1].read_text()

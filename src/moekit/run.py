@@ -96,7 +96,8 @@ def load_task(ckpt_path: str) -> ImageClassifier:
     """The task of a checkpoint written by :func:`train`, with a clear error for anything else."""
     _check_ckpt_path(ckpt_path)
     try:
-        return ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False)
+        # The checkpoint holds the trained weights: do not read the run's initial weights file again.
+        return ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False, init_from=None)
     except Exception as err:
         raise CheckpointError(
             f"ckpt_path={ckpt_path!r} is not a moekit training checkpoint that can be loaded "

@@ -35,8 +35,11 @@ __all__ = ["ExpertBank", "grouped_linear", "AUTO_KERNELS", "Kernel"]
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
 
-# Chosen by scripts/bench_moe.py on the machines named in the README (forward + backward, fp32 on CPU).
-# Keys: (device type, "equal" | "ragged").
+# Keys: (device type, "equal" | "ragged"). The CPU entries were chosen by measurement (forward +
+# backward, fp32, 2-core Xeon; see the README): bmm beats the per-expert loop by ~15% on equal groups
+# (256 experts x 32 rows: 76 vs 87 ms), and on ragged groups the loop and torch._grouped_mm tie (88 vs
+# 91 ms). The CUDA entries (bmm; grouped_mm for bf16) follow the kernels GPU MoE stacks use and have
+# not been measured by this project yet.
 AUTO_KERNELS: dict[tuple[str, str], str] = {
     ("cpu", "equal"): "bmm",
     ("cpu", "ragged"): "loop",

@@ -180,7 +180,7 @@ class ImageClassifier(LightningModule):
                 prog_bar=k == 1,
                 batch_size=images.shape[0],
             )
-        if split == "train" and self.trainer is not None and self._should_log_routing():
+        if split == "train" and self._trainer is not None and self._should_log_routing():
             self._log_routing(moe.stats)
         return loss
 

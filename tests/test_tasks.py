@@ -1,0 +1,94 @@
+"""The classification task's pieces: schedules, parameter groups, the loss with aux terms, mixup."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from moekit.moe import SoftMoE, TopKMoE, collect_moe_outputs
+from moekit.tasks import ImageClassifier
+from moekit.tasks.optim import ScheduleConfig, lr_lambda, param_groups
+
+TINY_NET = {
+    "_target_": "moekit.models.create_model",
+    "model_name": "soft_moe_vit_tiny_patch4_28",
+    "embed_dim": 32,
+    "depth": 2,
+    "num_heads": 2,
+    "num_experts": 4,
+}
+
+
+def test_cosine_schedule_with_warmup():
+    f = lr_lambda(ScheduleConfig(name="cosine", warmup_steps=10, min_lr_ratio=0.1), total_steps=110)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)  # linear warmup to the peak
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(110) == pytest.approx(0.1)
+
+
+def test_warmup_as_a_fraction_and_constant_schedule():
+    f = lr_lambda(ScheduleConfig(name="constant", warmup_steps=0.1), total_steps=200)
+    assert f(9) == pytest.approx(0.5) and f(19) == pytest.approx(1.0) and f(150) == 1.0
+
+
+def test_rsqrt_schedule_with_cooldown():
+    f = lr_lambda(ScheduleConfig(name="rsqrt", warmup_steps=100, cooldown_steps=100), total_steps=1000)
+    assert f(100) == pytest.approx(1.0)
+    assert f(400) == pytest.approx(math.sqrt(100 / 400))
+    assert f(950) == pytest.approx(math.sqrt(100 / 950) * 0.5)  # half-way through the linear cooldown
+    assert f(1000) == 0.0
+    with pytest.raises(ValueError, match="scheduler name='linear'"):
+        lr_lambda(ScheduleConfig(name="linear"), 10)
+
+
+def test_param_groups_skip_norms_biases_and_the_soft_moe_scale():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), SoftMoE(4, 8, num_experts=2))
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = {id(p) for p in no_decay["params"]}
+    assert id(model[2].scale) in ids and id(model[1].weight) in ids and id(model[0].bias) in ids
+    assert id(model[0].weight) not in ids and id(model[2].phi) not in ids
+    assert id(model[2].experts.fc1_weight) not in ids
+    (everything,) = param_groups(model, weight_decay=0.1, decay_1d=True)
+    assert len(everything["params"]) == len(list(model.parameters()))
+
+
+def test_training_loss_is_cross_entropy_plus_the_aux_losses():
+    net = dict(TINY_NET, model_name="top2_moe_vit_tiny_patch4_28")
+    net["moe_kwargs"] = {"switch_loss_weight": 0.5, "z_loss_weight": 0.1}
+    task = ImageClassifier(net=net, num_classes=10)
+    images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    loss = task._shared_step((images, labels), "val")
+    moe = collect_moe_outputs(task.net)
+    assert set(moe.aux_losses) == {"switch", "z"}
+    ce = nn.functional.cross_entropy(task(images), labels)
+    torch.testing.assert_close(loss, ce + collect_moe_outputs(task.net).aux_loss)
+
+
+def test_mixup_trains_on_soft_targets():
+    task = ImageClassifier(net=TINY_NET, num_classes=10, mixup={"mixup_alpha": 0.8, "cutmix_alpha": 0.0})
+    images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    loss = task._shared_step((images, labels), "train")
+    assert torch.isfinite(loss) and loss > 0
+
+
+def test_num_classes_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="10 outputs but the data has num_classes=5"):
+        ImageClassifier(net=TINY_NET, num_classes=5)
+
+
+def test_loss_free_balancing_updates_once_per_optimizer_step():
+    net = dict(TINY_NET, model_name="top2_moe_vit_tiny_patch4_28")
+    net["moe_kwargs"] = {"bias_update_rate": 0.01, "capacity_factor": None}
+    task = ImageClassifier(net=net, num_classes=10)
+    layer = next(m for m in task.net.modules() if isinstance(m, TopKMoE))
+    task.train()
+    task(torch.randn(8, 1, 28, 28))
+    assert layer.router.pending_counts.sum() > 0
+    task.optimizer_step(0, 0, torch.optim.SGD(task.parameters(), lr=0.0), optimizer_closure=lambda: None)
+    assert layer.router.pending_counts.sum() == 0, "the counts were consumed by the step"
+    assert layer.router.expert_bias.abs().sum() > 0
