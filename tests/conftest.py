@@ -1,9 +1,18 @@
-"""Shared fixtures and naive reference implementations written straight from the papers' equations
-(per token / per slot loops: slow, obviously right)."""
+"""Shared fixtures, naive reference implementations written straight from the papers' equations
+(per token / per slot loops: slow, obviously right), and helpers that compose the training configs
+and run the scripts."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
 
 from moekit.moe import ExpertBank
 
@@ -64,3 +73,33 @@ def reference_token_choice(layer, x: torch.Tensor, expert_ids, gates, keep) -> t
     if layer.shared_experts is not None:
         out = out + reference_expert(layer.shared_experts, 0, flat)
     return out.view(*x.shape[:-1], -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training template: compose configs like the scripts do, run the scripts as subprocesses.
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
+    """Compose a config like the scripts do, with Hydra's runtime values filled in."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir)
+        cfg.hydra.runtime.cwd = str(REPO)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python scripts/<args[0]> <args[1:]>`` in a subprocess; returns its exit status and output."""
+    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0")
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / args[0]), *args[1:]],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

@@ -78,7 +78,7 @@ def test_base_layer_balanced_in_training_greedy_at_inference():
     assert torch.bincount(routing.expert_ids[:, 0], minlength=4).tolist() == [6, 6, 6, 6]
     scores = flat @ layer.router.weight.t()
     torch.testing.assert_close(routing.gates[:, 0], torch.sigmoid(scores.gather(1, routing.expert_ids)[:, 0]))
-    plan = layer.plan(routing)
+    plan = layer.plan(routing, x.shape[0], x.shape[1])
     ref = reference_token_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
     assert layer.stats["load_cv"] == 0
@@ -120,7 +120,7 @@ def test_hierarchical_routing_structure_and_output():
     for row in groups.tolist():
         assert len(set(row)) == 2 and sorted(row).count(row[0]) == 2, "2 experts in each of 2 groups"
     torch.testing.assert_close(routing.gates.sum(-1), torch.ones(12))  # product of two softmaxes over top-k
-    plan = layer.plan(routing)
+    plan = layer.plan(routing, x.shape[0], x.shape[1])
     ref = reference_token_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
 

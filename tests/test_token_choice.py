@@ -12,7 +12,7 @@ from moekit.moe.dispatch import expert_capacity, plan_dispatch
 
 def _routing_and_plan(layer, x):
     routing = layer.route(x.reshape(-1, x.shape[-1]), None)
-    return routing, layer.plan(routing)
+    return routing, layer.plan(routing, x.shape[0], x.shape[1])
 
 
 def test_expert_capacity_formula():
@@ -232,3 +232,36 @@ def test_bad_arguments_raise_clear_errors(kw, match):
 def test_wrong_input_shape():
     with pytest.raises(ValueError, match=r"expected \[batch, tokens, 8\]"):
         TopKMoE(8, 16, num_experts=4)(torch.randn(3, 9))
+
+
+def test_plan_dispatch_groups_apply_capacity_per_group():
+    # 2 groups of 3 tokens, all choosing expert 0, capacity 1: the first token of each group is kept.
+    expert_ids = torch.zeros(6, 1, dtype=torch.long)
+    groups = torch.tensor([0, 1, 0, 1, 0, 1])
+    plan = plan_dispatch(expert_ids, 2, capacity=1, group_ids=groups, num_groups=2)
+    assert plan.keep[:, 0].tolist() == [True, True, False, False, False, False]
+    assert plan.counts.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("batch_priority", [False, True])
+def test_position_capacity_is_per_position_and_causal(batch_priority):
+    torch.manual_seed(0)
+    layer = TopKMoE(
+        8, 16, num_experts=4, top_k=2, capacity_factor=0.5, capacity_scope="position", batch_priority=batch_priority
+    ).train()
+    assert layer.causal_safe
+    x = torch.randn(6, 10, 8)
+    routing, plan = _routing_and_plan(layer, x)
+    capacity = expert_capacity(6, 2, 4, 0.5)  # over the 6 tokens at one position
+    per_position = torch.zeros(10, 4, dtype=torch.long)
+    positions = torch.arange(10).repeat(6).unsqueeze(1).expand(-1, 2)
+    per_position.index_put_((positions[plan.keep], routing.expert_ids[plan.keep]), torch.tensor(1), accumulate=True)
+    assert int(per_position.max()) <= capacity
+    assert not plan.keep.all(), "the capacity binds in this setting"
+    # Changing the tokens after position t leaves the outputs at positions <= t unchanged.
+    out = layer(x)
+    changed = x.clone()
+    changed[:, 6:] = torch.randn(6, 4, 8)
+    torch.testing.assert_close(layer(changed)[:, :6], out[:, :6])
+    # ... and so does a forward of the prefix alone (what incremental decoding sees).
+    torch.testing.assert_close(layer(x[:, :6]), out[:, :6])

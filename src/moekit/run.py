@@ -19,11 +19,12 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from moekit.checkpoint import CheckpointError
-from moekit.tasks import ImageClassifier
+from moekit.tasks import ImageClassifier, LanguageModel, MoETask
+from moekit.tasks.base import TASK_KEY
 
 log = logging.getLogger("moekit")
 
-__all__ = ["train", "evaluate", "export", "linear_probe", "load_task", "USER_ERRORS"]
+__all__ = ["train", "evaluate", "export", "linear_probe", "sample", "load_task", "USER_ERRORS"]
 
 # Errors caused by the user's input: the scripts print them as one paragraph and exit with status 1.
 USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
@@ -73,7 +74,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the task on the data, then test the best checkpoint. Returns the final metrics."""
     L.seed_everything(cfg.seed, workers=True)
     _check_ckpt_path(cfg.get("ckpt_path"))
-    datamodule: LightningDataModule = instantiate(cfg.data)
+    datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
     callbacks: list[Callback] = _instantiate_group(cfg.get("callbacks"))
@@ -92,20 +93,38 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def load_task(ckpt_path: str) -> ImageClassifier:
-    """The task of a checkpoint written by :func:`train`, with a clear error for anything else."""
+def _task_class(checkpoint: dict) -> type[MoETask]:
+    """The task class a checkpoint names (checkpoints without the entry are image classifiers)."""
+    import importlib
+
+    module_name, _, qualname = checkpoint.get(TASK_KEY, "moekit.tasks.classification:ImageClassifier").partition(":")
+    if not module_name.startswith("moekit."):
+        raise ValueError(f"unknown task {checkpoint[TASK_KEY]!r}")
+    cls = getattr(importlib.import_module(module_name), qualname)
+    if not (isinstance(cls, type) and issubclass(cls, MoETask)):
+        raise ValueError(f"{checkpoint[TASK_KEY]!r} is not a moekit task")
+    return cls
+
+
+def load_task(ckpt_path: str) -> MoETask:
+    """The task (image classifier, language model) of a checkpoint written by :func:`train`, in eval
+    mode on the CPU, with a clear error for anything else."""
     _check_ckpt_path(ckpt_path)
     try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        cls = _task_class(checkpoint)
         # The checkpoint holds the trained weights: do not read the run's initial weights file again.
-        return ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False, init_from=None)
+        module = cls(**{**checkpoint["hyper_parameters"], "init_from": None})
+        module.load_state_dict(checkpoint["state_dict"])
     except Exception as err:
         raise CheckpointError(
             f"ckpt_path={ckpt_path!r} is not a moekit training checkpoint that can be loaded "
             f"({type(err).__name__}: {err}). Pass a .ckpt written by scripts/train.py."
         ) from None
+    return module.eval()
 
 
-def _datamodule_for(cfg: DictConfig, module: ImageClassifier) -> LightningDataModule:
+def _datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
     """``cfg.data`` when given, else the dataset the checkpoint was trained on."""
     data_cfg = cfg.get("data")
     if data_cfg is None:
@@ -113,7 +132,7 @@ def _datamodule_for(cfg: DictConfig, module: ImageClassifier) -> LightningDataMo
         if "data" not in run_config:
             raise ValueError(f"the checkpoint {cfg.ckpt_path!r} does not record its dataset; pass data=<dataset>")
         data_cfg = OmegaConf.create(run_config["data"])
-    return instantiate(data_cfg)
+    return instantiate(data_cfg, _convert_="all")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -129,23 +148,24 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 def export(cfg: DictConfig) -> Path:
-    """Write the checkpoint's network as a safetensors state dict that timm loads."""
+    """Write the checkpoint's network as a safetensors state dict (timm loads those of the ViTs)."""
     from moekit.models import export_safetensors
 
     module = load_task(cfg.ckpt_path)
     output = Path(cfg.get("output_path") or Path(cfg.ckpt_path).with_suffix(".safetensors"))
     path = export_safetensors(module.net, output)
     net_cfg = {k: v for k, v in module.hparams["net"].items() if not k.startswith("_")}
-    name = net_cfg.pop("model_name")
+    name = net_cfg.pop("model_name", None)
     args = ", ".join(f"{k}={v!r}" for k, v in net_cfg.items())
-    log.info(
-        "exported %s\n  load it with: timm.create_model(%r, pretrained=True, "
-        "pretrained_cfg_overlay=dict(file=%r), %s)  (after `import moekit.models`)",
-        path,
-        name,
-        str(path),
-        args,
-    )
+    if name is not None:  # a timm model
+        how = (
+            f"timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file={str(path)!r}), {args})"
+            "  (after `import moekit.models`)"
+        )
+    else:
+        target = module.hparams["net"]["_target_"]
+        how = f"{target}({args}).load_state_dict(safetensors.torch.load_file({str(path)!r}))"
+    log.info("exported %s\n  load it with: %s", path, how)
     return path
 
 
@@ -160,15 +180,61 @@ def linear_probe(cfg: DictConfig) -> float:
     return result.accuracy
 
 
+def sample(cfg: DictConfig) -> list[str]:
+    """Generate ``num_samples`` continuations of ``prompt`` with a language-model checkpoint (the
+    tokenizer comes from the checkpoint's data config). Prints and returns the texts."""
+    from moekit.models.generate import generate
+
+    module = load_task(cfg.ckpt_path)
+    if not isinstance(module, LanguageModel):
+        raise ValueError(
+            f"ckpt_path={cfg.ckpt_path!r} holds a {type(module).__name__}, not a language model; "
+            "sample from a checkpoint of a language-model experiment (e.g. experiment=moe_transformer_lm)"
+        )
+    tokenizer = _datamodule_for(cfg, module).tokenizer
+    prompt_ids = tokenizer.encode(cfg.prompt)
+    if not prompt_ids:
+        raise ValueError(f"prompt={cfg.prompt!r} encodes to no tokens; give a prompt of at least one character")
+    if cfg.num_samples < 1:
+        raise ValueError(f"num_samples={cfg.num_samples} must be >= 1")
+    max_seq_len = getattr(module.net, "max_seq_len", None)
+    if max_seq_len is not None and len(prompt_ids) + cfg.max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceed the model's "
+            f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len - len(prompt_ids))} "
+            "or shorten the prompt"
+        )
+    device = torch.device(cfg.device)
+    net = module.net.to(device)
+    prompt = torch.tensor([prompt_ids] * cfg.num_samples, device=device)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    tokens = generate(
+        net,
+        prompt,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        use_cache=cfg.use_cache,
+        generator=generator,
+    )
+    texts = [tokenizer.decode(row.tolist()) for row in tokens.cpu()]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ---\n{text}")
+    return texts
+
+
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (torch.Tensor, float, int))}
 
 
-def _summary_line(module: ImageClassifier, datamodule: LightningDataModule) -> str:
+def _summary_line(module: MoETask, datamodule: LightningDataModule) -> str:
     try:
-        from moekit.models.summary import model_summary
+        from moekit.models.summary import lm_summary, model_summary
 
-        size = (datamodule.in_chans, datamodule.img_size, datamodule.img_size)
-        return str(model_summary(module.net, input_size=size))
+        if isinstance(module, ImageClassifier):
+            size = (datamodule.in_chans, datamodule.img_size, datamodule.img_size)
+            return str(model_summary(module.net, input_size=size))
+        return str(lm_summary(module.net, seq_len=datamodule.seq_len))
     except Exception as err:  # the summary is informative only
         return f"{type(module.net).__name__} (summary unavailable: {err})"

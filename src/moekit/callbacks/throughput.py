@@ -16,13 +16,18 @@ class ThroughputLogger(Callback):
 
     Args:
         unit: name of one sample in the metric (``images``, ``tokens``).
-        samples_fn: maps a batch to its number of samples (default: size of its first tensor's dim 0;
-            for language models pass e.g. ``lambda batch: batch[0].numel()`` to count tokens).
+        count: how a batch's first tensor counts samples: ``"rows"`` (its dim 0: images) or
+            ``"elements"`` (all its entries: the tokens of ``[batch, seq_len]`` ids).
+        samples_fn: maps a batch to its number of samples; overrides ``count`` (from Python).
     """
 
-    def __init__(self, unit: str = "images", samples_fn=None) -> None:
+    def __init__(self, unit: str = "images", count: str = "rows", samples_fn=None) -> None:
+        if count not in ("rows", "elements"):
+            raise ValueError(f"ThroughputLogger count={count!r}; allowed: 'rows', 'elements'")
         self.unit = unit
-        self.samples_fn = samples_fn or (lambda batch: batch[0].shape[0])
+        if samples_fn is None:
+            samples_fn = (lambda batch: batch[0].shape[0]) if count == "rows" else (lambda batch: batch[0].numel())
+        self.samples_fn = samples_fn
         self._start: float | None = None
         self._samples = 0
 

@@ -1,7 +1,9 @@
-"""Image-classification data: Fashion-MNIST (the default), CIFAR-10/100 and ImageNet-style folders.
+"""Data: image classification (Fashion-MNIST, the default; CIFAR-10/100; ImageNet-style folders) and text.
 
-``ImageClassificationDataModule`` is the Lightning entry point (Hydra configs: ``configs/data/``);
-the loaders yield ``(images [B, C, S, S] float32 normalised, labels [B] int64)``.
+``ImageClassificationDataModule`` is the Lightning entry point for images (Hydra configs: ``configs/data/``);
+its loaders yield ``(images [B, C, S, S] float32 normalised, labels [B] int64)``. ``TextDataModule``
+is the one for language modelling (``configs/data/pydoc_text.yaml`` ...); its loaders yield
+``(inputs [B, seq_len] int64, targets [B, seq_len] int64)``, targets = inputs shifted by one token.
 """
 
 from .datamodule import AUGMENTATIONS, DATASETS, DatasetSpec, ImageClassificationDataModule
@@ -14,15 +16,35 @@ from .fashion_mnist import (
     write_fake_fashion_mnist,
 )
 from .in_memory import ImageArrays
+from .text import (
+    ByteTokenizer,
+    FileTokenizer,
+    GPT2Tokenizer,
+    TextDataModule,
+    TextTokenizer,
+    TokenWindows,
+    build_tokenizer,
+    encode_documents,
+    load_corpus,
+)
 
 __all__ = [
     "AUGMENTATIONS",
     "DATASETS",
     "FASHION_MNIST_CLASSES",
     "SYSTEM_FASHION_MNIST_DIR",
+    "ByteTokenizer",
     "DatasetSpec",
+    "FileTokenizer",
+    "GPT2Tokenizer",
     "ImageArrays",
     "ImageClassificationDataModule",
+    "TextDataModule",
+    "TextTokenizer",
+    "TokenWindows",
+    "build_tokenizer",
+    "encode_documents",
+    "load_corpus",
     "load_fashion_mnist",
     "locate_fashion_mnist",
     "read_fashion_mnist",

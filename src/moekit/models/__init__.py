@@ -1,11 +1,15 @@
-"""MoE Vision Transformers on timm.
+"""MoE Vision Transformers on timm, and MoE language models.
 
 * :func:`create_moe_vit` - a timm ``VisionTransformer`` with MoE layers as the MLP of chosen blocks;
   :func:`resolve_moe_blocks` - the placement forms (``"second_half"``, ``"every_2"``, ``"last_3"``, ...).
 * Importing this package registers the models of :mod:`moekit.models.registry` with timm
   (``soft_moe_vit_small_patch16_224``, ``vmoe_vit_small_patch16_224``, ``soft_moe_vit_tiny_patch4_28``,
   the dense ``vit_tiny_patch4_28``, ...), so ``timm.create_model(name, **overrides)`` builds them.
-* :func:`model_summary` - total / expert / active-per-token parameters and measured FLOPs per image.
+* :class:`TransformerLM` (decoder-only, MoE feed-forwards, KV cache) and :class:`LSTMMoELM`
+  (Shazeer et al. 2017) - causal language models; :func:`generate` / :func:`sample_next_token` sample
+  from them.
+* :func:`model_summary` - total / expert / active-per-token parameters and measured FLOPs per image;
+  :func:`lm_summary` - the same per token for language models.
 * :func:`upcycle_vit` - sparse upcycling from a dense ViT.
 * :func:`export_safetensors` - weights that ``timm.create_model(name, pretrained=True,
   pretrained_cfg_overlay=dict(file=path))`` loads.
@@ -16,7 +20,9 @@ from torch import nn
 
 from . import registry
 from .export import export_safetensors
-from .summary import ModelSummary, MoELayerSummary, model_summary
+from .generate import generate, sample_next_token
+from .lm import LMCache, LSTMCache, LSTMMoELM, TransformerLM
+from .summary import LMSummary, ModelSummary, MoELayerSummary, lm_summary, model_summary
 from .upcycle import upcycle_vit
 from .vit import EXPERT_INIT_STD, MoEBlocks, create_moe_vit, resolve_moe_blocks
 
@@ -44,6 +50,14 @@ __all__ = [
     "model_summary",
     "ModelSummary",
     "MoELayerSummary",
+    "lm_summary",
+    "LMSummary",
+    "TransformerLM",
+    "LSTMMoELM",
+    "LMCache",
+    "LSTMCache",
+    "generate",
+    "sample_next_token",
     "upcycle_vit",
     "export_safetensors",
 ]

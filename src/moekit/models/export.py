@@ -23,7 +23,8 @@ __all__ = ["export_safetensors"]
 
 
 def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write ``model.state_dict()`` (parameters and persistent buffers, on CPU) to ``path``.
+    """Write ``model.state_dict()`` (parameters and persistent buffers, on CPU) to ``path``. Tied
+    parameters are written once per name, so ``model.load_state_dict`` reads the file back.
 
     The file is written next to ``path`` under a temporary name and moved into place with
     ``os.replace``, so readers never see a partial file. Missing parent folders are created.
@@ -33,7 +34,15 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        if (
+            tensor.numel() and tensor.data_ptr() in seen
+        ):  # tied weights (an LM's embedding and output): safetensors stores copies
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})

@@ -1,4 +1,5 @@
-"""Parameter and compute summary of a (MoE) model: total, expert and active parameters, forward FLOPs.
+"""Parameter and compute summary of a (MoE) model: total, expert and active parameters, forward FLOPs
+(:func:`model_summary` for image models, :func:`lm_summary` for language models, per token).
 
 FLOPs are measured, not estimated: :func:`model_summary` runs one eval-mode forward under
 ``torch.utils.flop_counter.FlopCounterMode``, so they count what actually runs (Soft MoE's slots,
@@ -8,6 +9,7 @@ attention only, as the counter does (norms, activations and softmaxes are not co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from moekit.moe import ExpertBank, MoELayer, moe_layers
 
-__all__ = ["MoELayerSummary", "ModelSummary", "model_summary"]
+__all__ = ["MoELayerSummary", "ModelSummary", "model_summary", "LMSummary", "lm_summary"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class MoELayerSummary:
         expert_params: parameters of all its experts (shared experts included).
         params_per_expert: parameters of one routed expert.
         active_params_per_token: ``params_per_expert * expert_rows_per_token``.
-        flops_per_image: forward FLOPs of the whole layer (router, dispatch, experts, combine) per image.
+        flops_per_image: forward FLOPs of the whole layer (router, dispatch, experts, combine) per image
+            (per sequence in :func:`lm_summary`).
     """
 
     name: str
@@ -77,21 +80,27 @@ class ModelSummary:
             f"  active params / token  {_human(self.active_params_per_token):>9}",
             f"  FLOPs / image          {_human(self.flops_per_image):>9}",
         ]
-        if self.moe_layers:
-            width = max(len("MoE layer"), *(len(s.name) for s in self.moe_layers))
-            lines.append(
-                f"  {'MoE layer':<{width}}  {'type':<14} {'experts':>7} {'tokens':>6} {'rows/tok':>8} "
-                f"{'params':>9} {'active/tok':>10} {'FLOPs/img':>9}"
-            )
-            for s in self.moe_layers:
-                lines.append(
-                    f"  {s.name:<{width}}  {s.layer:<14} {s.num_experts:>7} {s.tokens:>6} "
-                    f"{s.expert_rows_per_token:>8.3g} {_human(s.expert_params):>9} "
-                    f"{_human(s.active_params_per_token):>10} {_human(s.flops_per_image):>9}"
-                )
+        lines += _layer_table(self.moe_layers, "FLOPs/img")
         return "\n".join(lines)
 
     __str__ = format
+
+
+def _layer_table(layers: Sequence[MoELayerSummary], flops_header: str) -> list[str]:
+    if not layers:
+        return []
+    width = max(len("MoE layer"), *(len(s.name) for s in layers))
+    lines = [
+        f"  {'MoE layer':<{width}}  {'type':<14} {'experts':>7} {'tokens':>6} {'rows/tok':>8} "
+        f"{'params':>9} {'active/tok':>10} {flops_header:>9}"
+    ]
+    for s in layers:
+        lines.append(
+            f"  {s.name:<{width}}  {s.layer:<14} {s.num_experts:>7} {s.tokens:>6} "
+            f"{s.expert_rows_per_token:>8.3g} {_human(s.expert_params):>9} "
+            f"{_human(s.active_params_per_token):>10} {_human(s.flops_per_image):>9}"
+        )
+    return lines
 
 
 def _human(value: float) -> str:
@@ -105,10 +114,27 @@ def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-# The CPU kernel of F.scaled_dot_product_attention, which FlopCounterMode has no formula for.
+def _rnn_layer_flops(input_shape, weight_ih_shape, weight_hh_shape, *args, out_shape=None, **kwargs) -> int:
+    """``aten.mkldnn_rnn_layer`` (one CPU LSTM layer): the input and recurrent matmuls of every token."""
+    tokens = math.prod(input_shape[:-1])
+    return 2 * tokens * (math.prod(weight_ih_shape) + math.prod(weight_hh_shape))
+
+
+def _cudnn_rnn_flops(input_shape, weight_shapes, *args, out_shape=None, **kwargs) -> int:
+    """``aten._cudnn_rnn`` (all layers of a CUDA RNN): every 2-D weight's matmul over every token."""
+    tokens = math.prod(input_shape[:-1])
+    return 2 * tokens * sum(math.prod(shape) for shape in weight_shapes if len(shape) == 2)
+
+
+# Kernels FlopCounterMode has no formula for: the CPU kernel of F.scaled_dot_product_attention and
+# the fused LSTM kernels (other RNN paths decompose into matmuls the counter sees).
 _EXTRA_FLOP_FORMULAS = {
-    op: _cpu_sdpa_flops
-    for op in (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None),)
+    op: formula
+    for op, formula in (
+        (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), _cpu_sdpa_flops),
+        (getattr(torch.ops.aten, "mkldnn_rnn_layer", None), _rnn_layer_flops),
+        (getattr(torch.ops.aten, "_cudnn_rnn", None), _cudnn_rnn_flops),
+    )
     if op is not None
 }
 
@@ -132,9 +158,115 @@ def model_summary(model: nn.Module, input_size: Sequence[int], batch_size: int =
     """
     if len(input_size) != 3:
         raise ValueError(f"input_size={tuple(input_size)} must be (channels, height, width)")
+    device, dtype = _device_and_dtype(model)
+    measured = _measure(model, torch.randn(batch_size, *input_size, device=device, dtype=dtype))
+    return ModelSummary(
+        input_size=tuple(input_size),
+        total_params=measured.total_params,
+        expert_params=measured.expert_params,
+        active_params_per_token=measured.active_params_per_token,
+        flops_per_image=measured.flops / batch_size,
+        moe_layers=measured.moe_layers,
+    )
+
+
+@dataclass(frozen=True)
+class LMSummary:
+    """What :func:`lm_summary` returns; ``str(summary)`` is a short table.
+
+    Attributes:
+        seq_len: tokens per sequence of the measured forward.
+        total_params: every parameter (a tied embedding/head matrix counts once).
+        expert_params: parameters inside expert banks.
+        active_params_per_token: parameters one token uses: everything outside the experts (the whole
+            embedding matrix included, as is usual), plus per MoE layer one expert's parameters times its
+            ``expert_rows_per_token``. Equals ``total_params`` for a dense model.
+        flops_per_token: forward FLOPs per token (eval mode, sequences of ``seq_len`` tokens): matmuls
+            and attention, the routers and the output projection included. Attention is counted as
+            full ``seq_len x seq_len`` (as the FLOP counter does, causal or not), so it grows with
+            ``seq_len``.
+        moe_layers: one :class:`MoELayerSummary` per MoE layer; their ``flops_per_image`` is per
+            sequence of ``seq_len`` tokens.
+    """
+
+    seq_len: int
+    total_params: int
+    expert_params: int
+    active_params_per_token: float
+    flops_per_token: float
+    moe_layers: tuple[MoELayerSummary, ...]
+
+    def format(self) -> str:
+        lines = [
+            f"sequences of {self.seq_len} tokens",
+            f"  total params           {_human(self.total_params):>9}",
+            f"  expert params          {_human(self.expert_params):>9}",
+            f"  active params / token  {_human(self.active_params_per_token):>9}",
+            f"  FLOPs / token          {_human(self.flops_per_token):>9}",
+        ]
+        lines += _layer_table(self.moe_layers, "FLOPs/seq")
+        return "\n".join(lines)
+
+    __str__ = format
+
+
+@torch.no_grad()
+def lm_summary(model: nn.Module, seq_len: int, batch_size: int = 2) -> LMSummary:
+    """Count the parameters of a language model and measure its forward FLOPs per token on
+    ``batch_size`` random sequences of ``seq_len`` token ids, in eval mode (the mode is restored).
+
+    ``model(input_ids [batch, seq_len]) -> logits`` with a ``vocab_size`` attribute
+    (:class:`~moekit.models.TransformerLM`, :class:`~moekit.models.LSTMMoELM`). LSTM layers are
+    counted through their recurrent matmuls (``2 * 4 * hidden * (input + hidden)`` per token).
+
+    Comparing dense and MoE models at equal cost: a top-1 MoE layer applies one expert per token, so
+    ``TransformerLM(moe_layer=None)`` with the same ``dim``, ``depth`` and ``mlp_ratio`` (the dense
+    twin) has the same feed-forward FLOPs per token, up to the router's ``2 * dim * num_experts``.
+    For top-``k`` (dropless) the twin needs ``k`` times the hidden size: ``mlp_ratio * k`` (or keep
+    ``mlp_ratio`` and give the experts ``expert_hidden_features = hidden / k``, DeepSeek's
+    fine-grained experts). The active parameters per token then match as well.
+    """
+    vocab_size = getattr(model, "vocab_size", None)
+    if not isinstance(vocab_size, int):
+        raise ValueError(f"{type(model).__name__} has no int vocab_size attribute; lm_summary needs a language model")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive int")
+    max_seq_len = getattr(model, "max_seq_len", None)
+    if max_seq_len is not None and seq_len > max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; measure at most that")
+    device, _ = _device_and_dtype(model)
+    input_ids = torch.randint(vocab_size, (batch_size, seq_len), device=device)
+    measured = _measure(model, input_ids)
+    return LMSummary(
+        seq_len=seq_len,
+        total_params=measured.total_params,
+        expert_params=measured.expert_params,
+        active_params_per_token=measured.active_params_per_token,
+        flops_per_token=measured.flops / (batch_size * seq_len),
+        moe_layers=measured.moe_layers,
+    )
+
+
+@dataclass(frozen=True)
+class _Measured:
+    total_params: int
+    expert_params: int
+    active_params_per_token: float
+    flops: float  # the whole batch
+    moe_layers: tuple[MoELayerSummary, ...]
+
+
+def _device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    return device, dtype
+
+
+def _measure(model: nn.Module, example: Tensor) -> _Measured:
+    """One eval-mode forward of ``example`` (``[batch, ...]``) under the FLOP counter; the per-layer
+    FLOPs are per example (divided by ``batch``)."""
+    batch_size = example.shape[0]
     layers = list(moe_layers(model))
     tokens: dict[str, int] = {}
 
@@ -151,7 +283,7 @@ def model_summary(model: nn.Module, input_size: Sequence[int], batch_size: int =
     try:
         model.eval()
         with counter:
-            model(torch.randn(batch_size, *input_size, device=device, dtype=dtype))
+            model(example)
         flops = counter.get_flop_counts()
         root = type(model).__name__
         layer_summaries = tuple(
@@ -165,12 +297,11 @@ def model_summary(model: nn.Module, input_size: Sequence[int], batch_size: int =
 
     total = _param_count(model.parameters())
     experts = _param_count(p for m in model.modules() if isinstance(m, ExpertBank) for p in m.parameters())
-    return ModelSummary(
-        input_size=tuple(input_size),
+    return _Measured(
         total_params=total,
         expert_params=experts,
         active_params_per_token=total - experts + sum(s.active_params_per_token for s in layer_summaries),
-        flops_per_image=counter.get_total_flops() / batch_size,
+        flops=counter.get_total_flops(),
         moe_layers=layer_summaries,
     )
 

@@ -260,8 +260,9 @@ def require_causal(model: nn.Module) -> None:
         if not layer.causal_safe:
             raise ValueError(
                 f"MoE layer '{name}' ({type(layer).__name__}) is not causal: its routing of a token depends on "
-                "other tokens of the batch, including later ones. In a causal model use a per-token router "
-                "(TopKMoE with capacity_factor=None, HashMoE, DenseMoE)."
+                "other tokens of the batch, including later ones. In a causal model use a per-token router: "
+                "TopKMoE or HierarchicalMoE either dropless (capacity_factor=None) or with "
+                "capacity_scope='position', HashMoE, DenseMoE."
             )
 
 

@@ -40,12 +40,23 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return max(1, int(-(-round(top_k * num_tokens * capacity_factor / num_experts, 9) // 1)))
 
 
-def _keep_within_capacity(expert_ids: Tensor, num_experts: int, capacity: int, priority: Tensor | None) -> Tensor:
+def _keep_within_capacity(
+    expert_ids: Tensor,
+    num_experts: int,
+    capacity: int,
+    priority: Tensor | None,
+    group_ids: Tensor | None,
+    num_groups: int,
+) -> Tensor:
     """``[N, k]`` bool: an assignment is kept if fewer than ``capacity`` assignments come before it in
-    its expert's queue. The queue holds all first choices, then all second choices, ...; within one
-    choice rank, tokens come in ``priority`` order (highest first; Batch Prioritized Routing) or in
-    index order (first come, first served)."""
+    its queue. There is one queue per expert (per ``(group, expert)`` pair when ``group_ids`` is given).
+    A queue holds all first choices, then all second choices, ...; within one choice rank, tokens come
+    in ``priority`` order (highest first; Batch Prioritized Routing) or in index order (first come,
+    first served)."""
     num_tokens, top_k = expert_ids.shape
+    if group_ids is not None:
+        expert_ids = expert_ids + (group_ids * num_experts).unsqueeze(1)  # queue id = group * E + expert
+        num_experts = num_groups * num_experts
     if priority is None:
         token_order = torch.arange(num_tokens, device=expert_ids.device)
     else:
@@ -65,6 +76,8 @@ def plan_dispatch(
     num_experts: int,
     capacity: int | None = None,
     priority: Tensor | None = None,
+    group_ids: Tensor | None = None,
+    num_groups: int = 1,
 ) -> DispatchPlan:
     """Plan the dispatch of ``expert_ids: [N, k]``.
 
@@ -74,12 +87,17 @@ def plan_dispatch(
         capacity: assignments per expert (see :func:`expert_capacity`), or None for dropless.
         priority: ``[N]`` token priority for Batch Prioritized Routing (higher is served first), or
             None to serve tokens in index order. Ignored when ``capacity`` is None.
+        group_ids: ``[N]`` long in ``[0, num_groups)``: apply ``capacity`` to each group of tokens
+            separately (each expert takes up to ``capacity`` assignments from every group). Grouping the
+            tokens by sequence position makes dropping causal: a token competes only with the tokens at
+            its own position.
+        num_groups: the number of groups ``group_ids`` uses.
     """
     if capacity is None:
         keep = torch.ones_like(expert_ids, dtype=torch.bool)
         key = expert_ids.reshape(-1)
     else:
-        keep = _keep_within_capacity(expert_ids, num_experts, capacity, priority)
+        keep = _keep_within_capacity(expert_ids, num_experts, capacity, priority, group_ids, num_groups)
         key = torch.where(keep, expert_ids, num_experts).reshape(-1)  # dropped ones sort last
     order = torch.sort(key, stable=True).indices
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]

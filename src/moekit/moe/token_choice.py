@@ -30,6 +30,7 @@ from .stats import token_choice_stats
 __all__ = ["TokenChoiceMoE", "TopKMoE", "HashMoE", "BaseMoE", "HierarchicalMoE"]
 
 CapacityFactor = float | None
+CapacityScope = Literal["batch", "position"]
 
 
 def _check_capacity(value, name: str, layer: str) -> None:
@@ -48,6 +49,11 @@ class TokenChoiceMoE(MoELayer):
         capacity_factor: expert capacity ``C = ceil(k * tokens * capacity_factor / E)`` over all tokens
             of the forward; None = dropless.
         eval_capacity_factor: capacity factor in eval mode; ``"same"`` reuses ``capacity_factor``.
+        capacity_scope: ``"batch"``: one capacity over all ``batch * tokens`` tokens (vision);
+            ``"position"``: a capacity ``C = ceil(k * batch * capacity_factor / E)`` for each sequence
+            position, over the ``batch`` tokens at that position. Then whether a token is dropped never
+            depends on other positions: the layer is causal, and incremental decoding with a KV cache
+            drops exactly what the full forward drops.
         batch_priority: Batch Prioritized Routing (Riquelme et al. 2021): when capacity binds, tokens
             with the highest top router score are served first instead of the earliest tokens.
         expert_hidden_features: hidden size of each routed expert (default: ``hidden_features``);
@@ -75,11 +81,14 @@ class TokenChoiceMoE(MoELayer):
         expert_init_std: float | None,
         kernel: Kernel,
         compute_stats: bool,
+        capacity_scope: CapacityScope = "batch",
         device=None,
         dtype=None,
     ) -> None:
         super().__init__(compute_stats)
         name = type(self).__name__
+        if capacity_scope not in ("batch", "position"):
+            raise ValueError(f"{name}: capacity_scope={capacity_scope!r}; allowed: 'batch', 'position'")
         _check_capacity(capacity_factor, "capacity_factor", name)
         if eval_capacity_factor != "same":
             _check_capacity(eval_capacity_factor, "eval_capacity_factor", name)
@@ -95,6 +104,7 @@ class TokenChoiceMoE(MoELayer):
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
         self.batch_priority = batch_priority
+        self.capacity_scope = capacity_scope
         bank_options = dict(
             gated=gated, init=expert_init, init_std=expert_init_std, kernel=kernel, device=device, dtype=dtype
         )
@@ -105,10 +115,12 @@ class TokenChoiceMoE(MoELayer):
 
     @property
     def causal_safe(self) -> bool:
-        return self.capacity_factor is None and self.eval_capacity_factor is None
+        dropless = self.capacity_factor is None and self.eval_capacity_factor is None
+        return dropless or self.capacity_scope == "position"
 
     def expert_rows_per_token(self, num_tokens: int) -> float:
-        capacity = self.capacity(num_tokens)
+        # With a per-position capacity the drops depend on the batch size, not on num_tokens: report k.
+        capacity = self.capacity(num_tokens) if self.capacity_scope == "batch" else None
         routed = self.top_k if capacity is None else min(self.top_k, capacity * self.num_experts / num_tokens)
         shared = self.shared_experts.hidden_features / self.experts.hidden_features if self.shared_experts else 0.0
         return routed + shared
@@ -118,14 +130,20 @@ class TokenChoiceMoE(MoELayer):
         raise NotImplementedError
 
     def capacity(self, num_tokens: int) -> int | None:
-        """Assignments each expert may take in a forward of ``num_tokens`` tokens (None: dropless)."""
+        """Assignments each expert may take from ``num_tokens`` competing tokens (None: dropless)."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return None if factor is None else expert_capacity(num_tokens, self.top_k, self.num_experts, factor)
 
-    def plan(self, routing: Routing) -> DispatchPlan:
-        """Apply capacity (and Batch Prioritized Routing) to a routing decision."""
+    def plan(self, routing: Routing, batch: int, tokens: int) -> DispatchPlan:
+        """Apply capacity (and Batch Prioritized Routing) to the routing of ``batch * tokens`` tokens
+        (flattened batch-major)."""
         priority = routing.priority if self.batch_priority else None
-        return plan_dispatch(routing.expert_ids, self.num_experts, self.capacity(routing.expert_ids.shape[0]), priority)
+        if self.capacity_scope == "batch":
+            return plan_dispatch(routing.expert_ids, self.num_experts, self.capacity(batch * tokens), priority)
+        positions = torch.arange(tokens, device=routing.expert_ids.device).repeat(batch)
+        return plan_dispatch(
+            routing.expert_ids, self.num_experts, self.capacity(batch), priority, group_ids=positions, num_groups=tokens
+        )
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``.
@@ -137,7 +155,7 @@ class TokenChoiceMoE(MoELayer):
         x_flat = x.reshape(batch * tokens, dim)
         routing = self.route(x_flat, token_ids.reshape(-1) if token_ids is not None else None)
 
-        plan = self.plan(routing)
+        plan = self.plan(routing, batch, tokens)
         expert_out = self.experts(dispatch(x_flat, plan), plan.counts)
         out = combine(expert_out, plan, routing.gates)
         if self.shared_experts is not None:
@@ -156,7 +174,8 @@ class TokenChoiceMoE(MoELayer):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}, "
-            f"eval_capacity_factor={self.eval_capacity_factor}, batch_priority={self.batch_priority}"
+            f"eval_capacity_factor={self.eval_capacity_factor}, capacity_scope={self.capacity_scope!r}, "
+            f"batch_priority={self.batch_priority}"
         )
 
 
@@ -200,6 +219,7 @@ class TopKMoE(TokenChoiceMoE):
         top_k: int = 2,
         capacity_factor: CapacityFactor = None,
         eval_capacity_factor: CapacityFactor | Literal["same"] = "same",
+        capacity_scope: CapacityScope = "batch",
         batch_priority: bool = False,
         score_func: Literal["softmax", "sigmoid"] = "softmax",
         normalize_gates: bool = False,
@@ -243,6 +263,7 @@ class TopKMoE(TokenChoiceMoE):
             top_k=top_k,
             capacity_factor=capacity_factor,
             eval_capacity_factor=eval_capacity_factor,
+            capacity_scope=capacity_scope,
             batch_priority=batch_priority,
             expert_hidden_features=expert_hidden_features,
             num_shared_experts=num_shared_experts,
@@ -424,6 +445,7 @@ class HierarchicalMoE(TokenChoiceMoE):
         load_loss_weight: float = 0.0,
         capacity_factor: CapacityFactor = None,
         eval_capacity_factor: CapacityFactor | Literal["same"] = "same",
+        capacity_scope: CapacityScope = "batch",
         batch_priority: bool = False,
         expert_hidden_features: int | None = None,
         gated: bool = False,
@@ -455,6 +477,7 @@ class HierarchicalMoE(TokenChoiceMoE):
             top_k=top_k_groups * top_k,
             capacity_factor=capacity_factor,
             eval_capacity_factor=eval_capacity_factor,
+            capacity_scope=capacity_scope,
             batch_priority=batch_priority,
             expert_hidden_features=expert_hidden_features,
             num_shared_experts=0,

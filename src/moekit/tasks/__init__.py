@@ -1,5 +1,7 @@
 """LightningModules: the training tasks."""
 
+from .base import MoETask
 from .classification import ImageClassifier
+from .language_model import LanguageModel
 
-__all__ = ["ImageClassifier"]
+__all__ = ["MoETask", "ImageClassifier", "LanguageModel"]

@@ -17,28 +17,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
-from lightning import LightningModule
-from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from moekit.checkpoint import head_prefixes, load_weights, read_state_dict
-from moekit.moe import collect_moe_outputs, update_balancing_biases
 
-from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
+from .base import MoETask, plain
 
 __all__ = ["ImageClassifier"]
 
 
-def _plain(config: Any) -> Any:
-    """DictConfig -> plain containers (resolved), so hyperparameters pickle and log cleanly."""
-    if isinstance(config, DictConfig):
-        return OmegaConf.to_container(config, resolve=True)
-    return config
-
-
-class ImageClassifier(LightningModule):
+class ImageClassifier(MoETask):
     """Classifier training/evaluation.
 
     Args:
@@ -74,7 +63,7 @@ class ImageClassifier(LightningModule):
         run_config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        net, optimizer, scheduler, mixup, run_config = map(_plain, (net, optimizer, scheduler, mixup, run_config))
+        net, optimizer, scheduler, mixup, run_config = map(plain, (net, optimizer, scheduler, mixup, run_config))
         self.save_hyperparameters(
             {
                 "net": net,
@@ -93,15 +82,13 @@ class ImageClassifier(LightningModule):
         )
         if init_mode not in ("finetune", "upcycle"):
             raise ValueError(f"init_mode={init_mode!r}; allowed: 'finetune', 'upcycle'")
-        self.net: nn.Module = instantiate(net)
+        self.setup_training(net, optimizer, scheduler)
         head_classes = getattr(self.net, "num_classes", num_classes)
         if head_classes != num_classes:
             raise ValueError(
                 f"the network has {head_classes} outputs but the data has num_classes={num_classes}; "
                 "set model.num_classes to the dataset's class count"
             )
-        self.optimizer_config = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.05, **(optimizer or {})}
-        self.schedule = ScheduleConfig(**(scheduler or {}))
         self.label_smoothing = label_smoothing
         self.mixup = None
         if mixup:
@@ -157,17 +144,7 @@ class ImageClassifier(LightningModule):
             task_loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
         else:
             task_loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.label_smoothing)
-        moe = collect_moe_outputs(self.net)
-        loss = task_loss + moe.aux_loss
-        # Training logs per step (rank 0's values); evaluation logs epoch means reduced over ranks.
-        on_step = split == "train"
-        log = dict(on_step=on_step, on_epoch=True, batch_size=images.shape[0], sync_dist=not on_step)
-        self.log(f"{split}/loss", loss, prog_bar=True, **log)
-        self.log(f"{split}/ce", task_loss, **log)
-        for name, value in moe.aux_losses.items():
-            self.log(f"{split}/aux/{name}", value, **log)
-        if moe.aux_losses:
-            self.log(f"{split}/aux/total", moe.aux_loss, **log)
+        loss = self.add_aux_losses(split, task_loss, batch_size=images.shape[0])
         preds = logits.detach()
         for k in sorted({1, self.top5}):
             metric = self.metrics[f"{split}_acc{k}"]
@@ -180,20 +157,7 @@ class ImageClassifier(LightningModule):
                 prog_bar=k == 1,
                 batch_size=images.shape[0],
             )
-        if split == "train" and self._trainer is not None and self._should_log_routing():
-            self._log_routing(moe.stats)
         return loss
-
-    def _should_log_routing(self) -> bool:
-        every = max(1, self.trainer.log_every_n_steps)
-        return self.global_step % every == 0
-
-    def _log_routing(self, stats: Mapping[str, Mapping[str, Tensor]]) -> None:
-        """Scalar routing statistics of every MoE layer, ``moe/<layer>/<stat>``."""
-        for layer, values in stats.items():
-            for name, value in values.items():
-                if value.numel() == 1:
-                    self.log(f"moe/{layer}/{name}", value, on_step=True, on_epoch=False)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         return self._shared_step(batch, "train")
@@ -203,16 +167,3 @@ class ImageClassifier(LightningModule):
 
     def test_step(self, batch, batch_idx: int) -> Tensor:
         return self._shared_step(batch, "test")
-
-    def optimizer_step(self, *args, **kwargs) -> None:
-        super().optimizer_step(*args, **kwargs)
-        update_balancing_biases(self.net)  # loss-free balancing: once per optimizer step
-
-    def configure_optimizers(self):
-        config = dict(self.optimizer_config)
-        weight_decay = config.pop("weight_decay")
-        decay_1d = config.pop("decay_1d", False)
-        optimizer = build_optimizer(param_groups(self.net, weight_decay, decay_1d), **config)
-        total = int(self.trainer.estimated_stepping_batches)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,10 @@
+"""Generate text from a language-model checkpoint:
+``python scripts/sample.py ckpt_path=<ckpt> prompt="def " [max_new_tokens=200] [temperature=0.8] [top_p=0.95]``."""
+
+from pathlib import Path
+
+from moekit.cli import run_script
+from moekit.run import sample
+
+if __name__ == "__main__":
+    run_script(sample, "sample", Path(__file__).parents[1] / "configs")

@@ -1,0 +1,623 @@
+"""Text data for language modelling: tokenizers, corpora and ``TextDataModule``.
+
+Tokenizers (all have ``vocab_size``, ``encode(text) -> list[int]``, ``decode(ids) -> str`` and ``name``):
+
+- ``ByteTokenizer``: the UTF-8 bytes, 256 tokens, nothing to download (the default);
+- ``FileTokenizer``: a Hugging Face ``tokenizers`` JSON file (``tokenizer.json``);
+- ``GPT2Tokenizer``: GPT-2's byte-level BPE from its ``vocab.json`` + ``merges.txt``.
+
+Corpora (:func:`load_corpus`, a list of documents):
+
+- "pydoc": Python's own documentation shipped with CPython (``pydoc_data.topics``, ~465k characters),
+  offline and deterministic (the default);
+- "files": text files, or folders read recursively (``*.txt``, ``*.md``, ``*.rst``);
+- "hf": a Hugging Face dataset saved with ``save_to_disk`` (needs ``pip install datasets``).
+
+``TextDataModule`` tokenizes the whole corpus once into one token stream, splits it into contiguous
+train / val / test parts and yields ``(inputs [B, seq_len] int64, targets [B, seq_len] int64)`` with
+``targets`` = ``inputs`` shifted by one token.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = [
+    "CORPUS_SOURCES",
+    "DOCUMENT_SEPARATOR",
+    "TEXT_FILE_SUFFIXES",
+    "TOKENIZER_KINDS",
+    "ByteTokenizer",
+    "FileTokenizer",
+    "GPT2Tokenizer",
+    "TextDataModule",
+    "TextTokenizer",
+    "TokenWindows",
+    "build_tokenizer",
+    "encode_documents",
+    "load_corpus",
+]
+
+TOKENIZER_KINDS = ("byte", "file", "gpt2")
+TOKENIZER_KEYS = ("kind", "path", "vocab_file", "merges_file")  # keywords of build_tokenizer
+CORPUS_SOURCES = ("pydoc", "files", "hf")
+TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
+DOCUMENT_SEPARATOR = "\n\n"
+GPT2_END_OF_TEXT = "<|endoftext|>"
+
+PathLike = str | os.PathLike[str]
+
+
+# --- tokenizers ----------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What ``TextDataModule`` needs of a tokenizer."""
+
+    name: str
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def _id_list(ids: Sequence[int]) -> list[int]:
+    """``ids`` (a list, a numpy array or a tensor) as a list of Python ints."""
+    return ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids ``0..255``, ``vocab_size`` 256, one token per byte.
+
+    ``decode`` replaces invalid UTF-8 (e.g. a multi-byte character cut in half) with U+FFFD.
+    """
+
+    name = "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The bytes of ``text`` as ``[n_bytes]`` uint8, without a Python loop."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        array = np.asarray(_id_list(ids), dtype=np.int64)
+        if array.size and (array.min() < 0 or array.max() > 255):
+            bad = array[(array < 0) | (array > 255)][0]
+            raise ValueError(f"ByteTokenizer.decode: id {bad} is not a byte (ids must be in 0..255)")
+        return array.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class _BackendTokenizer:
+    """A tokenizer backed by a ``tokenizers.Tokenizer`` (``self.backend``).
+
+    ``encode`` adds no special tokens (no post-processor template: the corpus is one token stream);
+    ``decode`` keeps special tokens, so ``decode(encode(text)) == text`` for lossless (byte-level) models.
+    """
+
+    name: str
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Model vocabulary plus added tokens: every id ``encode`` can return is below it."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(text) for text in texts]``, encoded in parallel by ``tokenizers``."""
+        # encode_batch_fast (tokenizers >= 0.20) skips the offsets, which are not needed here.
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        encodings = encode(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(_id_list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def _require_file(value: object, what: str, fix: str) -> Path:
+    if value is None:
+        raise ValueError(f"{what} is not set; {fix}")
+    path = Path(os.fspath(value)).expanduser()
+    if not path.is_file():
+        state = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{what}={str(value)!r} {state}; {fix}")
+    return path
+
+
+class FileTokenizer(_BackendTokenizer):
+    """A Hugging Face ``tokenizers`` JSON file (what ``tokenizers.Tokenizer.save`` writes, ``tokenizer.json``).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file is not a valid tokenizers JSON (the message carries the parser's error).
+    """
+
+    def __init__(self, path: PathLike) -> None:
+        from tokenizers import Tokenizer
+
+        fix = "point it at a tokenizer.json written by tokenizers.Tokenizer.save (Hydra: data.tokenizer.path=...)"
+        file = _require_file(path, "tokenizer path", fix)
+        try:
+            backend = Tokenizer.from_file(str(file))
+        except Exception as err:  # tokenizers raises a bare Exception for I/O and JSON errors
+            raise ValueError(
+                f"tokenizer path={str(path)!r} is not a valid tokenizers JSON file ({err}); {fix}"
+            ) from err
+        super().__init__(backend)
+        self.path = file
+        self.name = f"file:{file}"
+
+
+class GPT2Tokenizer(_BackendTokenizer):
+    """GPT-2's byte-level BPE from the ``vocab.json`` (token -> id) and ``merges.txt`` files of the model.
+
+    Set up as GPT-2's own tokenizer: BPE without unknown token, byte-level pre-tokenizer (GPT-2's regex,
+    ``add_prefix_space=False``) and byte-level decoder; ``<|endoftext|>``, when in the vocabulary, is
+    a special token (the text ``"<|endoftext|>"`` encodes to its single id, 50256 for GPT-2).
+    With GPT-2's files ``vocab_size`` is 50257.
+
+    Raises:
+        FileNotFoundError: either file is missing.
+        ValueError: the files cannot be parsed as a BPE vocabulary and merges.
+    """
+
+    def __init__(self, vocab_file: PathLike, merges_file: PathLike) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        fix = (
+            "give GPT-2's vocab.json and merges.txt "
+            "(Hydra: data.tokenizer.vocab_file=... data.tokenizer.merges_file=...)"
+        )
+        vocab = _require_file(vocab_file, "vocab_file", fix)
+        merges = _require_file(merges_file, "merges_file", fix)
+        try:
+            model = models.BPE.from_file(str(vocab), str(merges))
+        except Exception as err:  # tokenizers raises a bare Exception for I/O and parse errors
+            raise ValueError(
+                f"vocab_file={str(vocab_file)!r} / merges_file={str(merges_file)!r} are not a BPE vocab.json + "
+                f"merges.txt pair ({err}); {fix}"
+            ) from err
+        backend = Tokenizer(model)
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        if backend.token_to_id(GPT2_END_OF_TEXT) is not None:
+            backend.add_special_tokens([GPT2_END_OF_TEXT])
+        super().__init__(backend)
+        self.vocab_file, self.merges_file = vocab, merges
+        self.name = f"gpt2:{vocab}"
+
+
+def build_tokenizer(
+    kind: str = "byte",
+    path: PathLike | None = None,
+    vocab_file: PathLike | None = None,
+    merges_file: PathLike | None = None,
+) -> ByteTokenizer | FileTokenizer | GPT2Tokenizer:
+    """The tokenizer of ``kind``: "byte" (no files), "file" (``path``) or "gpt2" (``vocab_file`` + ``merges_file``).
+
+    Raises:
+        ValueError: unknown ``kind``, a file argument that ``kind`` does not use, or an invalid file.
+        FileNotFoundError: a missing file.
+    """
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(f"tokenizer kind={kind!r} is not supported; choose one of {list(TOKENIZER_KINDS)}")
+    owner = {"path": "file", "vocab_file": "gpt2", "merges_file": "gpt2"}
+    for name, value in (("path", path), ("vocab_file", vocab_file), ("merges_file", merges_file)):
+        if value is not None and owner[name] != kind:
+            raise ValueError(
+                f"tokenizer {name}={str(value)!r} is only used by kind={owner[name]!r}, not kind={kind!r}; "
+                f"set kind={owner[name]!r} or drop {name}"
+            )
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "file":
+        return FileTokenizer(path)  # type: ignore[arg-type]  # None is reported by FileTokenizer
+    return GPT2Tokenizer(vocab_file, merges_file)  # type: ignore[arg-type]
+
+
+def encode_documents(tokenizer: TextTokenizer, documents: Sequence[str], separator: str = DOCUMENT_SEPARATOR) -> Tensor:
+    """The token stream of ``separator.join(documents)``: ``[n_tokens]`` int64.
+
+    ``ByteTokenizer`` encodes the joined text in one ``numpy.frombuffer``; tokenizers with
+    ``encode_batch`` (``FileTokenizer``, ``GPT2Tokenizer``) encode the documents in parallel, each
+    with the separator appended (all but the last), so no token spans two documents; any other
+    tokenizer is called once per document the same way.
+    """
+    if isinstance(tokenizer, ByteTokenizer):
+        return torch.from_numpy(tokenizer.encode_array(separator.join(documents)).astype(np.int64))
+    pieces = [document + separator for document in documents[:-1]] + list(documents[-1:])
+    if hasattr(tokenizer, "encode_batch"):
+        encoded = tokenizer.encode_batch(pieces)
+    else:
+        encoded = [tokenizer.encode(piece) for piece in pieces]
+    arrays = [np.asarray(ids, dtype=np.int64) for ids in encoded]
+    return torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64))
+
+
+# --- corpora -------------------------------------------------------------------------------------
+
+
+def _check_source_args(source: str, paths: object, hf_dataset: object) -> None:
+    """Errors for an unknown ``source`` and for arguments missing for it or meant for another source."""
+    if source not in CORPUS_SOURCES:
+        raise ValueError(f"source={source!r} is not supported; choose one of {list(CORPUS_SOURCES)}")
+    if source == "files" and paths is None:
+        raise ValueError("source='files' needs paths=<file, folder or list of them> (Hydra: data.paths=...)")
+    if source == "hf" and hf_dataset is None:
+        raise ValueError("source='hf' needs hf_dataset=<folder written by save_to_disk> (Hydra: data.hf_dataset=...)")
+    if source != "files" and paths is not None:
+        raise ValueError(f"paths={paths!r} is only read with source='files' (source={source!r}); drop it or set source")
+    if source != "hf" and hf_dataset is not None:
+        raise ValueError(f"hf_dataset={hf_dataset!r} is only read with source='hf' (source={source!r}); drop it")
+
+
+def _pydoc_documents() -> list[str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as err:  # stripped-down Python builds can leave the standard library's docs out
+        raise FileNotFoundError(
+            "source='pydoc' needs the standard library module pydoc_data.topics, which this Python lacks; "
+            "install the full standard library (e.g. Debian's libpython3-stdlib) or use source='files'"
+        ) from err
+    return [topics[key] for key in sorted(topics)]
+
+
+def _read_text_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"text file {str(path)!r} is not valid UTF-8 ({err}); convert it to UTF-8 or drop it") from err
+
+
+def _text_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
+    """The files of ``paths`` in order: a file as given, a folder's text files recursively, sorted."""
+    entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not entries:
+        raise ValueError("paths=[] lists no file or folder; give at least one (Hydra: data.paths=...)")
+    files: list[Path] = []
+    for entry in entries:
+        path = Path(os.fspath(entry)).expanduser()
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.suffix.lower() in TEXT_FILE_SUFFIXES and p.is_file())
+            if not found:
+                raise FileNotFoundError(
+                    f"folder {str(entry)!r} holds no text files ({', '.join('*' + s for s in TEXT_FILE_SUFFIXES)}, "
+                    "searched recursively); add some or give the files' paths explicitly"
+                )
+            files.extend(found)
+        else:
+            raise FileNotFoundError(f"paths entry {str(entry)!r} does not exist; fix the path (Hydra: data.paths=...)")
+    return files
+
+
+def _hf_documents(hf_dataset: PathLike, text_column: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("source='hf' needs the datasets package: pip install datasets") from err
+    folder = Path(os.fspath(hf_dataset)).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"hf_dataset={str(hf_dataset)!r} does not exist; give the folder written by Dataset.save_to_disk"
+        )
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"hf_dataset={str(hf_dataset)!r} is not a dataset saved with save_to_disk ({err}); "
+            "save one with datasets.load_dataset(...).save_to_disk(path)"
+        ) from err
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        if "train" in loaded:
+            loaded = loaded["train"]
+        elif len(splits) == 1:
+            loaded = loaded[splits[0]]
+        else:
+            raise ValueError(
+                f"hf_dataset={str(hf_dataset)!r} is a DatasetDict with splits {splits} and no 'train'; save the split "
+                "to train on alone: dataset_dict[<split>].save_to_disk(path)"
+            )
+    if text_column not in loaded.column_names:
+        raise ValueError(
+            f"text_column={text_column!r} is not a column of hf_dataset={str(hf_dataset)!r}; its columns are "
+            f"{loaded.column_names} (Hydra: data.text_column=...)"
+        )
+    documents = list(loaded[text_column])
+    for index, document in enumerate(documents):
+        if document is not None and not isinstance(document, str):
+            raise ValueError(
+                f"text_column={text_column!r} of hf_dataset={str(hf_dataset)!r} holds {type(document).__name__} "
+                f"values (row {index}), not strings; choose a text column"
+            )
+    return [document for document in documents if document is not None]
+
+
+def load_corpus(
+    source: str = "pydoc",
+    paths: PathLike | Sequence[PathLike] | None = None,
+    hf_dataset: PathLike | None = None,
+    text_column: str = "text",
+) -> list[str]:
+    """The documents of a corpus, in a fixed order; empty documents are dropped.
+
+    Args:
+        source: "pydoc": the topics of ``pydoc_data.topics`` (Python's documentation), one document per
+            topic in sorted key order. "files": one document per file of ``paths``. "hf": one document
+            per row of ``hf_dataset``.
+        paths: "files" only: a file, a folder, or a list of them, in that order. A folder contributes
+            its ``*.txt``, ``*.md`` and ``*.rst`` files, recursively, sorted by path; a file is read
+            whatever its suffix. Files are read as UTF-8.
+        hf_dataset: "hf" only: a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``.
+            Of a ``DatasetDict`` only the "train" split is read (or its only split): ``TextDataModule``
+            carves validation and test out of it, so the dataset's own held-out splits are never trained on.
+        text_column: "hf" only: the column holding the text (None values are skipped).
+
+    Raises:
+        ValueError: unknown source, arguments for another source, a missing column, non-UTF-8 files,
+            a corpus without any text.
+        FileNotFoundError: a missing path, a folder without text files, a folder that is not a saved dataset.
+        ImportError: "hf" without the ``datasets`` package.
+    """
+    _check_source_args(source, paths, hf_dataset)
+    if source == "pydoc":
+        documents, where = _pydoc_documents(), "source='pydoc'"
+    elif source == "files":
+        documents = [_read_text_file(path) for path in _text_files(paths)]  # type: ignore[arg-type]
+        where = f"paths={paths!r}"
+    else:
+        documents = _hf_documents(hf_dataset, text_column)  # type: ignore[arg-type]
+        where = f"hf_dataset={str(hf_dataset)!r} (column {text_column!r})"
+    documents = [document for document in documents if document]
+    if not documents:
+        raise ValueError(f"the corpus of {where} is empty (no text at all); point it at files or rows with text")
+    return documents
+
+
+# --- datasets and the DataModule -----------------------------------------------------------------
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of a token stream: item ``i`` is ``(inputs [seq_len], targets [seq_len])`` int64.
+
+    Window ``i`` reads ``tokens[i * seq_len : (i + 1) * seq_len + 1]``: ``inputs`` are its first ``seq_len``
+    tokens, ``targets`` its last ``seq_len`` (the next token of each input). Every token after the first
+    is a target exactly once; there are ``(len(tokens) - 1) // seq_len`` windows and the incomplete
+    tail (fewer than ``seq_len`` targets) is dropped.
+    """
+
+    def __init__(self, tokens: Tensor, seq_len: int) -> None:
+        if tokens.ndim != 1:
+            raise ValueError(f"TokenWindows: tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        self.tokens = tokens.long()
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(len(self.tokens) - 1, 0) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        start = (index % len(self)) * self.seq_len
+        window = self.tokens[start : start + self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_fraction(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+
+
+class TextDataModule(L.LightningDataModule):
+    """Language-modelling loaders of ``(inputs [B, seq_len] int64, targets [B, seq_len] int64)``.
+
+    The corpus (:func:`load_corpus`) is tokenized once, documents joined with ``"\\n\\n"``, into one
+    token stream of ``N`` tokens. The splits are contiguous and in order: the first
+    ``N - n_val - n_test`` tokens are train, the next ``n_val = floor(val_fraction * N)`` val, the last
+    ``n_test = floor(test_fraction * N)`` test. Each split is cut into its own non-overlapping windows
+    (:class:`TokenWindows`, stride ``seq_len``, the incomplete tail dropped), so no window, input or
+    target, crosses a split boundary. Train windows are shuffled (seeded) every epoch; val / test are in order.
+
+    Args:
+        source, paths, hf_dataset, text_column: the corpus, see :func:`load_corpus` ("pydoc": offline).
+        tokenizer: keywords of :func:`build_tokenizer` (``kind``, ``path``, ``vocab_file``,
+            ``merges_file``); None: the byte tokenizer.
+        vocab_size: the value the config expects (the model reads ``${data.vocab_size}``); a tokenizer
+            of another size is an error. None: no check.
+        seq_len: tokens per sequence (inputs and targets each).
+        batch_size: training batch size.
+        eval_batch_size: val / test batch size (default ``batch_size``).
+        val_fraction, test_fraction: fractions of the token stream held out, each in ``[0, 1)``, their sum
+            below 1. 0: no such split (its loader is an empty list: Lightning skips validation / testing).
+        num_workers: DataLoader worker processes (persistent when > 0).
+        pin_memory: DataLoader ``pin_memory``.
+        drop_last: drop the last incomplete training batch.
+        seed: seeds the training shuffle (Hydra: ``${oc.select:seed,0}``).
+
+    After ``setup()``: ``tokens`` (the whole stream ``[N]`` int64), ``split_tokens`` (name -> ``[n]``
+    int64), ``train_set`` / ``val_set`` / ``test_set`` (:class:`TokenWindows`) and ``bytes_per_token``
+    (split name -> UTF-8 bytes of the split's decoded text / its tokens; 1.0 for the byte tokenizer;
+    non-empty splits only). Bits per byte = mean next-token loss in nats / ln 2 / ``bytes_per_token``.
+    ``tokenizer``, ``vocab_size`` and ``seq_len`` are set by ``__init__``.
+    """
+
+    def __init__(
+        self,
+        source: str = "pydoc",
+        paths: PathLike | Sequence[PathLike] | None = None,
+        hf_dataset: PathLike | None = None,
+        text_column: str = "text",
+        tokenizer: Mapping | None = None,
+        vocab_size: int | None = None,
+        seq_len: int = 256,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__()
+        _check_source_args(source, paths, hf_dataset)
+        if not (_is_int(seq_len) and seq_len >= 1):
+            raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+        for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+            if value is not None and not (_is_int(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not (_is_int(num_workers) and num_workers >= 0):
+            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0")
+        for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+            if not _is_fraction(value):
+                raise ValueError(f"{name}={value!r} must be a fraction in [0, 1) (0: no {name.split('_')[0]} split)")
+        if val_fraction + test_fraction >= 1:
+            raise ValueError(
+                f"val_fraction={val_fraction} + test_fraction={test_fraction} = {val_fraction + test_fraction:g} "
+                "leaves no training data; their sum must be below 1"
+            )
+        tokenizer_kwargs = dict(tokenizer) if tokenizer is not None else {}
+        unknown = sorted(set(tokenizer_kwargs) - set(TOKENIZER_KEYS))
+        if unknown:
+            raise ValueError(f"tokenizer keys {unknown} are not supported; use {list(TOKENIZER_KEYS)}")
+        self.save_hyperparameters()
+
+        self.tokenizer = build_tokenizer(**tokenizer_kwargs)
+        if vocab_size is not None and vocab_size != self.tokenizer.vocab_size:
+            size = self.tokenizer.vocab_size
+            raise ValueError(
+                f"data.vocab_size={vocab_size} but tokenizer {self.tokenizer.name!r} has {size} tokens; "
+                f"set data.vocab_size={size} (the model reads it through ${{data.vocab_size}})"
+            )
+        self.vocab_size = self.tokenizer.vocab_size
+        self.seq_len = seq_len
+        self.source, self.paths, self.hf_dataset, self.text_column = source, paths, hf_dataset, text_column
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.drop_last = drop_last
+        self.seed = seed
+        # Set by setup().
+        self.tokens: Tensor | None = None
+        self.split_tokens: dict[str, Tensor] = {}
+        self.bytes_per_token: dict[str, float] = {}
+        self.train_set: TokenWindows | None = None
+        self.val_set: TokenWindows | None = None
+        self.test_set: TokenWindows | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read and tokenize the corpus and build all three splits (whatever ``stage``); later calls do nothing."""
+        if self.train_set is not None:
+            return
+        documents = load_corpus(self.source, self.paths, self.hf_dataset, self.text_column)
+        tokens = encode_documents(self.tokenizer, documents)
+        n = len(tokens)
+        n_val, n_test = int(self.val_fraction * n), int(self.test_fraction * n)
+        bounds = {"train": (0, n - n_val - n_test), "val": (n - n_val - n_test, n - n_test), "test": (n - n_test, n)}
+        fractions = {
+            "train": 1 - self.val_fraction - self.test_fraction,
+            "val": self.val_fraction,
+            "test": self.test_fraction,
+        }
+        split_tokens: dict[str, Tensor] = {}
+        for split, (start, end) in bounds.items():
+            if fractions[split] == 0:
+                split_tokens[split] = tokens[:0]
+                continue
+            if end - start < self.seq_len + 1:
+                resize = "smaller val_fraction / test_fraction" if split == "train" else f"larger {split}_fraction"
+                raise ValueError(
+                    f"the {split} split has {end - start} tokens ({fractions[split]:g} of the {n} tokens of the "
+                    f"corpus), fewer than seq_len + 1 = {self.seq_len + 1}; use a smaller seq_len, a {resize}, "
+                    "or more data"
+                )
+            split_tokens[split] = tokens[start:end]
+        self.tokens, self.split_tokens = tokens, split_tokens
+        self.bytes_per_token = {
+            split: self._bytes_per_token(part) for split, part in split_tokens.items() if len(part) > 0
+        }
+        self.val_set = TokenWindows(split_tokens["val"], self.seq_len)
+        self.test_set = TokenWindows(split_tokens["test"], self.seq_len)
+        self.train_set = TokenWindows(split_tokens["train"], self.seq_len)
+
+    def _bytes_per_token(self, tokens: Tensor) -> float:
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return 1.0
+        return len(self.tokenizer.decode(tokens).encode("utf-8")) / len(tokens)
+
+    def _require_setup(self) -> None:
+        if self.train_set is None:
+            self.setup()
+
+    def _loader(self, dataset: TokenWindows, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled windows (seeded generator: a new order each epoch, the same sequence for the same seed)."""
+        self._require_setup()
+        if self.drop_last and len(self.train_set) < self.batch_size:
+            raise ValueError(
+                f"the train split has {len(self.train_set)} windows of seq_len={self.seq_len}, fewer than "
+                f"batch_size={self.batch_size}, so drop_last=True leaves no batch; use a smaller batch_size or "
+                "seq_len, more data, or drop_last=false"
+            )
+        return self._loader(self.train_set, self.batch_size, shuffle=True, drop_last=self.drop_last)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """The val windows in order; an empty list (Lightning then skips validation) when ``val_fraction`` is 0."""
+        self._require_setup()
+        if len(self.val_set) == 0:
+            return []
+        return self._loader(self.val_set, self.eval_batch_size, shuffle=False, drop_last=False)
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The test windows in order; an empty list (Lightning then runs no test batch) when ``test_fraction`` is 0."""
+        self._require_setup()
+        if len(self.test_set) == 0:
+            return []
+        return self._loader(self.test_set, self.eval_batch_size, shuffle=False, drop_last=False)

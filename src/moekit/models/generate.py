@@ -1,0 +1,132 @@
+"""Autoregressive sampling from the language models of :mod:`moekit.models.lm`.
+
+:func:`sample_next_token` turns next-token logits into tokens (greedy, temperature, top-k, nucleus);
+:func:`generate` extends prompts token by token, with the model's cache (a KV cache for
+:class:`~moekit.models.TransformerLM`, the carried LSTM state for :class:`~moekit.models.LSTMMoELM`)
+or by re-running the whole sequence every step.
+
+Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` per token, an exact sample of ``p`` (the
+exponential race) that stays on the device: no host synchronisation per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .lm import check_seq_len
+
+__all__ = ["sample_next_token", "generate"]
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0 = greedy argmax)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be an int >= 1 (keep the k most likely tokens), or None for all")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p!r} must lie in (0, 1] (the nucleus' probability mass), or None for all")
+
+
+def _keep_top_k(logits: Tensor, top_k: int) -> Tensor:
+    """``logits`` with all but the ``top_k`` largest of each row set to ``-inf``."""
+    top = logits.topk(top_k, dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+
+
+def _keep_nucleus(logits: Tensor, top_p: float) -> Tensor:
+    """``logits`` with ``-inf`` outside each row's nucleus: the most likely tokens whose probability
+    first reaches ``top_p`` (the top token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.empty_like(logits).scatter(-1, order, sorted_logits)
+
+
+def sample_next_token(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Sample one token per row of ``logits: [batch, vocab]`` -> ``[batch]`` long.
+
+    Args:
+        logits: next-token logits (any float dtype; sampled in float32).
+        temperature: divides the logits; 0 = greedy (argmax; ``top_k`` / ``top_p`` then change nothing).
+        top_k: keep the ``top_k`` most likely tokens (None or >= vocab: all).
+        top_p: then keep the nucleus: the most likely tokens whose probability reaches ``top_p``
+            (renormalised over the tokens ``top_k`` kept); None or 1: all.
+        generator: the random generator (on the logits' device) for reproducible samples.
+    """
+    _check_sampling(temperature, top_k, top_p)
+    if logits.dim() != 2:
+        raise ValueError(f"logits of shape {tuple(logits.shape)}; expected [batch, vocab]")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        logits = _keep_top_k(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = _keep_nucleus(logits, top_p)
+    probs = logits.softmax(dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Extend ``prompt_ids: [batch, T0]`` by ``max_new_tokens`` sampled tokens -> ``[batch, T0 + max_new_tokens]``.
+
+    Runs ``model`` in eval mode (its mode is restored afterwards) without gradients. With
+    ``use_cache`` the prompt is run once into ``model.init_cache(batch)`` and then one token per step;
+    without, every step re-runs the whole sequence. Sampling arguments as in :func:`sample_next_token`.
+
+    Raises:
+        ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids, or
+            ``T0 + max_new_tokens`` beyond the model's ``max_seq_len`` (checked before any work).
+    """
+    _check_sampling(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
+    if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
+        shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"prompt_ids of shape {shape}; expected [batch, tokens] with at least one token per row")
+    if use_cache and not callable(getattr(model, "init_cache", None)):
+        raise ValueError(f"use_cache=True needs {type(model).__name__}.init_cache(batch_size); pass use_cache=False")
+    batch, prompt_len = prompt_ids.shape
+    total = prompt_len + max_new_tokens
+    check_seq_len(total, getattr(model, "max_seq_len", None))
+
+    tokens = prompt_ids.new_empty(batch, total)
+    tokens[:, :prompt_len] = prompt_ids
+    if max_new_tokens == 0:
+        return tokens
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.init_cache(batch) if use_cache else None
+        logits = model(prompt_ids, cache=cache)[:, -1] if use_cache else model(prompt_ids)[:, -1]
+        for t in range(prompt_len, total):
+            next_token = sample_next_token(logits, temperature, top_k, top_p, generator)
+            tokens[:, t] = next_token
+            if t + 1 == total:
+                break
+            if use_cache:
+                logits = model(next_token.unsqueeze(1), cache=cache)[:, -1]
+            else:
+                logits = model(tokens[:, : t + 1])[:, -1]
+    finally:
+        model.train(was_training)
+    return tokens

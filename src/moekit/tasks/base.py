@@ -1,0 +1,98 @@
+"""What every moekit task shares, whatever the data: the network built from its config, AdamW with
+parameter groups and a per-step schedule, the MoE auxiliary losses added to the task loss and logged
+one by one, the routing statistics logged every ``log_every_n_steps``, and loss-free balancing
+updated once per optimizer step.
+
+Subclasses (:class:`~moekit.tasks.ImageClassifier`, :class:`~moekit.tasks.LanguageModel`) compute
+their task loss and metrics and call :meth:`MoETask.add_aux_losses`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from lightning import LightningModule
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from moekit.moe import collect_moe_outputs, update_balancing_biases
+
+from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
+
+__all__ = ["MoETask", "plain"]
+
+TASK_KEY = "moekit_task"
+"""Checkpoint entry naming the task class (``module:qualname``), so one loader reads any task."""
+
+
+def plain(config: Any) -> Any:
+    """DictConfig -> plain containers (resolved), so hyperparameters pickle and log cleanly."""
+    if isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True)
+    return config
+
+
+class MoETask(LightningModule):
+    """Base of the tasks. ``self.net`` is the network; subclasses call :meth:`setup_training` in
+    their ``__init__`` after ``save_hyperparameters``.
+
+    Optimizer config: ``{name: adamw|sgd, lr, weight_decay, betas, eps, decay_1d}``; scheduler config:
+    the fields of :class:`~moekit.tasks.optim.ScheduleConfig`.
+    """
+
+    net: nn.Module
+
+    def setup_training(self, net: Mapping[str, Any], optimizer: Mapping | None, scheduler: Mapping | None) -> None:
+        """Instantiate ``net`` (a Hydra ``_target_`` dict) and keep the optimizer/schedule settings."""
+        self.net = instantiate(net)
+        self.optimizer_config = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.05, **(optimizer or {})}
+        self.schedule = ScheduleConfig(**(scheduler or {}))
+
+    def add_aux_losses(self, split: str, task_loss: Tensor, batch_size: int) -> Tensor:
+        """Task loss (a cross-entropy) + the weighted MoE auxiliary losses of the latest forward. Logs
+        ``<split>/loss``, ``<split>/ce`` and each aux loss (``<split>/aux/<name>``, ``<split>/aux/total``); in training
+        also the routing statistics (``moe/<layer>/<stat>``) every ``log_every_n_steps``."""
+        moe = collect_moe_outputs(self.net)
+        loss = task_loss + moe.aux_loss
+        # Training logs per step (rank 0's values); evaluation logs epoch means reduced over ranks.
+        on_step = split == "train"
+        log = dict(on_step=on_step, on_epoch=True, batch_size=batch_size, sync_dist=not on_step)
+        self.log(f"{split}/loss", loss, prog_bar=True, **log)
+        self.log(f"{split}/ce", task_loss, **log)
+        for name, value in moe.aux_losses.items():
+            self.log(f"{split}/aux/{name}", value, **log)
+        if moe.aux_losses:
+            self.log(f"{split}/aux/total", moe.aux_loss, **log)
+        if split == "train" and self._trainer is not None and self._should_log_routing():
+            self._log_routing(moe.stats)
+        return loss
+
+    def _should_log_routing(self) -> bool:
+        every = max(1, self.trainer.log_every_n_steps)
+        return self.global_step % every == 0
+
+    def _log_routing(self, stats: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Scalar routing statistics of every MoE layer, ``moe/<layer>/<stat>``."""
+        for layer, values in stats.items():
+            for name, value in values.items():
+                if value.numel() == 1:
+                    self.log(f"moe/{layer}/{name}", value, on_step=True, on_epoch=False)
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        update_balancing_biases(self.net)  # loss-free balancing: once per optimizer step
+
+    def configure_optimizers(self):
+        config = dict(self.optimizer_config)
+        weight_decay = config.pop("weight_decay")
+        decay_1d = config.pop("decay_1d", False)
+        optimizer = build_optimizer(param_groups(self.net, weight_decay, decay_1d), **config)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[TASK_KEY] = f"{type(self).__module__}:{type(self).__qualname__}"

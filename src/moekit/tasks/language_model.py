@@ -1,0 +1,133 @@
+"""Causal language modelling with MoE (or dense) LMs as a LightningModule.
+
+Loss = next-token cross-entropy (nats per token, averaged over all target tokens) + the weighted
+auxiliary losses of the MoE layers. Metrics, per split: ``ce``, perplexity ``ppl = exp(ce)`` and
+bits per byte ``bpb = ce / ln 2 / bytes_per_token`` (the data module's UTF-8 bytes per token of
+that split, so byte-level and BPE models compare). Evaluation figures are token-weighted means over
+the whole split (torchmetrics, reduced over ranks), taken before the exponential.
+
+The network config must build a causal LM (:class:`~moekit.models.TransformerLM`,
+:class:`~moekit.models.LSTMMoELM`): ``net(input_ids [batch, tokens]) -> logits [batch, tokens, vocab]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from moekit.checkpoint import load_weights, read_state_dict
+
+from .base import MoETask, plain
+
+__all__ = ["LanguageModel"]
+
+
+class LanguageModel(MoETask):
+    """Language-model training/evaluation.
+
+    Args:
+        net: the network config (Hydra ``_target_`` dict), instantiated here.
+        vocab_size: the tokenizer's vocabulary (checked against the network's).
+        optimizer: ``{name, lr, weight_decay, betas, eps, decay_1d}``.
+        scheduler: :class:`~moekit.tasks.optim.ScheduleConfig` fields.
+        compile: ``torch.compile`` the network in place (state-dict keys unchanged).
+        init_from: weights to start from (fine-tuning): our checkpoint, a safetensors or torch state
+            dict of the same network.
+        run_config: the resolved run configuration, stored with the checkpoint and logged.
+    """
+
+    def __init__(
+        self,
+        net: Mapping[str, Any],
+        vocab_size: int,
+        optimizer: Mapping[str, Any] | None = None,
+        scheduler: Mapping[str, Any] | None = None,
+        compile: bool = False,
+        init_from: str | None = None,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        net, optimizer, scheduler, run_config = map(plain, (net, optimizer, scheduler, run_config))
+        self.save_hyperparameters(
+            {
+                "net": net,
+                "vocab_size": vocab_size,
+                "optimizer": optimizer,
+                "scheduler": scheduler,
+                "compile": compile,
+                "init_from": init_from,
+                "run_config": run_config,
+            }
+        )
+        self.setup_training(net, optimizer, scheduler)
+        net_vocab = getattr(self.net, "vocab_size", vocab_size)
+        if net_vocab != vocab_size:
+            raise ValueError(
+                f"the network has vocab_size={net_vocab} but the tokenizer has vocab_size={vocab_size}; "
+                "set model.vocab_size to the tokenizer's (data.vocab_size)"
+            )
+        if init_from:
+            load_weights(self.net, read_state_dict(init_from), source=init_from)
+        if compile:
+            self.net.compile()
+        # Token-weighted mean cross-entropy of each evaluation split, reduced over ranks.
+        self.eval_ce = nn.ModuleDict({split: MeanMetric() for split in ("val", "test")})
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        seq_len, max_seq_len = getattr(datamodule, "seq_len", None), getattr(self.net, "max_seq_len", None)
+        if seq_len is not None and max_seq_len is not None and seq_len > max_seq_len:
+            raise ValueError(
+                f"data.seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; set data.seq_len <= "
+                f"{max_seq_len} or model.max_seq_len >= {seq_len}"
+            )
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """``input_ids: [batch, tokens]`` -> logits ``[batch, tokens, vocab_size]``."""
+        return self.net(input_ids)
+
+    def _shared_step(self, batch, split: str) -> Tensor:
+        input_ids, targets = batch
+        logits = self(input_ids)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = self.add_aux_losses(split, ce, batch_size=targets.numel())
+        if split == "train":
+            self.log("train/ppl", ce.detach().exp(), on_step=True, on_epoch=False, prog_bar=True)
+        else:
+            self.eval_ce[split].update(ce.detach(), weight=targets.numel())
+        return loss
+
+    def _log_eval_metrics(self, split: str) -> None:
+        metric = self.eval_ce[split]
+        if metric.update_count == 0:
+            return
+        ce = metric.compute()
+        metric.reset()
+        self.log(f"{split}/ppl", ce.exp(), prog_bar=True, sync_dist=False)
+        bytes_per_token = self._bytes_per_token(split)
+        if bytes_per_token:
+            self.log(f"{split}/bpb", ce / math.log(2) / bytes_per_token, sync_dist=False)
+
+    def _bytes_per_token(self, split: str) -> float | None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return (getattr(datamodule, "bytes_per_token", None) or {}).get(split)
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval_metrics("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval_metrics("test")

@@ -1,0 +1,505 @@
+"""Language models with MoE: causality of every offered router, the refusal of token-mixing routers,
+incremental decoding against the full forward, Shazeer's losses in the LSTM-MoE LM, sampling and
+generation, the LM summary, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekit.models import (
+    LMCache,
+    LSTMCache,
+    LSTMMoELM,
+    TransformerLM,
+    generate,
+    lm_summary,
+    sample_next_token,
+)
+from moekit.moe import ExpertBank, HashMoE, MoELayer, collect_moe_outputs, moe_layers
+
+VOCAB = 50
+TINY_TRANSFORMER = dict(vocab_size=VOCAB, max_seq_len=24, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+TINY_LSTM = dict(vocab_size=VOCAB, dim=32, expert_hidden=32, dropout=0.0)
+POSITION_CAPACITY = dict(capacity_factor=1.0, capacity_scope="position")
+
+# Every router the LMs offer: name -> TransformerLM keywords.
+TRANSFORMER_ROUTERS = {
+    "switch_top1_capacity": dict(num_experts=4, moe_kwargs=dict(top_k=1, **POSITION_CAPACITY)),
+    "mixtral_top2_swiglu_dropless": dict(gated=True, num_experts=4, moe_kwargs=dict(top_k=2, normalize_gates=True)),
+    "noisy_top_k": dict(
+        num_experts=4,
+        moe_kwargs=dict(
+            top_k=2,
+            noisy_gating=True,
+            normalize_gates=True,
+            importance_loss_weight=0.1,
+            load_loss_weight=0.1,
+            **POSITION_CAPACITY,
+        ),
+    ),
+    "deepseek_shared_fine_grained": dict(
+        num_experts=8, moe_kwargs=dict(top_k=4, num_shared_experts=1, expert_hidden_features=16)
+    ),
+    "sigmoid_loss_free": dict(
+        num_experts=4,
+        moe_kwargs=dict(
+            top_k=2,
+            score_func="sigmoid",
+            normalize_gates=True,
+            bias_update_rate=1e-2,
+            capacity_factor=1.25,
+            capacity_scope="position",
+        ),
+    ),
+    "hash": dict(moe_layer="hash", num_experts=4),
+    "hierarchical": dict(
+        moe_layer="hierarchical",
+        num_experts=None,
+        moe_kwargs=dict(num_groups=2, experts_per_group=2, top_k_groups=1, top_k=2, **POSITION_CAPACITY),
+    ),
+    "dense_moe": dict(moe_layer="dense", num_experts=3),
+    "dense_model": dict(moe_layer=None),
+}
+
+# The routers of the LSTM-MoE LM (num_experts / top_k are its own arguments).
+LSTM_ROUTERS = {
+    "noisy_top_k_capacity": dict(num_experts=4, top_k=2, moe_kwargs=POSITION_CAPACITY),
+    "switch_top1_capacity": dict(num_experts=4, top_k=1, moe_kwargs=dict(noisy_gating=False, **POSITION_CAPACITY)),
+    "sigmoid_loss_free": dict(
+        num_experts=4,
+        top_k=2,
+        moe_kwargs=dict(noisy_gating=False, score_func="sigmoid", bias_update_rate=1e-2),
+    ),
+    "deepseek_shared_fine_grained": dict(
+        num_experts=8, top_k=2, moe_kwargs=dict(num_shared_experts=1, noisy_gating=False)
+    ),
+    "hierarchical": dict(moe_layer="hierarchical", num_experts=4, top_k=2, moe_kwargs=POSITION_CAPACITY),
+    "hash": dict(moe_layer="hash", num_experts=4),
+    "dense_moe": dict(moe_layer="dense", num_experts=3),
+}
+
+
+def randomize_routers(model: nn.Module, std: float = 1.0) -> nn.Module:
+    """Give every router (and noise) weight a random value: the LSTM LM starts them at zero, and large
+    logits make the routing decisive and the capacity limits bind."""
+    with torch.no_grad():
+        for _, layer in moe_layers(model):
+            router = getattr(layer, "router", None)
+            params = list(router.parameters()) if router is not None else [layer.router_weight]
+            for p in params:
+                p.normal_(0.0, std)
+    return model
+
+
+def build(kind: str, router: str, **overrides) -> nn.Module:
+    if kind == "transformer":
+        model = TransformerLM(**{**TINY_TRANSFORMER, **TRANSFORMER_ROUTERS[router], "moe_blocks": "all", **overrides})
+    else:
+        model = LSTMMoELM(**{**TINY_LSTM, **LSTM_ROUTERS[router], **overrides})
+    return randomize_routers(model)
+
+
+def logits_and_grads(model: nn.Module, input_ids, targets, upto: int):
+    """Logits, and the gradient of the summed cross-entropy at positions ``<= upto`` w.r.t. every
+    parameter. The MoE auxiliary losses are left out: they are batch-level statistics over all
+    positions (the future ones included), not per-token predictions."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)  # the same gating noise (noisy top-k in training) for both inputs
+    logits = model(input_ids)
+    loss = F.cross_entropy(
+        logits[:, : upto + 1].reshape(-1, VOCAB), targets[:, : upto + 1].reshape(-1), reduction="sum"
+    )
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def assert_causal(model: nn.Module, batch: int = 4, tokens: int = 12, upto: int = 5) -> None:
+    input_ids = torch.randint(VOCAB, (batch, tokens))
+    changed = input_ids.clone()
+    changed[:, upto + 1 :] = (input_ids[:, upto + 1 :] + torch.randint(1, VOCAB, (batch, tokens - upto - 1))) % VOCAB
+    targets = torch.randint(VOCAB, (batch, tokens))
+    logits, grads = logits_and_grads(model, input_ids, targets, upto)
+    logits_changed, grads_changed = logits_and_grads(model, changed, targets, upto)
+    assert (logits[:, upto + 1 :] - logits_changed[:, upto + 1 :]).abs().max() > 1e-4, "the future did change"
+    torch.testing.assert_close(logits_changed[:, : upto + 1], logits[:, : upto + 1], atol=1e-5, rtol=1e-5)
+    assert grads.keys() == grads_changed.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_changed[name], grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Causality
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("router", sorted(TRANSFORMER_ROUTERS))
+def test_transformer_lm_is_causal(router, training):
+    model = build("transformer", router).train(training)
+    assert_causal(model)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("router", sorted(LSTM_ROUTERS))
+def test_lstm_moe_lm_is_causal(router, training):
+    model = build("lstm", router).train(training)
+    assert_causal(model)
+
+
+def test_the_causality_check_catches_a_capacity_over_the_batch():
+    """The check has teeth: with the capacity over all tokens of the batch (what require_causal
+    refuses), later tokens take earlier tokens' expert slots."""
+    model = build("transformer", "switch_top1_capacity").train()
+    for _, layer in moe_layers(model):
+        layer.capacity_scope = "batch"  # bypass the construction-time refusal
+    with pytest.raises(AssertionError):
+        assert_causal(model)
+
+
+@pytest.mark.parametrize(
+    "moe_layer, moe_kwargs, layer_type",
+    [
+        ("soft_moe", dict(slots_per_expert=1), "SoftMoE"),
+        ("experts_choice", dict(capacity_factor=1.0), "ExpertsChoiceMoE"),
+        ("base", {}, "BaseMoE"),
+        ("top_k", dict(top_k=1, capacity_factor=1.25), "TopKMoE"),
+    ],
+)
+def test_non_causal_routers_are_refused(moe_layer, moe_kwargs, layer_type):
+    with pytest.raises(ValueError, match=rf"MoE layer 'blocks.1.mlp' \({layer_type}\) is not causal") as err:
+        TransformerLM(**TINY_TRANSFORMER, moe_layer=moe_layer, num_experts=4, moe_kwargs=moe_kwargs)
+    assert "capacity_scope='position'" in str(err.value), "the message names the fix"
+    lstm_kwargs = {k: v for k, v in moe_kwargs.items() if k != "top_k"}
+    with pytest.raises(ValueError, match=rf"MoE layer 'moe' \({layer_type}\) is not causal"):
+        LSTMMoELM(**TINY_LSTM, moe_layer=moe_layer, num_experts=4, top_k=1, moe_kwargs=lstm_kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Incremental decoding
+# ------------------------------------------------------------------------------------------------
+def decode_in_pieces(model: nn.Module, input_ids: torch.Tensor, prefill: int, chunk: int) -> torch.Tensor:
+    """Logits of ``input_ids`` computed as a prefill, one chunk of several tokens, then one token at a time."""
+    cache = model.init_cache(input_ids.shape[0])
+    pieces = [model(input_ids[:, :prefill], cache=cache), model(input_ids[:, prefill : prefill + chunk], cache=cache)]
+    for t in range(prefill + chunk, input_ids.shape[1]):
+        pieces.append(model(input_ids[:, t : t + 1], cache=cache))
+    assert cache.position == input_ids.shape[1]
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
+@pytest.mark.parametrize("router", ["mixtral_top2_swiglu_dropless", "switch_top1_capacity", "hash"])
+@torch.no_grad()
+def test_kv_cache_decoding_equals_the_full_forward(router, pos_embedding):
+    model = build("transformer", router, pos_embedding=pos_embedding).eval()
+    input_ids = torch.randint(VOCAB, (4, 16))
+    full = model(input_ids)
+    if router == "switch_top1_capacity":  # capacity 1 per expert per position for 4 sequences: drops
+        dropped = [s["dropped_fraction"] for s in collect_moe_outputs(model).stats.values()]
+        assert max(dropped) > 0, "the capacity binds, so the test compares dropping too"
+    torch.testing.assert_close(decode_in_pieces(model, input_ids, prefill=5, chunk=4), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("router", ["noisy_top_k_capacity", "hierarchical"])
+@torch.no_grad()
+def test_lstm_state_carrying_equals_the_full_forward(router):
+    model = build("lstm", router, num_lstm_layers_before=2).eval()
+    input_ids = torch.randint(VOCAB, (3, 11))
+    cache = model.init_cache(3)
+    assert isinstance(cache, LSTMCache) and cache.hidden.shape == (3, 3, 32)
+    torch.testing.assert_close(decode_in_pieces(model, input_ids, prefill=4, chunk=3), model(input_ids))
+
+
+def test_transformer_cache_layout():
+    model = TransformerLM(**TINY_TRANSFORMER)
+    cache = model.init_cache(3)
+    assert isinstance(cache, LMCache) and cache.position == 0 and len(cache.keys) == 2
+    assert cache.keys[0].shape == cache.values[1].shape == (3, 2, 24, 16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shazeer et al. 2017 in the LSTM LM
+# ------------------------------------------------------------------------------------------------
+def cv_squared(values: torch.Tensor) -> torch.Tensor:
+    """Squared coefficient of variation std / mean (population std)."""
+    return values.var(unbiased=False) / values.mean() ** 2
+
+
+def test_lstm_moe_lm_defaults_follow_the_paper():
+    model = LSTMMoELM(vocab_size=VOCAB)
+    router = model.moe.router
+    assert router.noisy_gating and router.normalize_gates and router.top_k == 4 and model.moe.num_experts == 16
+    assert router.loss_weights["importance"] == router.loss_weights["load"] == 0.1
+    assert model.moe.experts.hidden_features == 1024 and isinstance(model.moe.experts.act, nn.ReLU)
+    assert not router.weight.any() and not router.noise_weight.any(), "W_g and W_noise start at zero"
+    hierarchical = LSTMMoELM(
+        vocab_size=VOCAB, dim=8, expert_hidden=8, moe_layer="hierarchical", num_experts=256, top_k=4
+    )
+    hierarchical = hierarchical.moe.router
+    assert (hierarchical.num_groups, hierarchical.top_k_groups, hierarchical.top_k) == (16, 2, 2), "k = 2 per level"
+
+
+def test_lstm_moe_lm_importance_and_load_losses_match_the_paper():
+    model = randomize_routers(LSTMMoELM(vocab_size=VOCAB, dim=16, expert_hidden=16, num_experts=4, top_k=2)).train()
+    router = model.moe.router
+    seen = {}
+    model.moe.register_forward_pre_hook(lambda module, args: seen.update(x=args[0].detach()))
+    router.register_forward_pre_hook(lambda module, args: seen.update(rng=torch.get_rng_state()))
+    model(torch.randint(VOCAB, (3, 7)))
+    losses = collect_moe_outputs(model).aux_losses
+
+    # By hand, in float64: H = x W_g + eps * softplus(x W_noise), G = softmax(KeepTopK(H, k)).
+    x = seen["x"].reshape(-1, 16).double()
+    clean = x @ router.weight.double().t()
+    noise_std = F.softplus(x @ router.noise_weight.double().t())
+    torch.set_rng_state(seen["rng"])
+    eps = torch.randn(clean.shape).double()
+    noisy = clean + eps * noise_std
+    k, num_experts = 2, 4
+    kth = noisy.topk(k, dim=-1).values[:, -1:]
+    gates = torch.softmax(noisy.masked_fill(noisy < kth, float("-inf")), dim=-1)
+    importance = gates.sum(dim=0)
+    # P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / softplus(x W_noise)_i)
+    load_prob = torch.empty_like(clean)
+    for i in range(num_experts):
+        others = torch.cat([noisy[:, :i], noisy[:, i + 1 :]], dim=1)
+        threshold = others.topk(k, dim=-1).values[:, -1]
+        z = (clean[:, i] - threshold) / noise_std[:, i]
+        load_prob[:, i] = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+    load = load_prob.sum(dim=0)
+
+    assert losses.keys() == {"importance", "load"}
+    torch.testing.assert_close(losses["importance"].double(), 0.1 * cv_squared(importance), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(losses["load"].double(), 0.1 * cv_squared(load), rtol=1e-4, atol=1e-7)
+    assert losses["importance"] > 1e-4 and losses["load"] > 1e-4, "unbalanced random routers: non-trivial values"
+
+
+def test_lstm_moe_lm_architecture_residuals_and_sigmoid():
+    """logits = head(m + lstm2(m)), m = h + sigmoid(moe(h)), h = e + lstm1(e), e = embedding(ids)."""
+    model = randomize_routers(LSTMMoELM(**TINY_LSTM, num_experts=4, top_k=2)).eval()
+    input_ids = torch.randint(VOCAB, (2, 6))
+    with torch.no_grad():
+        e = model.embedding(input_ids)
+        h = e + model.lstm_before[0](e)[0]
+        m = h + torch.sigmoid(model.moe(h))
+        expected = F.linear(m + model.lstm_after[0](m)[0], model.embedding.weight, model.head.bias)
+        torch.testing.assert_close(model(input_ids), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling and generation
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def argmax_rollout(model: nn.Module, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    tokens = prompt
+    for _ in range(steps):
+        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+@pytest.mark.parametrize("kind, router", [("transformer", "switch_top1_capacity"), ("lstm", "noisy_top_k_capacity")])
+def test_greedy_generation_is_the_argmax_rollout_with_and_without_cache(kind, router):
+    # Untied embeddings: a random tied model mostly repeats its last token, whatever the context.
+    model = build(kind, router, tie_embeddings=False).eval()
+    if kind == "lstm":  # its small initial embeddings leave the logits to the constant sigmoid(MoE) offset
+        with torch.no_grad():
+            model.embedding.weight.normal_()
+    prompt = torch.randint(VOCAB, (3, 4))
+    expected = argmax_rollout(model, prompt, 10)
+    assert len(expected[:, 4:].unique()) > 3, "a rollout that depends on the context"
+    model.train()
+    for use_cache in (True, False):
+        out = generate(model, prompt, 10, temperature=0, use_cache=use_cache)
+        assert torch.equal(out, expected), use_cache
+        top1 = generate(model, prompt, 10, temperature=1.0, top_k=1, use_cache=use_cache)
+        assert torch.equal(top1, expected), "top_k=1 is greedy"
+    assert model.training, "generate restores the mode"
+
+
+def test_sampled_generation_is_reproducible_and_the_same_with_and_without_cache():
+    model = build("transformer", "mixtral_top2_swiglu_dropless", tie_embeddings=False)
+    prompt = torch.randint(VOCAB, (2, 3))
+
+    def sample(use_cache: bool) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        return generate(model, prompt, 12, temperature=1.5, top_p=0.9, use_cache=use_cache, generator=generator)
+
+    assert torch.equal(sample(True), sample(True))
+    assert torch.equal(sample(True), sample(False))
+
+
+def test_sampled_tokens_lie_in_the_top_k_set_and_the_nucleus():
+    logits = torch.randn(64, VOCAB) * 3
+    generator = torch.Generator().manual_seed(0)
+    top5 = logits.topk(5, dim=-1).indices
+    probs = logits.softmax(-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    nucleus_size = ((sorted_probs.cumsum(-1) - sorted_probs) < 0.8).sum(-1)  # smallest set reaching 0.8
+    seen_k, seen_p = set(), set()
+    for _ in range(50):
+        k_tokens = sample_next_token(logits, top_k=5, generator=generator)
+        assert (k_tokens.unsqueeze(1) == top5).any(dim=1).all()
+        p_tokens = sample_next_token(logits, top_p=0.8, generator=generator)
+        rank = (order == p_tokens.unsqueeze(1)).float().argmax(dim=1)
+        assert (rank < nucleus_size).all()
+        seen_k.add(k_tokens[0].item())
+        seen_p.add(p_tokens[nucleus_size.argmax()].item())
+    assert len(seen_k) > 1 and len(seen_p) > 1, "it samples, it does not just take the argmax"
+    both = sample_next_token(logits, top_k=1, top_p=0.5, generator=generator)
+    assert torch.equal(both, logits.argmax(-1))
+    assert torch.equal(sample_next_token(logits, temperature=0), logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    logits = probs.log().expand(20000, -1)
+    tokens = sample_next_token(logits, generator=torch.Generator().manual_seed(0))
+    frequency = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+    torch.testing.assert_close(frequency, probs, atol=0.015, rtol=0)
+    # temperature 0.5 squares the probabilities (renormalised)
+    tokens = sample_next_token(logits, temperature=0.5, generator=torch.Generator().manual_seed(1))
+    frequency = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+    torch.testing.assert_close(frequency, probs**2 / (probs**2).sum(), atol=0.015, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Construction, initialisation, summary
+# ------------------------------------------------------------------------------------------------
+def test_transformer_lm_structure():
+    model = TransformerLM(**{**TINY_TRANSFORMER, "depth": 4}, num_experts=4, moe_blocks="every_2")
+    assert model.moe_block_indices == (1, 3)
+    assert [isinstance(b.mlp, MoELayer) for b in model.blocks] == [False, True, False, True]
+    assert model.head.weight is model.token_embedding.weight
+    bank = model.blocks[1].mlp.experts
+    assert (bank.in_features, bank.hidden_features, bank.num_experts) == (32, 64, 4), "the dense MLP's sizes"
+    dense = TransformerLM(**TINY_TRANSFORMER, moe_layer=None, gated=True, norm="rmsnorm", tie_embeddings=False)
+    assert dense.moe_block_indices == () and not list(moe_layers(dense))
+    assert isinstance(dense.norm, nn.RMSNorm) and dense.head.weight is not dense.token_embedding.weight
+    hashed = TransformerLM(**TINY_TRANSFORMER, moe_layer="hash", num_experts=4)
+    assert isinstance(hashed.blocks[1].mlp, HashMoE) and hashed.blocks[1].mlp.router.vocab_size == VOCAB
+
+
+def test_gpt2_initialisation_and_experts_like_the_dense_mlp():
+    depth, dim = 4, 64
+    model = TransformerLM(vocab_size=VOCAB, dim=dim, depth=depth, num_heads=2, num_experts=8, moe_blocks="all")
+    dense = TransformerLM(vocab_size=VOCAB, dim=dim, depth=depth, num_heads=2, moe_layer=None)
+    residual_std = 0.02 / math.sqrt(2 * depth)
+    bank: ExpertBank = model.blocks[0].mlp.experts
+    assert bank.fc1_weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert bank.fc2_weight.std().item() == pytest.approx(residual_std, rel=0.05)
+    assert dense.blocks[0].mlp.fc1.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert dense.blocks[0].mlp.fc2.weight.std().item() == pytest.approx(residual_std, rel=0.05)
+    assert model.blocks[0].attn.proj.weight.std().item() == pytest.approx(residual_std, rel=0.1)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert bank.fc1_weight.abs().max() > 3 * 0.02, "a plain normal like GPT-2, not cut at 2 std"
+
+
+def test_lm_summary_dense_twin_matches_top1_and_twice_wide_twin_matches_top2():
+    common = dict(vocab_size=VOCAB, max_seq_len=16, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    dense = lm_summary(TransformerLM(**common, moe_layer=None), seq_len=16)
+    top1 = lm_summary(TransformerLM(**common, num_experts=4, moe_blocks="all", moe_kwargs=dict(top_k=1)), seq_len=16)
+    router_flops = 2 * 32 * 4
+    assert top1.flops_per_token == dense.flops_per_token + 2 * router_flops
+    assert top1.active_params_per_token == dense.total_params + 2 * 4 * 32, "plus the router weights"
+    assert dense.active_params_per_token == dense.total_params and dense.expert_params == 0
+
+    wide = lm_summary(TransformerLM(**{**common, "mlp_ratio": 4.0}, moe_layer=None), seq_len=16)
+    top2 = lm_summary(TransformerLM(**common, num_experts=4, moe_blocks="all", moe_kwargs=dict(top_k=2)), seq_len=16)
+    combine_flops = 2 * 2 * 32  # the gate-weighted sum of the two expert outputs (a bmm)
+    assert top2.flops_per_token == wide.flops_per_token + 2 * (router_flops + combine_flops)
+    assert top2.active_params_per_token == wide.total_params + 2 * 4 * 32
+    assert top2.expert_params == 2 * 4 * (2 * 32 * 64)
+    assert [s.expert_rows_per_token for s in top2.moe_layers] == [2.0, 2.0]
+    assert "FLOPs / token" in str(top2) and "blocks.1.mlp" in str(top2)
+
+
+def test_lm_summary_counts_the_lstm_and_the_experts():
+    model = LSTMMoELM(vocab_size=VOCAB, dim=16, expert_hidden=24, num_experts=4, top_k=2)
+    summary = lm_summary(model, seq_len=8)
+    lstm = 2 * 2 * 4 * 16 * (16 + 16)
+    experts = 2 * (2 * 16 * 24 + 2 * 24 * 16)
+    router, combine, head = 2 * 16 * 4, 2 * 2 * 16, 2 * 16 * VOCAB
+    assert summary.flops_per_token == lstm + experts + router + combine + head
+    assert model.training, "the mode is restored"
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+def test_sequences_longer_than_max_seq_len_are_refused():
+    model = TransformerLM(**TINY_TRANSFORMER)
+    message = r"sequence length 25 exceeds max_seq_len=24; use shorter inputs or a model with max_seq_len >= 25"
+    with pytest.raises(ValueError, match=message):
+        model(torch.randint(VOCAB, (1, 25)))
+    cache = model.init_cache(1)
+    model(torch.randint(VOCAB, (1, 20)), cache=cache)
+    with pytest.raises(ValueError, match=message):
+        model(torch.randint(VOCAB, (1, 5)), cache=cache)
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match="exceeds max_seq_len=24"):
+        generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=5)
+    assert not calls, "refused before any forward"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.5), r"temperature=-0.5 must be a number >= 0"),
+        (dict(top_k=0), r"top_k=0 must be an int >= 1"),
+        (dict(top_p=0.0), r"top_p=0.0 must lie in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p=1.5 must lie in \(0, 1\]"),
+        (dict(max_new_tokens=-1), r"max_new_tokens=-1 must be an int >= 0"),
+        (dict(prompt_ids=torch.zeros(3, dtype=torch.long)), r"prompt_ids of shape \(3,\)"),
+        (dict(prompt_ids=torch.zeros(2, 0, dtype=torch.long)), "at least one token"),
+    ],
+)
+def test_bad_generate_arguments(kwargs, message):
+    model = TransformerLM(**TINY_TRANSFORMER)
+    arguments = {"prompt_ids": torch.zeros(2, 3, dtype=torch.long), "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        generate(model, **arguments)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(moe_layer="nope"), r"unknown MoE layer 'nope'; registered layers: \['base', 'dense'"),
+        (dict(num_heads=3), "dim=32 is not divisible by num_heads=3"),
+        (dict(dim=24, num_heads=8), "rotary positions need an even head size"),
+        (dict(pos_embedding="alibi"), "pos_embedding='alibi'; allowed: 'rope', 'learned'"),
+        (dict(norm="batchnorm"), "norm='batchnorm'"),
+        (dict(moe_blocks="every_3_last_5"), "asks for 5 MoE blocks but a TransformerLM of depth=2 has only 1"),
+        (dict(moe_blocks=[]), "an MoE TransformerLM needs at least one MoE block"),
+        (dict(moe_kwargs=dict(in_features=8)), r"moe_kwargs sets \['in_features'\], which the builder takes from"),
+        (dict(moe_kwargs=dict(gated=True)), r"set those as TransformerLM keywords"),
+        (dict(moe_layer=None, moe_kwargs=dict(top_k=1)), "moe_layer=None builds a dense model"),
+        (dict(dropout=1.0), r"dropout=1.0 must lie in \[0, 1\)"),
+    ],
+)
+def test_bad_transformer_lm_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerLM(**{**TINY_TRANSFORMER, **kwargs})
+
+
+def test_bad_lm_inputs():
+    model = TransformerLM(**TINY_TRANSFORMER)
+    with pytest.raises(ValueError, match=r"input_ids of shape \(4,\); expected \[batch, tokens\]"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="expected torch.long token ids"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"the cache holds 2 sequences but input_ids has batch 3"):
+        model(torch.zeros(3, 4, dtype=torch.long), cache=model.init_cache(2))
+    lstm = LSTMMoELM(**TINY_LSTM, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match=r"the cache holds 2 sequences but input_ids has batch 3"):
+        lstm(torch.zeros(3, 4, dtype=torch.long), cache=lstm.init_cache(2))
+    with pytest.raises(ValueError, match="unknown MoE layer 'nope'"):
+        LSTMMoELM(**TINY_LSTM, moe_layer="nope")
+    with pytest.raises(ValueError, match="moe_kwargs sets top_k; pass it as the top_k argument"):
+        LSTMMoELM(**TINY_LSTM, moe_kwargs=dict(top_k=2))
+    with pytest.raises(ValueError, match="num_groups=3 must divide num_experts=16"):
+        LSTMMoELM(**TINY_LSTM, moe_layer="hierarchical", moe_kwargs=dict(num_groups=3))

@@ -1,0 +1,189 @@
+"""The language-model side of the training template: every LM experiment's fast_dev_run, learning a
+repeated corpus far below the uniform perplexity, train -> eval -> sample from the checkpoint, and
+bad input through the real scripts."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS, REPO, compose_config, run_script
+from moekit.run import evaluate, load_task, sample, train
+from moekit.tasks import LanguageModel
+
+LM_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_lm.yaml"))
+TINY_TRANSFORMER = ["model.dim=32", "model.depth=2", "model.num_heads=2"]
+TINY = {
+    "moe_transformer_lm": [*TINY_TRANSFORMER, "model.moe_kwargs.expert_hidden_features=32"],
+    "dense_transformer_lm": TINY_TRANSFORMER,
+    "moe_lstm_lm": ["model.dim=32", "model.expert_hidden=32", "model.num_experts=4", "model.top_k=2"],
+}
+PHRASE = "the quick brown fox jumps over the lazy dog. "
+
+
+@pytest.fixture(scope="module")
+def repeated_corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "fox.txt"
+    path.write_text(PHRASE * 400)
+    return path
+
+
+def lm_overrides(experiment: str, corpus: Path, *extra: str) -> list[str]:
+    return [
+        f"experiment={experiment}",
+        "data=text_files",
+        f"data.paths=[{corpus}]",
+        "data.seq_len=32",
+        "data.batch_size=16",
+        "logger=csv",
+        "trainer.precision=32-true",
+        "trainer.log_every_n_steps=1",
+        "+trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+        *TINY[experiment],
+        *extra,
+    ]
+
+
+def test_the_lm_experiments_exist():
+    assert LM_EXPERIMENTS == ["dense_transformer_lm", "moe_lstm_lm", "moe_transformer_lm"]
+
+
+@pytest.mark.parametrize("experiment", LM_EXPERIMENTS)
+def test_fast_dev_run_of_each_lm_experiment_on_the_default_corpus(experiment, tmp_path):
+    cfg = compose_config(
+        "train", [f"experiment={experiment}", "+trainer.fast_dev_run=true", "logger=csv", *TINY[experiment]], tmp_path
+    )
+    assert cfg.data.source == "pydoc", "the default corpus is Python's own documentation (offline)"
+    metrics = train(cfg)
+    assert math.isfinite(metrics["train/loss_step"])
+    # bits per byte of a byte-level model is its cross-entropy in bits
+    assert metrics["test/bpb"] == pytest.approx(math.log2(metrics["test/ppl"]), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained_lm(repeated_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm_run")
+    cfg = compose_config(
+        "train",
+        lm_overrides(
+            "moe_transformer_lm",
+            repeated_corpus,
+            "trainer.max_epochs=6",
+            "task.optimizer.lr=1e-2",
+            "model.dropout=0.0",
+            "data.val_fraction=0.1",
+            "data.test_fraction=0.1",
+        ),
+        out,
+    )
+    return out, train(cfg)
+
+
+def test_perplexity_of_a_repeated_corpus_drops_far_below_uniform(trained_lm):
+    _, metrics = trained_lm
+    # uniform over 256 bytes is perplexity 256; the phrase is deterministic after a few characters.
+    assert metrics["test/ppl"] < 2.0, metrics
+    assert metrics["val/ppl"] < 2.0, metrics
+
+
+def test_train_then_eval_then_sample_from_the_checkpoint(trained_lm, tmp_path):
+    out, metrics = trained_lm
+    ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
+    assert isinstance(load_task(str(ckpt)), LanguageModel)
+    again = evaluate(compose_config("eval", [f"ckpt_path={ckpt}", "logger=csv"], tmp_path / "eval"))
+    assert again["test/ppl"] == pytest.approx(metrics["test/ppl"], rel=1e-5)
+
+    cfg = compose_config(
+        "sample", [f"ckpt_path={ckpt}", "prompt='the quick '", "max_new_tokens=22", "temperature=0"], tmp_path / "s"
+    )
+    (greedy,) = sample(cfg)
+    assert greedy.startswith("the quick ")
+    # the model learned the phrase: greedy decoding continues it
+    assert greedy == (PHRASE * 2)[: len(greedy)]
+    cfg.use_cache = False
+    assert sample(cfg) == [greedy], "the KV cache changes nothing"
+
+
+def test_sample_refuses_an_empty_prompt_and_a_too_long_generation(trained_lm, tmp_path):
+    out, _ = trained_lm
+    ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        sample(compose_config("sample", [f"ckpt_path={ckpt}", "prompt=''"], tmp_path))
+    with pytest.raises(ValueError, match="lower max_new_tokens to 22"):  # 10 prompt tokens, max_seq_len 32
+        sample(compose_config("sample", [f"ckpt_path={ckpt}", "prompt='the quick '", "max_new_tokens=23"], tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["model.moe_layer=soft_moe", "~model.moe_kwargs"], "not causal"),
+        (["model.moe_kwargs.capacity_factor=1.0"], "capacity_scope"),
+        (["model.max_seq_len=16"], "max_seq_len"),
+        (["data.paths=[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
+        (["data.vocab_size=300"], "vocab_size"),
+    ],
+)
+def test_bad_lm_input_raises_a_clear_error(overrides, match, repeated_corpus, tmp_path):
+    cfg = compose_config("train", lm_overrides("moe_transformer_lm", repeated_corpus, *overrides), tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        train(cfg)
+
+
+def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):
+    out, _ = trained_lm
+    ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
+    result = run_script(
+        "sample.py",
+        f"ckpt_path={ckpt}",
+        "prompt='the lazy '",
+        "max_new_tokens=12",
+        "temperature=0",
+        f"paths.log_dir={tmp_path}",
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "the lazy dog. the" in result.stdout
+
+
+def test_cli_empty_corpus_exits_non_zero_in_one_paragraph(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = run_script(
+        "train.py",
+        "experiment=moe_transformer_lm",
+        "data=text_files",
+        f"data.paths=[{empty}]",
+        f"paths.log_dir={tmp_path}",
+        cwd=REPO,
+    )
+    assert result.returncode == 1
+    assert str(empty) in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_lm_checkpoint_resumes_at_the_saved_step(trained_lm, repeated_corpus, tmp_path):
+    out, _ = trained_lm
+    last = out / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    cfg = compose_config(
+        "train",
+        lm_overrides(
+            "moe_transformer_lm",
+            repeated_corpus,
+            "trainer.max_epochs=7",
+            f"ckpt_path={last}",
+            "data.val_fraction=0.1",
+            "data.test_fraction=0.1",
+            "model.dropout=0.0",
+            "test=false",
+        ),
+        tmp_path,
+    )
+    train(cfg)
+    resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert resumed["epoch"] == saved["epoch"] + 1
+    assert resumed["global_step"] > saved["global_step"]

@@ -1,0 +1,363 @@
+"""The language-modelling data layer: tokenizers, corpora, token windows and ``TextDataModule``."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from moekit.data import (
+    ByteTokenizer,
+    FileTokenizer,
+    GPT2Tokenizer,
+    TextDataModule,
+    TokenWindows,
+    build_tokenizer,
+    encode_documents,
+    load_corpus,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
+BPE_VOCAB = 400
+END_OF_TEXT = "<|endoftext|>"
+SAMPLE = "Grüße, naïve café — 東京 🚀!\nline two\ttabs  and   spaces " + END_OF_TEXT + " after"
+
+
+@pytest.fixture(scope="module")
+def pydoc_documents() -> list[str]:
+    return load_corpus("pydoc")
+
+
+@pytest.fixture(scope="module")
+def trained_bpe(pydoc_documents):
+    """A tiny byte-level BPE (GPT-2's pre-tokenizer) trained on the first pydoc topics."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(
+        pydoc_documents[:10], vocab_size=BPE_VOCAB, min_frequency=2, special_tokens=[END_OF_TEXT], show_progress=False
+    )
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe_files(trained_bpe, tmp_path_factory) -> dict[str, Path]:
+    """The trained BPE saved as a tokenizer.json and as GPT-2's vocab.json + merges.txt pair."""
+    folder = tmp_path_factory.mktemp("bpe")
+    trained_bpe.save(str(folder / "tokenizer.json"))
+    vocab, merges = trained_bpe.save_model(str(folder))
+    return {"json": folder / "tokenizer.json", "vocab": Path(vocab), "merges": Path(merges)}
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def make_files_module(folder: Path, **kwargs) -> TextDataModule:
+    kwargs = {"source": "files", "paths": str(folder), "seq_len": 8, "batch_size": 4, **kwargs}
+    return TextDataModule(**kwargs)
+
+
+@pytest.fixture
+def small_corpus(tmp_path) -> Path:
+    """~4 kB of ASCII in 3 files: every split of a 10/10/80 cut holds a few 8-token windows."""
+    words = " ".join(f"word{i % 37}" for i in range(700))
+    for index in range(3):
+        write(tmp_path / "corpus" / f"part{index}.txt", f"file {index}: {words[index * 1000 : (index + 1) * 1300]}")
+    return tmp_path / "corpus"
+
+
+# --- tokenizers ---------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_round_trip_non_ascii():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(SAMPLE)
+    assert ids == list(SAMPLE.encode("utf-8")) and len(ids) > len(SAMPLE)  # multi-byte characters
+    assert tokenizer.decode(ids) == SAMPLE
+    assert tokenizer.decode(torch.tensor(ids)) == SAMPLE
+    assert tokenizer.vocab_size == 256 and max(ids) < 256
+    assert tokenizer.decode(ids[:2] + ids[3:4]) == "Gr\ufffd"  # ü cut in half: replaced, not an error
+    with pytest.raises(ValueError, match="id 300 is not a byte"):
+        tokenizer.decode([65, 300])
+
+
+def test_file_tokenizer_matches_trained_and_round_trips(trained_bpe, bpe_files):
+    tokenizer = build_tokenizer("file", path=str(bpe_files["json"]))
+    assert isinstance(tokenizer, FileTokenizer) and tokenizer.vocab_size == BPE_VOCAB
+    ids = tokenizer.encode(SAMPLE)
+    assert ids == trained_bpe.encode(SAMPLE).ids
+    assert len(ids) < len(SAMPLE.encode("utf-8")) / 1.2  # merges were learned
+    assert tokenizer.decode(ids) == SAMPLE
+    assert ids.count(trained_bpe.token_to_id(END_OF_TEXT)) == 1
+
+
+def test_gpt2_tokenizer_from_vocab_and_merges_equals_trained(trained_bpe, bpe_files, pydoc_documents):
+    tokenizer = build_tokenizer("gpt2", vocab_file=bpe_files["vocab"], merges_file=bpe_files["merges"])
+    assert isinstance(tokenizer, GPT2Tokenizer) and tokenizer.vocab_size == BPE_VOCAB
+    for text in (SAMPLE, pydoc_documents[-1][:3000], " leading space", "a\n\n\nb"):
+        ids = tokenizer.encode(text)
+        assert ids == trained_bpe.encode(text).ids
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.encode(END_OF_TEXT) == [trained_bpe.token_to_id(END_OF_TEXT)]  # one special token
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"kind": "sentencepiece"}, ValueError, r"kind='sentencepiece' is not supported; choose one of"),
+        ({"kind": "file"}, ValueError, r"tokenizer path is not set; point it at a tokenizer.json"),
+        ({"kind": "file", "path": "nowhere/tok.json"}, FileNotFoundError, r"path='nowhere/tok.json' does not exist"),
+        ({"kind": "byte", "path": "tok.json"}, ValueError, r"path='tok.json' is only used by kind='file'"),
+        ({"kind": "gpt2"}, ValueError, r"vocab_file is not set; give GPT-2's vocab.json and merges.txt"),
+    ],
+)
+def test_build_tokenizer_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        build_tokenizer(**kwargs)
+
+
+def test_invalid_tokenizer_files(tmp_path, bpe_files):
+    bad_json = write(tmp_path / "bad.json", "{not json")
+    with pytest.raises(ValueError, match=rf"path='{re.escape(str(bad_json))}' is not a valid tokenizers JSON"):
+        FileTokenizer(bad_json)
+    with pytest.raises(FileNotFoundError, match="is a directory, not a file"):
+        FileTokenizer(tmp_path)
+    bad_vocab = write(tmp_path / "vocab.json", json.dumps(["not", "a", "mapping"]))
+    with pytest.raises(ValueError, match=rf"vocab_file='{re.escape(str(bad_vocab))}' .* not a BPE vocab.json"):
+        GPT2Tokenizer(bad_vocab, bpe_files["merges"])
+    with pytest.raises(FileNotFoundError, match=r"merges_file='.*merges.txt' does not exist"):
+        GPT2Tokenizer(bpe_files["vocab"], tmp_path / "merges.txt")
+
+
+def test_encode_documents_joins_with_blank_line(bpe_files):
+    documents = ["first doc", "second — doc", "third"]
+    byte_stream = encode_documents(ByteTokenizer(), documents)
+    assert byte_stream.dtype == torch.int64 and bytes(byte_stream.tolist()) == "\n\n".join(documents).encode()
+    tokenizer = FileTokenizer(bpe_files["json"])
+    stream = encode_documents(tokenizer, documents)
+    assert stream.dtype == torch.int64 and tokenizer.decode(stream) == "\n\n".join(documents)
+
+
+# --- corpora ------------------------------------------------------------------------------------
+
+
+def test_pydoc_corpus_nonempty_and_deterministic(pydoc_documents):
+    from pydoc_data.topics import topics
+
+    assert len(pydoc_documents) == len(topics) > 50
+    assert sum(map(len, pydoc_documents)) > 100_000
+    assert pydoc_documents[0] == topics[min(topics)] and pydoc_documents[-1] == topics[max(topics)]
+    assert load_corpus("pydoc") == pydoc_documents
+
+
+def test_files_source_reads_folders_recursively_in_sorted_order(tmp_path):
+    write(tmp_path / "docs" / "b.txt", "B")
+    write(tmp_path / "docs" / "a" / "z.md", "AZ")
+    write(tmp_path / "docs" / "a" / "c.rst", "AC")
+    write(tmp_path / "docs" / "skip.py", "print('not text')")
+    write(tmp_path / "docs" / "empty.txt", "")
+    single = write(tmp_path / "notes.log", "LOG")  # a file named explicitly is read whatever its suffix
+    assert load_corpus("files", paths=str(tmp_path / "docs")) == ["AC", "AZ", "B"]
+    assert load_corpus("files", paths=[single, tmp_path / "docs" / "a"]) == ["LOG", "AC", "AZ"]
+
+
+def test_hf_source(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = {"text": ["first row", None, "", "second row"], "id": [0, 1, 2, 3]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "flat"))
+    assert load_corpus("hf", hf_dataset=str(tmp_path / "flat")) == ["first row", "second row"]
+    splits = datasets.DatasetDict(
+        {
+            "test": datasets.Dataset.from_dict({"body": ["held out"]}),
+            "train": datasets.Dataset.from_dict({"body": ["x", "y"]}),
+        }
+    )
+    splits.save_to_disk(str(tmp_path / "dict"))
+    assert load_corpus("hf", hf_dataset=tmp_path / "dict", text_column="body") == ["x", "y"]  # train split only
+    with pytest.raises(ValueError, match=r"text_column='text' is not a column of .* columns are \['body'\]"):
+        load_corpus("hf", hf_dataset=tmp_path / "dict")
+    with pytest.raises(ValueError, match=r"text_column='id' .* holds int values"):
+        load_corpus("hf", hf_dataset=tmp_path / "flat", text_column="id")
+    with pytest.raises(FileNotFoundError, match=r"hf_dataset='.*nowhere' does not exist"):
+        load_corpus("hf", hf_dataset=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"is not a dataset saved with save_to_disk"):
+        load_corpus("hf", hf_dataset=str(tmp_path))
+
+
+def test_corpus_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"source='web' is not supported"):
+        load_corpus("web")
+    with pytest.raises(ValueError, match=r"source='files' needs paths="):
+        load_corpus("files")
+    with pytest.raises(FileNotFoundError, match=r"paths entry '.*missing.txt' does not exist"):
+        load_corpus("files", paths=[str(tmp_path / "missing.txt")])
+    write(tmp_path / "code" / "main.py", "x = 1")
+    with pytest.raises(FileNotFoundError, match=r"folder '.*code' holds no text files"):
+        load_corpus("files", paths=str(tmp_path / "code"))
+    empty = write(tmp_path / "empty" / "a.txt", "")
+    with pytest.raises(ValueError, match=r"the corpus of paths=.*empty.* is empty"):
+        load_corpus("files", paths=str(empty.parent))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"'.*latin1.txt' is not valid UTF-8"):
+        load_corpus("files", paths=latin1)
+    with pytest.raises(ValueError, match=r"paths='a.txt' is only read with source='files'"):
+        load_corpus("pydoc", paths="a.txt")
+
+
+# --- windows and the DataModule -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [17, 25, 26])
+def test_token_windows_tile_the_split(length):
+    tokens = torch.arange(100, 100 + length)
+    windows = TokenWindows(tokens, seq_len=8)
+    assert len(windows) == (length - 1) // 8
+    inputs = torch.cat([windows[i][0] for i in range(len(windows))])
+    targets = torch.cat([windows[i][1] for i in range(len(windows))])
+    covered = len(windows) * 8
+    assert torch.equal(inputs, tokens[:covered]) and torch.equal(targets, tokens[1 : covered + 1])
+    assert length - 1 - covered < 8  # only an incomplete tail is dropped
+    with pytest.raises(IndexError):
+        windows[len(windows)]
+
+
+def test_pydoc_module_splits_are_contiguous_and_batches_shifted():
+    module = TextDataModule(seq_len=32, batch_size=16, eval_batch_size=64)
+    assert module.vocab_size == 256 and module.seq_len == 32 and isinstance(module.tokenizer, ByteTokenizer)
+    module.setup()
+    tokens, parts = module.tokens, module.split_tokens
+    n = len(tokens)
+    assert tokens.dtype == torch.int64 and n == len("\n\n".join(load_corpus("pydoc")).encode())
+    assert torch.equal(torch.cat([parts["train"], parts["val"], parts["test"]]), tokens)  # in order, disjoint, all
+    assert len(parts["val"]) == int(0.05 * n) == len(parts["test"])
+    assert module.bytes_per_token == {"train": 1.0, "val": 1.0, "test": 1.0}
+
+    inputs, targets = next(iter(module.train_dataloader()))
+    assert inputs.shape == targets.shape == (16, 32) and inputs.dtype == targets.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    val_batches = list(module.val_dataloader())
+    val_inputs = torch.cat([batch[0] for batch in val_batches]).flatten()
+    val_targets = torch.cat([batch[1] for batch in val_batches]).flatten()
+    covered = len(val_inputs)
+    assert covered == (len(parts["val"]) - 1) // 32 * 32
+    assert torch.equal(val_inputs, parts["val"][:covered]) and torch.equal(val_targets, parts["val"][1 : covered + 1])
+
+
+def test_train_loader_drops_last_and_is_seeded(small_corpus):
+    def first_batch(seed: int) -> torch.Tensor:
+        module = make_files_module(small_corpus, seed=seed, val_fraction=0.1, test_fraction=0.1)
+        return next(iter(module.train_dataloader()))[0]
+
+    module = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1, batch_size=5)
+    module.setup()
+    n_windows = len(module.train_set)
+    assert len(module.train_dataloader()) == n_windows // 5 and n_windows % 5 != 0
+    seen = Counter(tuple(row.tolist()) for inputs, _ in module.train_dataloader() for row in inputs)
+    windows = Counter(tuple(module.train_set[i][0].tolist()) for i in range(n_windows))
+    assert seen.total() == n_windows // 5 * 5 and seen <= windows  # drawn without replacement
+    assert torch.equal(first_batch(0), first_batch(0)) and not torch.equal(first_batch(0), first_batch(1))
+
+
+def test_bpe_bytes_per_token(small_corpus, bpe_files):
+    module = make_files_module(
+        small_corpus, tokenizer={"kind": "file", "path": str(bpe_files["json"])}, vocab_size=BPE_VOCAB
+    )
+    module.setup()
+    text = "\n\n".join(load_corpus("files", paths=str(small_corpus)))
+    assert module.tokenizer.decode(module.tokens) == text
+    for split, part in module.split_tokens.items():
+        expected = len(module.tokenizer.decode(part).encode()) / len(part)
+        assert module.bytes_per_token[split] == pytest.approx(expected)
+    assert min(module.bytes_per_token.values()) > 1.2  # merges make a token longer than a byte
+    # ASCII text: the splits' bytes add up to the corpus's.
+    total = sum(module.bytes_per_token[s] * len(p) for s, p in module.split_tokens.items())
+    assert total == pytest.approx(len(text.encode()))
+
+
+def test_no_validation_split_gives_empty_loader(small_corpus):
+    module = make_files_module(small_corpus, val_fraction=0, test_fraction=0.2)
+    module.setup()
+    assert module.val_dataloader() == [] and len(module.split_tokens["val"]) == 0
+    assert set(module.bytes_per_token) == {"train", "test"}
+    assert len(module.split_tokens["train"]) + len(module.split_tokens["test"]) == len(module.tokens)
+
+
+def test_lightning_skips_validation_without_val_split(small_corpus):
+    import lightning as L
+
+    class Bigram(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.logits = torch.nn.Embedding(256, 256)
+            self.steps = {"train": 0, "val": 0}
+
+        def training_step(self, batch, batch_idx):
+            self.steps["train"] += 1
+            inputs, targets = batch
+            return torch.nn.functional.cross_entropy(self.logits(inputs).flatten(0, 1), targets.flatten())
+
+        def validation_step(self, batch, batch_idx):
+            self.steps["val"] += 1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model = Bigram()
+    trainer = L.Trainer(
+        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=make_files_module(small_corpus, val_fraction=0))
+    assert model.steps["train"] > 0 and model.steps["val"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seq_len": 0}, r"seq_len=0 must be a positive integer"),
+        ({"val_fraction": 1.0}, r"val_fraction=1.0 must be a fraction in \[0, 1\)"),
+        ({"test_fraction": -0.1}, r"test_fraction=-0.1 must be a fraction in \[0, 1\)"),
+        ({"val_fraction": 0.5, "test_fraction": 0.5}, r"val_fraction=0.5 \+ test_fraction=0.5 = 1 leaves no training"),
+        ({"vocab_size": 300}, r"data.vocab_size=300 but tokenizer 'byte' has 256 tokens; set data.vocab_size=256"),
+        ({"tokenizer": {"kind": "byte", "lowercase": True}}, r"tokenizer keys \['lowercase'\] are not supported"),
+        ({"source": "files"}, r"source='files' needs paths="),
+        ({"source": "hf"}, r"source='hf' needs hf_dataset="),
+    ],
+)
+def test_module_argument_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TextDataModule(**kwargs)
+
+
+def test_split_too_small_for_seq_len(small_corpus):
+    module = make_files_module(small_corpus, seq_len=512, val_fraction=0.05, test_fraction=0.05)
+    n = len(encode_documents(ByteTokenizer(), load_corpus("files", paths=str(small_corpus))))
+    with pytest.raises(
+        ValueError, match=rf"the val split has {int(0.05 * n)} tokens .* seq_len \+ 1 = 513; use a smaller"
+    ):
+        module.setup()
+
+
+def test_hydra_configs_instantiate(small_corpus):
+    base = OmegaConf.load(CONFIG_DIR / "pydoc_text.yaml")
+    module = instantiate(base, seed=0)
+    assert isinstance(module, TextDataModule) and module.vocab_size == 256 and module.seq_len == 256
+    for name, key in (("text_files", "paths"), ("hf_text", "hf_dataset")):
+        config = OmegaConf.load(CONFIG_DIR / f"{name}.yaml")
+        assert OmegaConf.is_missing(config, key)
+        assert set(config) == set(base)  # the same keys as the default: switching corpus changes no others
+    files = OmegaConf.load(CONFIG_DIR / "text_files.yaml")
+    files.paths = [str(small_corpus)]
+    module = instantiate(files, seed=0, seq_len=8, batch_size=4)
+    module.setup()
+    assert len(module.tokens) == len("\n\n".join(load_corpus("files", paths=str(small_corpus))).encode())
