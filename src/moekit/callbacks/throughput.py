@@ -10,9 +10,10 @@ __all__ = ["ThroughputLogger"]
 
 
 class ThroughputLogger(Callback):
-    """Logs ``train/<unit>_per_sec``: samples processed between two logging points divided by the
-    wall time between them (data loading included, as a user experiences it). The first batch of
-    each epoch only starts the clock, so compilation and worker start-up do not count.
+    """Logs ``train/<unit>_per_sec`` (also shown in the progress bar): samples processed between two
+    logging points divided by the wall time between them (data loading included, as a user experiences
+    it). The first batch of each epoch only starts the clock, so compilation and worker start-up do not
+    count.
 
     Args:
         unit: name of one sample in the metric (``images``, ``tokens``).
@@ -44,6 +45,8 @@ class ThroughputLogger(Callback):
         if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             elapsed = now - self._start
             if elapsed > 0 and self._samples:
-                pl_module.log(f"train/{self.unit}_per_sec", self._samples / elapsed, on_step=True, on_epoch=False)
+                pl_module.log(
+                    f"train/{self.unit}_per_sec", self._samples / elapsed, on_step=True, on_epoch=False, prog_bar=True
+                )
             self._start = now
             self._samples = 0

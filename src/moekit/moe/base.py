@@ -10,7 +10,9 @@ build it. After each forward a layer holds:
 * ``stats``: ``{name: detached tensor}`` - routing statistics of that forward, computed on device
   without host synchronisation (scalars, or ``[num_experts]`` vectors such as ``expert_load``). They
   are computed when first read (a training loop that logs every N steps pays for them every N steps)
-  from the routing tensors the forward kept.
+  from the routing tensors the forward kept;
+* ``forward_tokens``: the tokens that forward routed (``batch * tokens``, padding included), the
+  weight of its statistics when a reader averages them over forwards of different sizes.
 
 :func:`collect_moe_outputs` gathers both from any model.
 """
@@ -139,6 +141,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.compute_stats = compute_stats
         self.aux_losses: dict[str, Tensor] = {}
+        self.forward_tokens = 0
         self._stats_fn: Callable[[], dict[str, Tensor]] | None = None
         self._stats: dict[str, Tensor] = {}
 
@@ -157,17 +160,23 @@ class MoELayer(nn.Module):
 
     @property
     def stats(self) -> dict[str, Tensor]:
-        """Routing statistics of the latest forward (``{}`` when ``compute_stats`` is False)."""
+        """Routing statistics of the latest forward (``{}`` when ``compute_stats`` is False).
+
+        Every read until the next forward returns the same dict object, and each forward starts a
+        new one: a reader that keeps the dict it saw can tell a new forward from an old record."""
         if self._stats_fn is not None:
             compute, self._stats_fn = self._stats_fn, None  # drop the kept routing tensors
             with torch.no_grad():
                 self._stats = {k: v.detach() for k, v in compute().items()}
         return self._stats
 
-    def _record(self, aux_losses: dict[str, Tensor], stats: Callable[[], dict[str, Tensor]]) -> None:
-        """Keep this forward's weighted aux losses, and the function that computes its statistics
-        (closing over detached routing tensors) for when they are read."""
+    def _record(
+        self, aux_losses: dict[str, Tensor], stats: Callable[[], dict[str, Tensor]], forward_tokens: int
+    ) -> None:
+        """Keep this forward's weighted aux losses, the function that computes its statistics
+        (closing over detached routing tensors) for when they are read, and its number of tokens."""
         self.aux_losses = aux_losses
+        self.forward_tokens = forward_tokens
         self._stats_fn = stats if self.compute_stats else None
         self._stats = {}
 

@@ -86,5 +86,5 @@ class DenseMoE(MoELayer):
         out = torch.einsum("ne,eno->no", gates.to(expert_out.dtype), expert_out)
         losses = {"z": self.z_loss_weight * router_z_loss(logits)} if self.z_loss_weight else {}
         gates = gates.detach()
-        self._record(losses, lambda: dense_mixture_stats(gates))
+        self._record(losses, lambda: dense_mixture_stats(gates), num_tokens)
         return out.view(batch, tokens, -1)

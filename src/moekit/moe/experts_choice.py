@@ -123,6 +123,7 @@ class ExpertsChoiceMoE(MoELayer):
         self._record(
             losses,
             lambda: experts_choice_stats(probs, torch.bincount(flat_idx, minlength=num_tokens), gates),
+            num_tokens,
         )
         return out.view(batch, tokens, -1)
 

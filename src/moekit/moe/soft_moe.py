@@ -184,7 +184,11 @@ class SoftMoE(MoELayer):
         out = torch.bmm(combine.to(slot_out.dtype), slot_out)  # [B, M, o]
 
         dispatch, combine = dispatch.detach(), combine.detach()
-        self._record({}, lambda: soft_moe_stats(dispatch, combine, self.num_experts, padding_mask))
+        self._record(
+            {},
+            lambda: soft_moe_stats(dispatch, combine, self.num_experts, padding_mask),
+            batch * x.shape[1],
+        )
         return out
 
     def expert_rows_per_token(self, num_tokens: int) -> float:

@@ -73,21 +73,21 @@ def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_ma
     ``tokens_per_slot`` is the perplexity ``exp(H)`` of a slot's dispatch distribution: the effective
     number of tokens mixed into the slot. ``expert_load`` is each expert's share of the combine mass.
     """
-    batch, _, num_slots = combine.shape
+    num_slots = combine.shape[-1]
     dispatch_entropy = entropy(dispatch.float(), dim=1)  # [B, S]
     combine_entropy = entropy(combine.float(), dim=2)  # [B, M]
     max_combine = combine.float().amax(dim=2)  # [B, M]
-    per_expert = combine.float().reshape(batch, -1, num_experts, num_slots // num_experts).sum(dim=-1)  # [B, M, n]
     if token_mask is None:
         combine_entropy_mean = combine_entropy.mean()
         max_combine_mean = max_combine.mean()
-        expert_mass = per_expert.sum(dim=(0, 1))
+        slot_mass = combine.float().sum(dim=(0, 1))  # [S]
     else:
         mask = token_mask.float()
         count = mask.sum().clamp_min(1.0)
         combine_entropy_mean = (combine_entropy * mask).sum() / count
         max_combine_mean = (max_combine * mask).sum() / count
-        expert_mass = (per_expert * mask.unsqueeze(-1)).sum(dim=(0, 1))
+        slot_mass = (combine.float() * mask.unsqueeze(-1)).sum(dim=(0, 1))
+    expert_mass = slot_mass.view(num_experts, num_slots // num_experts).sum(dim=-1)  # slots of expert i: i*p..i*p+p-1
     load = expert_mass / expert_mass.sum().clamp_min(torch.finfo(expert_mass.dtype).tiny)
     return {
         "expert_load": load,

@@ -161,7 +161,7 @@ class TokenChoiceMoE(MoELayer):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat, x_flat.shape[0])
 
-        self._record(routing.aux_losses, lambda: self._stats_of(routing, plan))
+        self._record(routing.aux_losses, lambda: self._stats_of(routing, plan), batch * tokens)
         return out.view(batch, tokens, -1)
 
     def _stats_of(self, routing: Routing, plan: DispatchPlan) -> dict[str, Tensor]:

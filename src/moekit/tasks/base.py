@@ -1,7 +1,7 @@
 """What every moekit task shares, whatever the data: the network built from its config, AdamW with
 parameter groups and a per-step schedule, the MoE auxiliary losses added to the task loss and logged
-one by one, the routing statistics logged every ``log_every_n_steps``, and loss-free balancing
-updated once per optimizer step.
+one by one, and loss-free balancing updated once per optimizer step. The routing statistics of each
+MoE layer are logged by the :class:`~moekit.callbacks.ExpertLoadMonitor` callback.
 
 Subclasses (:class:`~moekit.tasks.ImageClassifier`, :class:`~moekit.tasks.LanguageModel`) compute
 their task loss and metrics and call :meth:`MoETask.add_aux_losses`.
@@ -53,8 +53,8 @@ class MoETask(LightningModule):
 
     def add_aux_losses(self, split: str, task_loss: Tensor, batch_size: int) -> Tensor:
         """Task loss (a cross-entropy) + the weighted MoE auxiliary losses of the latest forward. Logs
-        ``<split>/loss``, ``<split>/ce`` and each aux loss (``<split>/aux/<name>``, ``<split>/aux/total``); in training
-        also the routing statistics (``moe/<layer>/<stat>``) every ``log_every_n_steps``."""
+        ``<split>/loss``, ``<split>/ce`` and each aux loss summed over layers (``<split>/aux/<name>``,
+        ``<split>/aux/total``)."""
         moe = collect_moe_outputs(self.net)
         loss = task_loss + moe.aux_loss
         # Training logs per step (rank 0's values); evaluation logs epoch means reduced over ranks.
@@ -66,20 +66,7 @@ class MoETask(LightningModule):
             self.log(f"{split}/aux/{name}", value, **log)
         if moe.aux_losses:
             self.log(f"{split}/aux/total", moe.aux_loss, **log)
-        if split == "train" and self._trainer is not None and self._should_log_routing():
-            self._log_routing(moe.stats)
         return loss
-
-    def _should_log_routing(self) -> bool:
-        every = max(1, self.trainer.log_every_n_steps)
-        return self.global_step % every == 0
-
-    def _log_routing(self, stats: Mapping[str, Mapping[str, Tensor]]) -> None:
-        """Scalar routing statistics of every MoE layer, ``moe/<layer>/<stat>``."""
-        for layer, values in stats.items():
-            for name, value in values.items():
-                if value.numel() == 1:
-                    self.log(f"moe/{layer}/{name}", value, on_step=True, on_epoch=False)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)

@@ -1,0 +1,290 @@
+"""ExpertLoadMonitor: interval figures against hand-computed values on crafted routings, the interval
+mean against the per-step records, the DDP reduction against one process, the heatmap's colours,
+and a training run that writes the scalars, histograms and heatmaps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from conftest import REPO, compose_config
+from moekit.callbacks import ExpertLoadMonitor
+from moekit.callbacks.moe_stats import RoutingStatsSums, load_heatmap
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
+from moekit.moe import SoftMoE, TopKMoE
+from moekit.run import train
+
+
+def _routed_to(experts: list[int], shape: tuple[int, int], num_experts: int = 4) -> torch.Tensor:
+    """Tokens ``[batch, tokens, E]`` that a router with weight ``10 * I`` sends to ``experts`` (in order)."""
+    return torch.eye(num_experts)[experts].reshape(*shape, num_experts)
+
+
+def _crafted_top1() -> TopKMoE:
+    layer = TopKMoE(4, 8, num_experts=4, top_k=1, capacity_factor=1.0, switch_loss_weight=0.01)
+    with torch.no_grad():
+        layer.router.weight.copy_(10 * torch.eye(4))  # token e_i -> expert i, with probability p below
+    return layer
+
+
+def test_interval_figures_equal_hand_computed_values_on_a_crafted_routing():
+    layer = _crafted_top1()
+    monitor = ExpertLoadMonitor()
+    assert set(monitor.watch(nn.Sequential(layer))) == {"0"}
+    sums = RoutingStatsSums()
+    switch_losses = []
+    # step 1: 8 tokens, capacity ceil(8 / 4) = 2: experts 0 and 2 drop one token each -> kept [2, 2, 2, 0]
+    layer(_routed_to([0, 0, 0, 1, 1, 2, 2, 2], (1, 8)))
+    switch_losses.append(layer.aux_losses["switch"].item())
+    monitor.accumulate(sums)
+    # step 2: 2 x 2 tokens, capacity 1, all to expert 3 -> kept [0, 0, 0, 1]
+    layer(_routed_to([3, 3, 3, 3], (2, 2)))
+    switch_losses.append(layer.aux_losses["switch"].item())
+    monitor.accumulate(sums)
+    monitor.accumulate(sums)  # no forward since: the old record must not count again
+
+    figures = sums.compute()
+    assert set(figures) == {"0"}
+    f = figures["0"]
+    assert f.forwards == 2 and f.tokens == 12
+    # token-weighted (8 : 4) means of the two steps
+    torch.testing.assert_close(f.expert_load, torch.tensor([2 / 9, 2 / 9, 2 / 9, 3 / 9]))
+    cv1, cv2 = 1 / math.sqrt(3), math.sqrt(3)  # std / mean of [2, 2, 2, 0] and of [0, 0, 0, 1]
+    assert f.scalars["load_cv"] == pytest.approx((8 * cv1 + 4 * cv2) / 12)
+    assert f.scalars["unused_experts"] == pytest.approx((8 * 0.25 + 4 * 0.75) / 12)
+    assert f.scalars["dropped_fraction"] == pytest.approx((8 * 0.25 + 4 * 0.75) / 12)
+    assert f.scalars["tokens_fully_dropped"] == pytest.approx(5 / 12)
+    p = math.exp(10) / (math.exp(10) + 3)  # every token's top probability; the others (1 - p) / 3
+    q = (1 - p) / 3
+    assert f.scalars["router_entropy"] == pytest.approx(-(p * math.log(p) + 3 * q * math.log(q)), rel=1e-4)
+    assert f.scalars["mean_top_gate"] == pytest.approx(p)
+    assert f.scalars["aux/switch"] == pytest.approx((8 * switch_losses[0] + 4 * switch_losses[1]) / 12)
+    # the interval's own load [2, 2, 2, 3] / 9: every expert got tokens
+    assert f.scalars["interval_load_cv"] == pytest.approx(math.sqrt(3) / 9)
+    assert f.scalars["interval_unused_experts"] == 0.0
+
+    sums.reset()
+    assert not sums and sums.compute() == {}
+
+
+def test_soft_moe_uniform_dispatch_mixes_every_token_into_each_slot():
+    layer = SoftMoE(8, 16, num_experts=2, slots_per_expert=2)
+    with torch.no_grad():
+        layer.phi.zero_()  # all logits 0: dispatch and combine uniform
+    monitor, sums = ExpertLoadMonitor(), RoutingStatsSums()
+    monitor.watch(nn.Sequential(layer))
+    layer(torch.randn(3, 5, 8))
+    monitor.accumulate(sums)
+    f = sums.compute()["0"]
+    assert f.scalars["tokens_per_slot"] == pytest.approx(5.0)
+    assert f.scalars["dispatch_entropy"] == pytest.approx(math.log(5))
+    assert f.scalars["max_dispatch_weight"] == pytest.approx(1 / 5)
+    assert f.scalars["combine_entropy"] == pytest.approx(math.log(4))
+    torch.testing.assert_close(f.expert_load, torch.tensor([0.5, 0.5]))
+    assert f.scalars["interval_load_cv"] == pytest.approx(0.0, abs=1e-7)
+    # a second forward with 7 tokens per sequence: tokens_per_slot 7, weighted by 1 x 7 tokens against 3 x 5
+    layer(torch.randn(1, 7, 8))
+    monitor.accumulate(sums)
+    assert sums.compute()["0"].scalars["tokens_per_slot"] == pytest.approx((15 * 5 + 7 * 7) / 22)
+
+
+def test_interval_mean_is_the_token_weighted_mean_of_the_steps():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0, z_loss_weight=0.001)
+    monitor, sums = ExpertLoadMonitor(), RoutingStatsSums()
+    monitor.watch(nn.Sequential(layer))
+    records, weights = [], []
+    for batch in (3, 5):  # two different batches of 6 tokens per sequence
+        layer(torch.randn(batch, 6, 8))
+        records.append({**layer.stats, **{f"aux/{k}": v.detach() for k, v in layer.aux_losses.items()}})
+        weights.append(batch * 6)
+        monitor.accumulate(sums)
+    f = sums.compute()["0"]
+    assert records[0]["expert_load"].ne(records[1]["expert_load"]).any(), "the two steps must differ"
+    mean = {k: (weights[0] * records[0][k] + weights[1] * records[1][k]) / sum(weights) for k in records[0]}
+    torch.testing.assert_close(f.expert_load, mean["expert_load"])
+    assert set(f.scalars) == set(mean) - {"expert_load"} | {"interval_load_cv", "interval_unused_experts"}
+    for key, value in mean.items():
+        if key != "expert_load":
+            assert f.scalars[key] == pytest.approx(value.item(), rel=1e-5, abs=1e-7), key
+
+
+def test_dropless_interval_load_equals_one_forward_over_all_tokens():
+    """Without capacity the token weighting is exact: the interval's load and per-token means are
+    those of one forward over the concatenated steps."""
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=None)
+    monitor, sums = ExpertLoadMonitor(), RoutingStatsSums()
+    monitor.watch(nn.Sequential(layer))
+    steps = [torch.randn(2, 6, 8), torch.randn(5, 6, 8)]
+    for x in steps:
+        layer(x)
+        monitor.accumulate(sums)
+    f = sums.compute()["0"]
+    layer(torch.cat(steps))
+    whole = layer.stats
+    torch.testing.assert_close(f.expert_load, whole["expert_load"])
+    for key in ("router_entropy", "mean_top_gate"):
+        assert f.scalars[key] == pytest.approx(whole[key].item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, socket, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from moekit.callbacks.moe_stats import RoutingStatsSums
+    from moekit.moe import TopKMoE
+
+    SIZES = [4, 2, 3, 5]  # sequences of 6 tokens in each micro-batch: rank r gets micro-batches r, r + 2
+
+
+    def figures(indices, sum_over_ranks=None):
+        torch.manual_seed(0)
+        layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0, switch_loss_weight=0.01)
+        generator = torch.Generator().manual_seed(1)
+        batches = [torch.randn(n, 6, 8, generator=generator) for n in SIZES]
+        sums = RoutingStatsSums()
+        for i in indices:
+            layer(batches[i])
+            sums.add("moe", layer.stats, layer.aux_losses, layer.forward_tokens)
+        f = sums.compute(sum_over_ranks)["moe"]
+        return {"load": f.expert_load.tolist(), "scalars": f.scalars, "forwards": f.forwards, "tokens": f.tokens}
+
+
+    def worker(rank, port, out):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+        def sum_over_ranks(tensor):
+            dist.all_reduce(tensor)
+            return tensor
+
+        result = figures(range(rank, len(SIZES), 2), sum_over_ranks)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"ddp": result, "single": figures(range(len(SIZES)))}, f)
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # fork: the workers inherit the imports (lightning takes seconds to import)
+        mp.start_processes(worker, args=(port, sys.argv[1]), nprocs=2, start_method="fork")
+    """
+)
+
+
+def test_ddp_reduction_equals_one_process_fed_all_the_data(tmp_path):
+    script, out = tmp_path / "ddp_figures.py", tmp_path / "figures.json"
+    script.write_text(DDP_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    ddp, single = figures["ddp"], figures["single"]
+    assert ddp["forwards"] == single["forwards"] == 4 and ddp["tokens"] == single["tokens"] == 14 * 6
+    assert ddp["load"] == pytest.approx(single["load"], rel=1e-5)
+    assert set(ddp["scalars"]) == set(single["scalars"]) and "aux/switch" in ddp["scalars"]
+    for key, value in single["scalars"].items():
+        assert ddp["scalars"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+# ---------------------------------------------------------------------------------------------
+def test_heatmap_colours_the_load_relative_to_uniform():
+    image = load_heatmap([torch.tensor([0.0, 0.25, 0.5, 0.25]), torch.tensor([0.5, 0.5])], max_width=64)
+    assert image.shape == (3, 2 * 16, 4 * 16)  # cells 64 // 4 = 16 px wide, at least 16 high
+    assert image.min() >= 0 and image.max() <= 1
+
+    def cell(row: int, col: int) -> torch.Tensor:
+        return image[:, row * 16 + 8, col * 16 + 8]
+
+    blue, grey, red = cell(0, 0), cell(0, 1), cell(0, 2)
+    assert blue[2] > blue[0] and red[0] > red[2], "no token: blue; twice uniform: red"
+    assert grey.max() - grey.min() < 1e-6 and grey.min() > 0.8, "uniform load: light grey"
+    torch.testing.assert_close(cell(1, 0), grey)  # 0.5 of 2 experts is uniform too
+    assert cell(1, 2).abs().sum() == 0 and cell(1, 3).abs().sum() == 0, "missing experts: black"
+    half_way = load_heatmap([torch.tensor([0.25, 0.75])])[:, 0, 0]  # load x 2 experts: ratios 0.5 and 1.5
+    torch.testing.assert_close(half_way, (blue + grey) / 2)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="log_every_n_steps=0 must be a positive int"):
+        ExpertLoadMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="tokens=0 for layer 'x'"):
+        RoutingStatsSums().add("x", {"load_cv": torch.tensor(0.0)}, {}, tokens=0)
+    with pytest.raises(ValueError, match="loads is empty"):
+        load_heatmap([])
+
+
+# ---------------------------------------------------------------------------------------------
+TOKEN_CHOICE_SCALARS = (
+    "load_cv",
+    "unused_experts",
+    "dropped_fraction",
+    "router_entropy",
+    "mean_top_gate",
+    "aux/switch",
+    "interval_load_cv",
+    "interval_unused_experts",
+)
+
+
+def test_training_run_writes_scalars_histograms_and_heatmaps(tmp_path):
+    data = write_fake_fashion_mnist(tmp_path / "fashion-mnist", n_train=320, n_test=32)
+    cfg = compose_config(
+        "train",
+        [
+            "experiment=tokens_choice_vit",
+            f"data.root={data}",
+            "data.val_size=64",
+            "data.batch_size=32",  # 256 training images: 8 steps
+            "model.embed_dim=32",
+            "model.depth=4",  # MoE in blocks 2 and 3
+            "model.num_heads=2",
+            "logger=many",
+            "trainer.max_epochs=1",
+            "trainer.log_every_n_steps=1",
+            "trainer.precision=32-true",
+            "callbacks.expert_load.log_every_n_steps=4",  # means over steps 1-4 and 5-8
+            "+trainer.enable_progress_bar=false",
+            "+trainer.enable_model_summary=false",
+            "test=false",
+        ],
+        tmp_path / "run",
+    )
+    train(cfg)
+    (events,) = (tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*")
+    board = EventAccumulator(str(events), size_guidance={"scalars": 0, "histograms": 0, "images": 0})
+    board.Reload()
+    tags = board.Tags()
+    layers = ("blocks.2.mlp", "blocks.3.mlp")
+    for prefix in ("moe", "val_moe"):
+        for layer in layers:
+            for stat in TOKEN_CHOICE_SCALARS:
+                assert f"{prefix}/{layer}/{stat}" in tags["scalars"], (prefix, layer, stat)
+            assert f"{prefix}/{layer}/expert_load" in tags["histograms"]
+        assert f"{prefix}/expert_load_heatmap" in tags["images"]
+
+    train_steps = [e.step for e in board.Scalars("moe/blocks.2.mlp/load_cv")]
+    loss_steps = [e.step for e in board.Scalars("train/loss_step")]
+    assert train_steps == [3, 7] and {3, 7} <= set(loss_steps), "every 4 steps, on Lightning's step axis"
+    assert len(board.Scalars("val_moe/blocks.2.mlp/load_cv")) == 1, "the sanity-check validation is not logged"
+    (histogram,) = board.Histograms("val_moe/blocks.3.mlp/expert_load")
+    buckets = histogram.histogram_value.bucket
+    assert len(buckets) == 8 and sum(buckets) == pytest.approx(1.0, rel=1e-5), "8 experts' fractions of the tokens"
+    heatmap = board.Images("moe/expert_load_heatmap")[-1]
+    assert (heatmap.width, heatmap.height) == (8 * 32, 2 * 32), "8 experts x 2 layers, 32 px cells"
+
+    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
+        header = next(csv.reader(f))
+    assert "moe/blocks.3.mlp/dropped_fraction" in header and "val_moe/blocks.3.mlp/aux/switch" in header
