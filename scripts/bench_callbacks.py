@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 from moekit.callbacks import ExpertLoadMonitor, ThroughputLogger
-from moekit.utils.allocator import active_allocator, reexec_with_tcmalloc
+from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -92,15 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="fits per arm, alternating")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--allocator",
-        choices=["tcmalloc", "system"],
-        default="tcmalloc",
-        help="tcmalloc (default, when installed: restarts the script with it preloaded, as scripts/train.py does)",
-    )
+    add_allocator_argument(parser)
     args = parser.parse_args(argv)
-    if args.allocator == "tcmalloc":
-        reexec_with_tcmalloc()
+    apply_allocator(args)
     for name in ("steps", "warmup", "rounds", "batch_size"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")

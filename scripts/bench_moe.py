@@ -29,7 +29,7 @@ from timm.layers import Mlp, SwiGLU
 from torch import nn
 
 from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE, SoftMoE, TopKMoE
-from moekit.utils.allocator import active_allocator, reexec_with_tcmalloc
+from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 
 
 @dataclass
@@ -298,15 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (median reported)")
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run of the script")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--allocator",
-        choices=["tcmalloc", "system"],
-        default="tcmalloc",
-        help="tcmalloc (default, when installed: restarts the script with it preloaded) or the system malloc",
-    )
+    add_allocator_argument(parser)
     args = parser.parse_args(argv)
-    if args.allocator == "tcmalloc":
-        reexec_with_tcmalloc()
+    apply_allocator(args)
     torch.manual_seed(args.seed)
     print(
         f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "

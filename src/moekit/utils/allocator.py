@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["find_tcmalloc", "reexec_with_tcmalloc", "active_allocator"]
+__all__ = ["find_tcmalloc", "reexec_with_tcmalloc", "active_allocator", "add_allocator_argument", "apply_allocator"]
 
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -58,3 +58,19 @@ def reexec_with_tcmalloc() -> bool:
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
     return True  # unreachable
+
+
+def add_allocator_argument(parser) -> None:
+    """Add ``--allocator {tcmalloc,system}`` to an ``argparse`` parser (benchmark scripts)."""
+    parser.add_argument(
+        "--allocator",
+        choices=["tcmalloc", "system"],
+        default="tcmalloc",
+        help="tcmalloc (default, when installed: restarts the script with it preloaded) or the system malloc",
+    )
+
+
+def apply_allocator(args) -> None:
+    """Act on ``--allocator``: restart with tcmalloc unless ``system`` was asked for."""
+    if args.allocator == "tcmalloc":
+        reexec_with_tcmalloc()
