@@ -4,7 +4,6 @@ unless ``data=`` is given, the dataset come from the checkpoint)."""
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.run import evaluate
 
 if __name__ == "__main__":
-    run_script(evaluate, "eval", Path(__file__).parents[1] / "configs")
+    run_script("moekit.run:evaluate", "eval", Path(__file__).parents[1] / "configs")

@@ -4,7 +4,6 @@
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.run import export
 
 if __name__ == "__main__":
-    run_script(export, "export", Path(__file__).parents[1] / "configs")
+    run_script("moekit.run:export", "export", Path(__file__).parents[1] / "configs")

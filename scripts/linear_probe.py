@@ -4,7 +4,6 @@
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.run import linear_probe
 
 if __name__ == "__main__":
-    run_script(linear_probe, "linear_probe", Path(__file__).parents[1] / "configs")
+    run_script("moekit.run:linear_probe", "linear_probe", Path(__file__).parents[1] / "configs")

@@ -5,7 +5,6 @@ own dataset unless ``data=`` is given)."""
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.run import plot_slots
 
 if __name__ == "__main__":
-    run_script(plot_slots, "plot_slots", Path(__file__).parents[1] / "configs")
+    run_script("moekit.run:plot_slots", "plot_slots", Path(__file__).parents[1] / "configs")

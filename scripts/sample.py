@@ -4,7 +4,6 @@
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.run import sample
 
 if __name__ == "__main__":
-    run_script(sample, "sample", Path(__file__).parents[1] / "configs")
+    run_script("moekit.run:sample", "sample", Path(__file__).parents[1] / "configs")

@@ -8,9 +8,8 @@ value can be overridden from the command line (``trainer.max_epochs=3``, ``model
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.run import train
 from moekit.utils.allocator import reexec_with_tcmalloc
 
 if __name__ == "__main__":
     reexec_with_tcmalloc()  # MoE gradients are large: avoid glibc's per-step page faults (moekit.utils.allocator)
-    run_script(train, "train", Path(__file__).parents[1] / "configs")
+    run_script("moekit.run:train", "train", Path(__file__).parents[1] / "configs")

@@ -149,20 +149,7 @@ def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):
     assert "the lazy dog. the" in result.stdout
 
 
-def test_cli_empty_corpus_exits_non_zero_in_one_paragraph(tmp_path):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    result = run_script(
-        "train.py",
-        "experiment=moe_transformer_lm",
-        "data=text_files",
-        f"data.paths=[{empty}]",
-        f"paths.log_dir={tmp_path}",
-        cwd=REPO,
-    )
-    assert result.returncode == 1
-    assert str(empty) in result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
+# The empty-corpus command-line case is in test_bad_input.py (text_corpus_empty).
 
 
 def test_lm_checkpoint_resumes_at_the_saved_step(trained_lm, repeated_corpus, tmp_path):

@@ -270,17 +270,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_stays_untouched(tmp_path):
     assert bad.read_bytes() == b"PK\x03\x04 truncated"
 
 
-def test_cli_unknown_experiment_exits_non_zero_with_the_options(tmp_path):
-    result = run_script("train.py", "experiment=soft_moe_vitt", f"paths.log_dir={tmp_path}", cwd=REPO)
-    assert result.returncode != 0
-    assert "soft_moe_vitt" in result.stderr and "soft_moe_vit" in result.stderr
-
-
-def test_cli_missing_checkpoint_exits_non_zero_in_one_paragraph(tmp_path):
-    result = run_script("eval.py", "ckpt_path=/nonexistent.ckpt", f"paths.log_dir={tmp_path}", cwd=REPO)
-    assert result.returncode == 1
-    assert "ckpt_path='/nonexistent.ckpt' does not exist" in result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
+# The command-line bad-input cases (unknown experiment, missing checkpoint, ...) are in test_bad_input.py.
 
 
 def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):

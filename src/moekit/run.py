@@ -6,7 +6,16 @@ Kept apart from the scripts so tests (and notebooks) can call them with
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import errno
+import inspect
 import logging
+import os
+import tempfile
+import types
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +24,43 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from lightning import Callback, LightningDataModule, Trainer
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from moekit.checkpoint import CheckpointError
+from moekit.checkpoint import load_weights as _load_weights
 from moekit.tasks import ImageClassifier, LanguageModel, MoETask
 from moekit.tasks.base import TASK_KEY
 
 log = logging.getLogger("moekit")
 
-__all__ = ["train", "evaluate", "export", "linear_probe", "sample", "plot_slots", "load_task", "USER_ERRORS"]
+__all__ = [
+    "train",
+    "evaluate",
+    "export",
+    "linear_probe",
+    "sample",
+    "plot_slots",
+    "load_task",
+    "OutputError",
+    "USER_ERRORS",
+]
 
-# Errors caused by the user's input: the scripts print them as one paragraph and exit with status 1.
-USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
+
+class OutputError(OSError):
+    """An output that cannot be written: a folder that is not writable, a full disk, a quota."""
+
+
+# Errors caused by the user's input or environment: the scripts print them as one paragraph and exit
+# with status 1. Lightning's MisconfigurationException is its own "bad Trainer argument" error.
+USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError, OutputError, MisconfigurationException)
+
+# errno values of a failed write that the user fixes by freeing space or choosing another disk. (Not
+# EACCES: a permission error may come from reading the data; output folders are probed before the run.)
+_STORAGE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG") if hasattr(errno, name)
+)
 
 
 def instantiate(config: Any, *args, **kwargs) -> Any:
@@ -58,6 +91,123 @@ def _check_ckpt_path(ckpt_path: str | None) -> None:
         )
 
 
+def _check_writable_dir(directory: str | os.PathLike, key: str) -> Path:
+    """Create ``directory`` and write a probe file in it, so an output folder that cannot be written
+    fails before training (not at the first checkpoint); ``key`` names the setting in the message."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise OutputError(
+            f"{key}={str(directory)!r} is not a writable folder ({type(err).__name__}: {err.strerror or err}); "
+            f"set {key} to a folder you can write to"
+        ) from None
+    return directory
+
+
+@contextlib.contextmanager
+def _storage_errors(output_dir: str | os.PathLike) -> Iterator[None]:
+    """Turn a failed write (disk full, quota, read-only file system) during a run into an
+    :class:`OutputError` that names the file and what to do."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, OutputError) or err.errno not in _STORAGE_ERRNOS:
+            raise
+        where = err.filename or output_dir
+        raise OutputError(
+            f"writing {str(where)!r} failed: {err.strerror or err} ({errno.errorcode.get(err.errno, err.errno)}). "
+            "Free disk space (or raise the quota), or set paths.output_dir to a folder "
+            "on another disk, then resume with ckpt_path=<paths.output_dir>/checkpoints/last.ckpt"
+        ) from None
+
+
+def _primitive_types(annotation: Any) -> tuple[list[type], list[Any]] | None:
+    """The plain types and ``Literal`` values an annotation allows, or None when it allows anything
+    richer (a class, a container) that a config value may legitimately describe."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_primitive_types(arg) for arg in typing.get_args(annotation)]
+        if any(part is None for part in parts):
+            return None
+        return [t for part in parts for t in part[0]], [v for part in parts for v in part[1]]
+    if origin is typing.Literal:
+        return [], list(typing.get_args(annotation))
+    if annotation in (int, float, bool, str, type(None)):
+        return [annotation], []
+    return None
+
+
+def _matches(value: Any, allowed_types: list[type], literals: list[Any]) -> bool:
+    if any(value == literal and type(value) is type(literal) for literal in literals):
+        return True
+    for allowed in allowed_types:
+        if allowed is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if allowed is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if allowed in (bool, str, type(None)) and isinstance(value, allowed):
+            return True
+    return False
+
+
+def _check_trainer_config(trainer_cfg: DictConfig) -> None:
+    """Check ``cfg.trainer`` against ``lightning.Trainer``'s signature before building it: an unknown
+    key (``trainer.max_epoch``) or a value of the wrong type (``trainer.max_epochs=abc``, which
+    Lightning would otherwise accept and fail on much later) is a one-line error with the fix."""
+    if not trainer_cfg or not str(trainer_cfg.get("_target_", "")).startswith("lightning"):
+        return
+    params = inspect.signature(Trainer.__init__).parameters
+    try:
+        hints = typing.get_type_hints(Trainer.__init__)
+    except Exception:  # an annotation this Python cannot evaluate: check the names only
+        hints = {}
+    for key in trainer_cfg:
+        if key.startswith("_"):
+            continue
+        if key not in params:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = f"did you mean trainer.{close[0]}?" if close else "see lightning.Trainer's arguments"
+            raise ValueError(f"trainer.{key} is not an argument of lightning.Trainer; {hint} (remove or rename it)")
+        value = trainer_cfg[key]
+        allowed = _primitive_types(hints.get(key))
+        if allowed is None or isinstance(value, DictConfig | list) or OmegaConf.is_list(value):
+            continue
+        if not _matches(value, *allowed):
+            names = [t.__name__.replace("NoneType", "null") for t in allowed[0]] + [repr(v) for v in allowed[1]]
+            raise ValueError(
+                f"trainer.{key}={value!r} has the wrong type for lightning.Trainer({key}=...); "
+                f"set it to one of: {', '.join(dict.fromkeys(names))}"
+            )
+
+
+def _check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
+    """A checkpoint to resume from must be a readable Lightning checkpoint of this very network: say
+    so in one line instead of failing inside ``trainer.fit`` with a traceback."""
+    try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
+            "It is corrupt, truncated or not a PyTorch file; resume from another checkpoint (e.g. an earlier "
+            "epoch_XXX.ckpt) or drop ckpt_path to start afresh"
+        ) from None
+    missing = [
+        key
+        for key in ("state_dict", "optimizer_states", "epoch")
+        if not isinstance(checkpoint, dict) or key not in checkpoint
+    ]
+    if missing:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} is not a Lightning training checkpoint (no {', '.join(missing)}); resume "
+            "from a .ckpt written by scripts/train.py, or load plain weights with task.init_from=<file> instead"
+        )
+    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+    _load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
+
+
 def _where(trainer: Trainer) -> str:
     lines = [f"outputs: {trainer.default_root_dir}"]
     for logger in trainer.loggers:
@@ -74,21 +224,26 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the task on the data, then test the best checkpoint. Returns the final metrics."""
     L.seed_everything(cfg.seed, workers=True)
     _check_ckpt_path(cfg.get("ckpt_path"))
+    _check_trainer_config(cfg.trainer)
+    output_dir = _check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
+    if cfg.get("ckpt_path"):
+        _check_resume_checkpoint(cfg.ckpt_path, module)
     callbacks: list[Callback] = _instantiate_group(cfg.get("callbacks"))
     loggers: list[Logger] = _instantiate_group(cfg.get("logger"))
     trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     log.info("model: %s", _summary_line(module, datamodule))
     metrics: dict[str, float] = {}
-    if cfg.get("train", True):
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        metrics.update(_floats(trainer.callback_metrics))
-    if cfg.get("test", True):
-        best = getattr(trainer.checkpoint_callback, "best_model_path", "") if cfg.get("train", True) else ""
-        trainer.test(module, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
-        metrics.update(_floats(trainer.callback_metrics))
+    with _storage_errors(output_dir):
+        if cfg.get("train", True):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            metrics.update(_floats(trainer.callback_metrics))
+        if cfg.get("test", True):
+            best = getattr(trainer.checkpoint_callback, "best_model_path", "") if cfg.get("train", True) else ""
+            trainer.test(module, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
+            metrics.update(_floats(trainer.callback_metrics))
     log.info("done.\n  %s", _where(trainer))
     return metrics
 
@@ -132,16 +287,31 @@ def _datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
         if "data" not in run_config:
             raise ValueError(f"the checkpoint {cfg.ckpt_path!r} does not record its dataset; pass data=<dataset>")
         data_cfg = OmegaConf.create(run_config["data"])
-    return instantiate(data_cfg, _convert_="all")
+        return instantiate(data_cfg, _convert_="all")
+    datamodule = instantiate(data_cfg, _convert_="all")
+    # A dataset other than the checkpoint's must have the shapes its network was built for.
+    net_cfg = module.hparams.get("net") or {}
+    for key in ("num_classes", "in_chans", "img_size", "vocab_size"):
+        trained, given = net_cfg.get(key), getattr(datamodule, key, None)
+        if trained is not None and given is not None and trained != given:
+            raise ValueError(
+                f"data={datamodule.hparams.get('dataset', type(datamodule).__name__)!r} has {key}={given} but the "
+                f"checkpoint {cfg.ckpt_path!r} was trained with {key}={trained}; evaluate it on data of the same "
+                "shape, or leave data unset to use the checkpoint's own dataset"
+            )
+    return datamodule
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Test a checkpoint: the network and, unless ``data`` is set, the dataset come from it."""
     module = load_task(cfg.ckpt_path)
     L.seed_everything(cfg.seed, workers=True)
+    _check_trainer_config(cfg.trainer)
+    output_dir = _check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     datamodule = _datamodule_for(cfg, module)
     trainer: Trainer = instantiate(cfg.trainer, logger=_instantiate_group(cfg.get("logger")) or False, callbacks=[])
-    trainer.test(module, datamodule=datamodule)
+    with _storage_errors(output_dir):
+        trainer.test(module, datamodule=datamodule)
     metrics = _floats(trainer.callback_metrics)
     log.info("done.\n  %s", _where(trainer))
     return metrics
@@ -153,7 +323,9 @@ def export(cfg: DictConfig) -> Path:
 
     module = load_task(cfg.ckpt_path)
     output = Path(cfg.get("output_path") or Path(cfg.ckpt_path).with_suffix(".safetensors"))
-    path = export_safetensors(module.net, output)
+    _check_writable_dir(output.parent, "the folder of output_path")
+    with _storage_errors(output.parent):
+        path = export_safetensors(module.net, output)
     net_cfg = {k: v for k, v in module.hparams["net"].items() if not k.startswith("_")}
     name = net_cfg.pop("model_name", None)
     args = ", ".join(f"{k}={v!r}" for k, v in net_cfg.items())

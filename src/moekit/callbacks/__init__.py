@@ -1,8 +1,19 @@
 """Lightning callbacks."""
 
 from .capacity import CapacityTuner
+from .guard import NonFiniteGuard, NonFiniteTrainingError
 from .moe_stats import ExpertLoadMonitor
+from .preemption import Preempted, PreemptionCheckpoint
 from .slots import SlotPictureLogger
 from .throughput import ThroughputLogger
 
-__all__ = ["CapacityTuner", "ExpertLoadMonitor", "SlotPictureLogger", "ThroughputLogger"]
+__all__ = [
+    "CapacityTuner",
+    "ExpertLoadMonitor",
+    "NonFiniteGuard",
+    "NonFiniteTrainingError",
+    "Preempted",
+    "PreemptionCheckpoint",
+    "SlotPictureLogger",
+    "ThroughputLogger",
+]

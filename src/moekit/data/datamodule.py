@@ -21,8 +21,9 @@ from torchvision.datasets import ImageFolder
 
 from .cifar import load_cifar
 from .fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist, locate_fashion_mnist
-from .imagefolder import imagefolder_class_names, imagefolder_split_dirs
+from .imagefolder import imagefolder_class_names, imagefolder_split_dirs, read_rgb_image
 from .in_memory import BatchTransform, ImageArrays, InMemoryImageDataset, keep_batch
+from .resumable import ResumableTrainOrderMixin
 
 __all__ = ["AUGMENTATIONS", "DATASETS", "DatasetSpec", "ImageClassificationDataModule"]
 
@@ -61,7 +62,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class ImageClassificationDataModule(L.LightningDataModule):
+class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
     """Train / validation / test loaders of ``(images [B, C, S, S] float32, labels [B] int64)``.
 
     Args:
@@ -258,21 +259,25 @@ class ImageClassificationDataModule(L.LightningDataModule):
             )
         else:
             train_transform = eval_transform
-        train_folder = ImageFolder(str(self.split_dirs["train"]), transform=train_transform)
+        train_folder = ImageFolder(str(self.split_dirs["train"]), transform=train_transform, loader=read_rgb_image)
         self._split_indices(len(train_folder), 0)  # validation comes from val/
         self.train_set = Subset(train_folder, self._limited_train_indices())
-        self.val_set = ImageFolder(str(self.split_dirs["val"]), transform=eval_transform)
-        self.test_set = ImageFolder(str(self.split_dirs["test"]), transform=eval_transform)
+        self.val_set = ImageFolder(str(self.split_dirs["val"]), transform=eval_transform, loader=read_rgb_image)
+        self.test_set = ImageFolder(str(self.split_dirs["test"]), transform=eval_transform, loader=read_rgb_image)
         self._train_labels = torch.tensor(train_folder.targets, dtype=torch.int64)
         self._train_eval_set = copy.copy(train_folder)
         self._train_eval_set.transform = eval_transform
 
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        # The order of the training batches is a function of (seed, epoch) that a checkpoint can resume
+        # mid-epoch (moekit.data.resumable); every loader has its own generator so iterating it never
+        # draws from the global one (which the augmentation and the model use).
+        sampler = self._train_sampler_for(len(dataset), batch_size, self.seed) if shuffle else None
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            sampler=sampler,
+            generator=torch.Generator().manual_seed(self.seed),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,

@@ -5,7 +5,33 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["imagefolder_class_names", "imagefolder_split_dirs"]
+from PIL import Image
+
+__all__ = ["UnreadableImageError", "imagefolder_class_names", "imagefolder_split_dirs", "read_rgb_image"]
+
+
+class UnreadableImageError(ValueError):
+    """An image file of the folder tree that PIL cannot decode (the message names the file)."""
+
+
+def read_rgb_image(path: str) -> Image.Image:
+    """torchvision's PIL loader (``ImageFolder(loader=...)``) with an error that names the file.
+
+    A file that is not an image, is truncated or is too large to decode raises
+    :class:`UnreadableImageError` (a ``ValueError``) naming the file and the fix, instead of PIL's
+    error deep inside a ``DataLoader`` worker.
+    """
+    try:
+        with open(path, "rb") as file:
+            image = Image.open(file)
+            return image.convert("RGB")  # decodes now: a truncated file fails here, not later
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise UnreadableImageError(
+            f"imagefolder: cannot read the image {path} ({type(err).__name__}: {err}); delete or replace "
+            "the file (every file under the class folders must be an image PIL can open)"
+        ) from None
 
 
 def imagefolder_split_dirs(root: str | os.PathLike[str]) -> dict[str, Path]:

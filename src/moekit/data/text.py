@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from .resumable import ResumableTrainOrderMixin
+
 __all__ = [
     "CORPUS_SOURCES",
     "DOCUMENT_SEPARATOR",
@@ -442,7 +444,7 @@ def _is_fraction(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
     """Language-modelling loaders of ``(inputs [B, seq_len] int64, targets [B, seq_len] int64)``.
 
     The corpus (:func:`load_corpus`) is tokenized once, documents joined with ``"\\n\\n"``, into one
@@ -589,9 +591,10 @@ class TextDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
+            # resumable mid-epoch (moekit.data.resumable); its own generator: iterating draws nothing global
+            sampler=self._train_sampler_for(len(dataset), batch_size, self.seed) if shuffle else None,
             drop_last=drop_last,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            generator=torch.Generator().manual_seed(self.seed),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,

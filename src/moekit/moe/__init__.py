@@ -15,7 +15,8 @@ Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`, 
 :mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`.
 
 Training-loop helpers: :func:`collect_moe_outputs` (aux losses + statistics of the latest forward),
-:func:`update_balancing_biases` (loss-free balancing, once per optimizer step),
+:func:`update_balancing_biases` (loss-free balancing, once per optimizer step; :func:`discard_balancing_updates`
+for a skipped step),
 :func:`require_causal` (reject token-mixing routers in causal models).
 """
 
@@ -23,6 +24,7 @@ from .base import (
     MoELayer,
     MoEOutputs,
     collect_moe_outputs,
+    discard_balancing_updates,
     get_moe_layer,
     list_moe_layers,
     moe_layers,
@@ -40,6 +42,7 @@ __all__ = [
     "MoELayer",
     "MoEOutputs",
     "collect_moe_outputs",
+    "discard_balancing_updates",
     "get_moe_layer",
     "list_moe_layers",
     "moe_layers",

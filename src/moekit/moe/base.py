@@ -12,7 +12,10 @@ build it. After each forward a layer holds:
   are computed when first read (a training loop that logs every N steps pays for them every N steps)
   from the routing tensors the forward kept;
 * ``forward_tokens``: the tokens that forward routed (``batch * tokens``, padding included), the
-  weight of its statistics when a reader averages them over forwards of different sizes.
+  weight of its statistics when a reader averages them over forwards of different sizes;
+* ``router_logit_checksum``: the sum of that forward's router logits as a device scalar (None for
+  layers without learned logits), finite exactly when every logit was; :meth:`MoELayer.router_logits_finite`
+  reads it (a host sync, for when a step has already gone bad).
 
 :func:`collect_moe_outputs` gathers both from any model.
 """
@@ -32,6 +35,7 @@ __all__ = [
     "collect_moe_outputs",
     "moe_layers",
     "update_balancing_biases",
+    "discard_balancing_updates",
     "require_causal",
     "register_moe_layer",
     "get_moe_layer",
@@ -142,6 +146,7 @@ class MoELayer(nn.Module):
         self.compute_stats = compute_stats
         self.aux_losses: dict[str, Tensor] = {}
         self.forward_tokens = 0
+        self.router_logit_checksum: Tensor | None = None
         self._stats_fn: Callable[[], dict[str, Tensor]] | None = None
         self._stats: dict[str, Tensor] = {}
 
@@ -170,12 +175,25 @@ class MoELayer(nn.Module):
                 self._stats = {k: v.detach() for k, v in compute().items()}
         return self._stats
 
+    def router_logits_finite(self) -> bool | None:
+        """Whether every router logit of the latest forward was finite (None: no forward yet, or a
+        layer without learned logits). Synchronises with the device: read it when a step went bad."""
+        if self.router_logit_checksum is None:
+            return None
+        return bool(torch.isfinite(self.router_logit_checksum))
+
     def _record(
-        self, aux_losses: dict[str, Tensor], stats: Callable[[], dict[str, Tensor]], forward_tokens: int
+        self,
+        aux_losses: dict[str, Tensor],
+        stats: Callable[[], dict[str, Tensor]],
+        forward_tokens: int,
+        logit_checksum: Tensor | None = None,
     ) -> None:
         """Keep this forward's weighted aux losses, the function that computes its statistics
-        (closing over detached routing tensors) for when they are read, and its number of tokens."""
+        (closing over detached routing tensors) for when they are read, its number of tokens and the
+        :func:`~moekit.moe.routers.logit_checksum` of its router logits."""
         self.aux_losses = aux_losses
+        self.router_logit_checksum = logit_checksum
         self.forward_tokens = forward_tokens
         self._stats_fn = stats if self.compute_stats else None
         self._stats = {}
@@ -190,6 +208,10 @@ class MoELayer(nn.Module):
     def balancing_step(self) -> None:
         """Called once per optimizer step by :func:`update_balancing_biases`; layers with state that
         is updated outside autograd (loss-free balancing) override it."""
+
+    def discard_balancing_step(self) -> None:
+        """Called by :func:`discard_balancing_updates` instead of :meth:`balancing_step` when the
+        optimizer step was skipped: drop what the skipped step's forwards accumulated."""
 
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoELayer]]:
@@ -260,6 +282,13 @@ def update_balancing_biases(model: nn.Module) -> None:
     counts are summed over ranks first so every rank applies the same update."""
     for _, layer in moe_layers(model):
         layer.balancing_step()
+
+
+def discard_balancing_updates(model: nn.Module) -> None:
+    """The counterpart of :func:`update_balancing_biases` for a skipped optimizer step (a non-finite
+    loss or gradient): every MoE layer forgets the token counts of that step without updating."""
+    for _, layer in moe_layers(model):
+        layer.discard_balancing_step()
 
 
 def require_causal(model: nn.Module) -> None:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .experts import Kernel
 from .losses import router_z_loss
-from .routers import router_logits, router_weight
+from .routers import logit_checksum, router_logits, router_weight
 from .stats import dense_mixture_stats
 
 __all__ = ["DenseMoE"]
@@ -86,5 +86,5 @@ class DenseMoE(MoELayer):
         out = torch.einsum("ne,eno->no", gates.to(expert_out.dtype), expert_out)
         losses = {"z": self.z_loss_weight * router_z_loss(logits)} if self.z_loss_weight else {}
         gates = gates.detach()
-        self._record(losses, lambda: dense_mixture_stats(gates), num_tokens)
+        self._record(losses, lambda: dense_mixture_stats(gates), num_tokens, logit_checksum(logits))
         return out.view(batch, tokens, -1)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .experts import Kernel
 from .losses import router_z_loss
-from .routers import router_logits, router_weight
+from .routers import logit_checksum, router_logits, router_weight
 from .stats import experts_choice_stats
 
 __all__ = ["ExpertsChoiceMoE"]
@@ -124,6 +124,7 @@ class ExpertsChoiceMoE(MoELayer):
             losses,
             lambda: experts_choice_stats(probs, torch.bincount(flat_idx, minlength=num_tokens), gates),
             num_tokens,
+            logit_checksum(logits),
         )
         return out.view(batch, tokens, -1)
 

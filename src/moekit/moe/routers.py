@@ -32,6 +32,7 @@ __all__ = [
     "HashRouter",
     "BalancedRouter",
     "HierarchicalRouter",
+    "logit_checksum",
     "router_logits",
     "router_precision",
     "router_weight",
@@ -48,6 +49,8 @@ class Routing:
         probs: ``[N, E]`` float32 router distribution (for statistics), or None.
         priority: ``[N]`` score for Batch Prioritized Routing (the top router score), or None.
         aux_losses: weighted auxiliary losses of this routing.
+        logit_checksum: :func:`logit_checksum` of the router's logits (None: no learned logits, as
+            in hash routing).
     """
 
     expert_ids: Tensor
@@ -55,6 +58,7 @@ class Routing:
     probs: Tensor | None = None
     priority: Tensor | None = None
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    logit_checksum: Tensor | None = None
 
 
 def router_weight(num_experts: int, in_features: int, device=None, dtype=None) -> nn.Parameter:
@@ -74,6 +78,18 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
     with torch.autocast(x.device.type, enabled=False):
         x = router_precision(x)
         return F.linear(x, weight.to(x.dtype))
+
+
+def logit_checksum(*logits: Tensor) -> Tensor:
+    """The sum of every entry of ``logits`` as a detached float32 device scalar: finite exactly when every
+    logit is finite (NaN and inf propagate through a sum; finite logits would have to exceed ~1e38 in
+    total to overflow, itself a divergence). One reduction per tensor and no host synchronisation, so
+    layers record it on every forward and a reader (:class:`~moekit.callbacks.NonFiniteGuard`) syncs
+    only when a training step has already gone bad."""
+    total = logits[0].detach().float().sum()
+    for t in logits[1:]:
+        total = total + t.detach().float().sum()
+    return total
 
 
 def _check_k(num_experts: int, top_k: int, name: str) -> None:
@@ -193,7 +209,14 @@ class TopKRouter(nn.Module):
             losses["load"] = w["load"] * load_loss(clean, logits, noise_std, self.top_k)
         if w["z"]:
             losses["z"] = w["z"] * router_z_loss(logits)
-        return Routing(expert_ids, gates, probs, priority=scores.max(dim=-1).values, aux_losses=losses)
+        return Routing(
+            expert_ids,
+            gates,
+            probs,
+            priority=scores.max(dim=-1).values,
+            aux_losses=losses,
+            logit_checksum=logit_checksum(logits),
+        )
 
     @torch.no_grad()
     def balancing_step(self) -> None:
@@ -205,6 +228,13 @@ class TopKRouter(nn.Module):
             dist.all_reduce(counts)
         self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
         counts.zero_()
+
+    @torch.no_grad()
+    def discard_balancing_step(self) -> None:
+        """Forget the token counts since the previous update without applying them (the optimizer
+        step they belong to was skipped)."""
+        if self.pending_counts is not None:
+            self.pending_counts.zero_()
 
 
 class HashRouter(nn.Module):
@@ -253,11 +283,16 @@ class BalancedRouter(nn.Module):
         scores = router_logits(x, self.weight)
         if self.training:
             caps = balanced_capacities(x.shape[0], self.num_experts, x.device)
-            expert_ids = balanced_assignment(scores.detach(), caps).unsqueeze(1)
+            # Non-finite scores would keep the assignment's auction from ending: assign as if they were 0.
+            # The gates below still carry them, so the loss is non-finite and NonFiniteGuard skips the step.
+            finite = torch.nan_to_num(scores.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+            expert_ids = balanced_assignment(finite, caps).unsqueeze(1)
         else:
             expert_ids = scores.argmax(dim=-1, keepdim=True)
         gates = torch.sigmoid(scores.gather(1, expert_ids))
-        return Routing(expert_ids, gates, torch.softmax(scores, dim=-1), priority=None)
+        return Routing(
+            expert_ids, gates, torch.softmax(scores, dim=-1), priority=None, logit_checksum=logit_checksum(scores)
+        )
 
 
 class HierarchicalRouter(nn.Module):
@@ -354,4 +389,11 @@ class HierarchicalRouter(nn.Module):
         probs = torch.softmax(p_noisy, -1).repeat_interleave(per_group, dim=1) * torch.softmax(s_noisy, -1).reshape(
             num_tokens, -1
         )
-        return Routing(expert_ids, gates, probs, priority=gates[:, 0], aux_losses=losses)
+        return Routing(
+            expert_ids,
+            gates,
+            probs,
+            priority=gates[:, 0],
+            aux_losses=losses,
+            logit_checksum=logit_checksum(p_noisy, s_noisy),
+        )

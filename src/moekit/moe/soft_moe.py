@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .experts import Kernel
-from .routers import router_precision
+from .routers import logit_checksum, router_precision
 from .stats import soft_moe_stats
 
 __all__ = ["SoftMoE"]
@@ -150,10 +150,16 @@ class SoftMoE(MoELayer):
         ``D`` is a softmax over tokens (each slot's column sums to 1 over real tokens), ``C`` a softmax
         over slots (each real token's row sums to 1; padding rows are 0). Noise is added in training.
         """
+        dispatch, combine, _ = self._routing(x, padding_mask)
+        return dispatch, combine
+
+    def _routing(self, x: Tensor, padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`routing_weights` and the :func:`logit_checksum` of the logits (before padding is masked)."""
         batch, tokens, _ = x.shape
         logits = self.compute_logits(x)
         if self.training and self.noise_std > 0:
             logits = logits + self.noise_std * torch.randn_like(logits)
+        checksum = logit_checksum(logits)
         if padding_mask is not None:
             if padding_mask.shape != (batch, tokens):
                 raise ValueError(
@@ -166,13 +172,13 @@ class SoftMoE(MoELayer):
         combine = torch.softmax(logits, dim=2)  # over slots, per token
         if padding_mask is not None:
             combine = combine * padding_mask.unsqueeze(-1)
-        return dispatch, combine
+        return dispatch, combine, checksum
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
         self._check_input(x, self.in_features, "SoftMoE")
         batch = x.shape[0]
-        dispatch, combine = self.routing_weights(x, padding_mask)
+        dispatch, combine, checksum = self._routing(x, padding_mask)
 
         compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         slots = torch.bmm(dispatch.transpose(1, 2).to(compute_dtype), x.to(compute_dtype))  # [B, S, d]
@@ -188,6 +194,7 @@ class SoftMoE(MoELayer):
             {},
             lambda: soft_moe_stats(dispatch, combine, self.num_experts, padding_mask),
             batch * x.shape[1],
+            checksum,
         )
         return out
 

@@ -161,7 +161,7 @@ class TokenChoiceMoE(MoELayer):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat, x_flat.shape[0])
 
-        self._record(routing.aux_losses, lambda: self._stats_of(routing, plan), batch * tokens)
+        self._record(routing.aux_losses, lambda: self._stats_of(routing, plan), batch * tokens, routing.logit_checksum)
         return out.view(batch, tokens, -1)
 
     def _stats_of(self, routing: Routing, plan: DispatchPlan) -> dict[str, Tensor]:
@@ -282,6 +282,9 @@ class TopKMoE(TokenChoiceMoE):
 
     def balancing_step(self) -> None:
         self.router.balancing_step()
+
+    def discard_balancing_step(self) -> None:
+        self.router.discard_balancing_step()
 
     @torch.no_grad()
     def load_dense_mlp(self, mlp: nn.Module, noise_std: float = 0.0) -> None:

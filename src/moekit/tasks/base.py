@@ -18,7 +18,7 @@ from lightning import LightningModule
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from moekit.moe import collect_moe_outputs, update_balancing_biases
+from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_balancing_biases
 
 from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
 
@@ -44,6 +44,10 @@ class MoETask(LightningModule):
     """
 
     net: nn.Module
+    step_skipped: bool = False
+    """Set by :class:`~moekit.callbacks.NonFiniteGuard` when it drops the gradients of the current
+    optimizer step (or a fp16 grad scaler skips it): :meth:`optimizer_step` then discards the step's
+    loss-free balancing counts instead of updating the biases, and clears the flag."""
 
     def setup_training(self, net: Mapping[str, Any], optimizer: Mapping | None, scheduler: Mapping | None) -> None:
         """Instantiate ``net`` (a Hydra ``_target_`` dict) and keep the optimizer/schedule settings."""
@@ -70,7 +74,11 @@ class MoETask(LightningModule):
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
-        update_balancing_biases(self.net)  # loss-free balancing: once per optimizer step
+        if self.step_skipped:  # the weights did not move: neither do the balancing biases
+            self.step_skipped = False
+            discard_balancing_updates(self.net)
+        else:
+            update_balancing_biases(self.net)  # loss-free balancing: once per optimizer step
 
     def configure_optimizers(self):
         config = dict(self.optimizer_config)

@@ -1,0 +1,119 @@
+"""Pre-emption: on SIGTERM or SIGUSR1, write ``last.ckpt`` at the next step boundary and exit.
+
+Clusters announce the end of a job with a signal (SLURM: SIGTERM at the time limit or on pre-emption,
+SIGUSR1 ahead of it with ``--signal=USR1@<seconds>``). :class:`PreemptionCheckpoint` catches them while
+``fit`` trains: the step in progress finishes, the callback writes ``<dirpath>/last.ckpt`` (atomically,
+through the trainer's ``AtomicCheckpointIO``) and raises :class:`Preempted`, a ``SystemExit`` with
+status ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1), the shell's convention for "ended by
+a signal", so a job script can tell a pre-empted run from a finished one. Resubmitting with
+``ckpt_path=<dirpath>/last.ckpt`` continues exactly where it stopped (see ``moekit.data.resumable``).
+
+The handlers are installed in ``on_train_start`` and the previous ones are put back when training ends
+or fails. While training they replace the previous handlers rather than chain to them: Lightning's own
+SIGTERM handler would otherwise stop the run at the next epoch or validation boundary without writing
+a checkpoint. A signal that arrives during validation takes effect after the next training step (one
+after the last step is ignored: the run is finishing anyway). With Lightning's SLURM auto-requeue
+(SIGUSR1), leave SIGUSR1 out of ``signals``. Single-process training only: under DDP a signal reaching
+one rank would make it save alone; there rely on Lightning's SLURM requeue (``hpc_ckpt``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from lightning import Callback, LightningModule, Trainer
+
+__all__ = ["PreemptionCheckpoint", "Preempted"]
+
+log = logging.getLogger("moekit")
+
+
+class Preempted(SystemExit):
+    """Training stopped by a signal after writing a checkpoint; ``code`` is ``128 + signal number``."""
+
+    def __init__(self, signum: int, checkpoint: Path):
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.checkpoint = checkpoint
+
+
+class PreemptionCheckpoint(Callback):
+    """On one of ``signals``, save ``<dirpath>/<filename>.ckpt`` after the current training step and exit.
+
+    Args:
+        dirpath: the checkpoint folder (Hydra: ``${paths.output_dir}/checkpoints``).
+        filename: file name without ``.ckpt``; ``last`` overwrites the periodic ``last.ckpt``.
+        signals: signal names, e.g. ``["SIGTERM", "SIGUSR1"]``.
+    """
+
+    def __init__(self, dirpath: str, filename: str = "last", signals: tuple[str, ...] | list[str] = ("SIGTERM",)):
+        names = list(signals)
+        unknown = [name for name in names if not isinstance(getattr(signal, str(name), None), signal.Signals)]
+        if unknown or not names:
+            raise ValueError(
+                f"PreemptionCheckpoint: signals={names!r}; give one or more signal names such as "
+                "['SIGTERM', 'SIGUSR1']" + (f" ({unknown} are not signals of this platform)" if unknown else "")
+            )
+        if not filename or "/" in filename:
+            raise ValueError(f"PreemptionCheckpoint: filename={filename!r} must be a plain file name such as 'last'")
+        self.dirpath = Path(dirpath)
+        self.filename = filename
+        self.signals = [getattr(signal, name) for name in names]
+        self.received: int | None = None  # the signal number caught, if any
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / f"{self.filename}.ckpt"
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "PreemptionCheckpoint: not in the main thread, so no signal handlers; pre-emption is not caught"
+            )
+            return
+        self.received = None
+        for signum in self.signals:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handler)
+
+    def _restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    # ------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._install()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self.received is None:
+            return
+        signum = self.received
+        trainer.save_checkpoint(self.path)
+        log.warning(
+            "received %s: saved %s at step %d; resume with ckpt_path=%s",
+            signal.Signals(signum).name,
+            self.path,
+            trainer.global_step,
+            self.path,
+        )
+        self._restore()
+        raise Preempted(signum, self.path)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore()

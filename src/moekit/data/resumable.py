@@ -1,0 +1,192 @@
+"""A training sampler whose position can be saved in a checkpoint, so a resumed run sees the same batches.
+
+Lightning restores the loops' counters when it resumes from a checkpoint, but a plain shuffled
+``DataLoader`` starts its epoch again from the first batch (in a fresh order), and the random
+number generators continue from wherever the new process left them. :class:`ResumableRandomSampler`
+makes the data side exact:
+
+- the order of epoch ``e`` is a pure function of ``(seed, e)``, not of how many epochs this process
+  has iterated;
+- :meth:`ResumableRandomSampler.state_dict` records the epoch, how many batches of it the model has
+  consumed and the random states (torch, CUDA, numpy, python), plus the torch state with which the
+  next batch was drawn. Lightning fetches one batch ahead, so by the time a checkpoint is written the
+  next batch has already been augmented with the global generator; the sampler keeps the state it
+  saw at the start of each batch to replay that draw;
+- after :meth:`ResumableRandomSampler.load_state_dict`, the next iteration starts at the saved epoch
+  and batch, puts the saved torch state back for the first batch's augmentation, then restores the
+  process-wide states the model saw when the checkpoint was written.
+
+The datamodules save this state through ``LightningDataModule.state_dict`` (Lightning stores it in
+every checkpoint) using the trainer's count of processed batches. Exactness holds with
+``num_workers=0`` (the default of the in-memory datasets); with worker processes the order of the
+batches is still restored but the workers' own random draws are not.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["ResumableRandomSampler", "get_rng_states", "set_rng_states"]
+
+
+def get_rng_states() -> dict[str, Any]:
+    """The process's random states (torch CPU, every initialised CUDA device, numpy, python) as tensors,
+    ints and tuples only, so a checkpoint holding them loads with ``torch.load(..., weights_only=True)``."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },  # fmt: skip
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Put back the states of :func:`get_rng_states`."""
+    torch.set_rng_state(states["torch"])
+    numpy_state = states["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class ResumableRandomSampler(Sampler[int]):
+    """Shuffled indices of ``range(num_samples)``, a new seeded order each epoch, resumable mid-epoch.
+
+    Args:
+        num_samples: size of the dataset.
+        batch_size: the loader's batch size (positions are saved in batches).
+        seed: seeds the orders: epoch ``e`` uses ``numpy.random.SeedSequence([seed, e])``.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int):
+        if num_samples <= 0:
+            raise ValueError(f"ResumableRandomSampler: num_samples={num_samples} must be > 0 (an empty dataset)")
+        if batch_size <= 0:
+            raise ValueError(f"ResumableRandomSampler: batch_size={batch_size} must be > 0")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = int(seed)
+        self._next_epoch = 0  # the epoch the next __iter__ yields
+        self._epoch: int | None = None  # the epoch being iterated
+        self._batch_states: dict[int, torch.Tensor] = {}  # batch position -> torch state before it was drawn
+        self._resume: dict[str, Any] | None = None  # loaded, applied by the next __iter__
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch, counting a last partial one."""
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The permutation of epoch ``epoch``: ``[num_samples]`` int64."""
+        seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        resume, self._resume = self._resume, None
+        start = resume["batch"] if resume is not None else 0
+        self._epoch, self._batch_states = epoch, {}
+        order = self.epoch_order(epoch).tolist()
+        for batch in range(start, self.num_batches):
+            if resume is not None:
+                self._replay(resume, batch - start)
+            self._batch_states = {b: s for b, s in self._batch_states.items() if b >= batch - 4}
+            self._batch_states[batch] = torch.get_rng_state()
+            yield from order[batch * self.batch_size : (batch + 1) * self.batch_size]
+        if resume is not None:
+            self._replay(resume, self.num_batches - start)
+
+    @staticmethod
+    def _replay(resume: dict[str, Any], batches_since_resume: int) -> None:
+        """First resumed batch: draw it with the states it was drawn with; then give the model back the
+        states it had when the checkpoint was written."""
+        if batches_since_resume == 0:
+            set_rng_states(resume["rng"])
+            if resume["batch_rng"] is not None:
+                torch.set_rng_state(resume["batch_rng"])
+        elif batches_since_resume == 1 and resume["batch_rng"] is not None:
+            set_rng_states(resume["rng"])
+
+    def state_dict(self, consumed_batches: int, epoch_done: bool) -> dict[str, Any]:
+        """Where to continue after ``consumed_batches`` batches of the current epoch have been trained on
+        (``epoch_done``: the epoch is over, continue with the next one)."""
+        if self._epoch is None or epoch_done:
+            epoch = self._next_epoch if self._epoch is None else self._epoch + 1
+            return {"epoch": epoch, "batch": 0, "batch_rng": None, "rng": get_rng_states()}
+        batch_rng = self._batch_states.get(consumed_batches)
+        return {"epoch": self._epoch, "batch": consumed_batches, "batch_rng": batch_rng, "rng": get_rng_states()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (of :meth:`state_dict`) at the next iteration."""
+        if not 0 <= state["batch"] <= self.num_batches:
+            raise ValueError(
+                f"ResumableRandomSampler: the checkpoint resumes at batch {state['batch']} of an epoch of "
+                f"{self.num_batches} batches; resume with the same dataset and batch size"
+            )
+        self._next_epoch = int(state["epoch"])
+        self._resume = state
+
+
+class ResumableTrainOrderMixin:
+    """For a ``LightningDataModule``: saves and restores its :class:`ResumableRandomSampler` through the
+    datamodule's ``state_dict`` / ``load_state_dict`` (which Lightning writes into every checkpoint).
+
+    The datamodule builds its training loader with :meth:`_train_sampler_for`.
+    """
+
+    _train_sampler: ResumableRandomSampler | None = None
+    _pending_sampler_state: dict[str, Any] | None = None
+
+    def _train_sampler_for(self, num_samples: int, batch_size: int, seed: int) -> ResumableRandomSampler:
+        sampler = ResumableRandomSampler(num_samples, batch_size, seed)
+        if self._pending_sampler_state is not None:
+            sampler.load_state_dict(self._pending_sampler_state)
+            self._pending_sampler_state = None
+        self._train_sampler = sampler
+        return sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self._train_sampler
+        trainer = getattr(self, "trainer", None)
+        if sampler is None or trainer is None:
+            return {}
+        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"train_sampler": sampler.state_dict(consumed, epoch_done=consumed >= trainer.num_training_batches)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("train_sampler")
+        if state is None:
+            return
+        if self._train_sampler is not None:
+            self._train_sampler.load_state_dict(state)
+        else:
+            self._pending_sampler_state = state

@@ -1,0 +1,586 @@
+"""Bad input, everywhere: a table of mistakes a user makes, each run through the real scripts.
+
+Every case must stop with exit status 1 (or, run in-process, a user error the scripts turn into exit
+status 1), a message that names the bad value and says what to do, no Python traceback, and no
+damage: the input files (checkpoints, datasets) and an earlier run's checkpoints and logs keep their
+bytes, and the checkpoints still load.
+
+Most cases run ``scripts/*.py`` in a subprocess; they are started together, a few at a time, when the
+module's first test asks for them (importing torch and Lightning takes most of each one's time).
+Cases where the command line adds nothing to what is checked run in-process on the composed config.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import subprocess
+import textwrap
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, compose_config, run_script
+from moekit.cli import user_message
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
+from moekit.run import USER_ERRORS, evaluate, export, load_task, sample, train
+
+TINY = [
+    "data.val_size=64",
+    "data.batch_size=32",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "logger=csv",
+    "+trainer.enable_progress_bar=false",
+    "+trainer.enable_model_summary=false",
+]
+FAST = [*TINY, "+trainer.fast_dev_run=true"]
+# A short real run (fast_dev_run writes no checkpoint): one epoch of 2 batches.
+SHORT = [*TINY, "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1"]
+IMAGEFOLDER = [
+    "data=imagefolder",
+    "data.root={img}",
+    "data.num_classes=3",
+    "data.img_size=28",
+    "data.augment=none",
+    "data.auto_augment=null",
+    "data.pin_memory=false",
+]
+CLI_WORKERS = max(2, min(4, os.cpu_count() or 2))
+
+# A wrapper around scripts/train.py whose every torch.save writes a few bytes, then fails like a
+# full disk: the checkpoint write dies half-way.
+DISK_FULL_WRAPPER = textwrap.dedent(
+    """
+    import errno, os, runpy, sys
+    import torch
+
+    def full_disk_save(obj, f, *args, **kwargs):
+        if hasattr(f, "write"):
+            f.write(b"the first bytes of a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    torch.save = full_disk_save
+    script = {script!r}
+    sys.argv = [script, *sys.argv[1:]]
+    runpy.run_path(script, run_name="__main__")
+    """
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input. ``args`` may hold ``{name}`` placeholders for the paths of :func:`inputs`.
+
+    ``cli``: run the script in a subprocess (else call its function in-process); ``hydra``: the
+    message is Hydra's own (config composition fails before our code runs); ``expect``: substrings
+    the message must hold, the bad value first, then the fix; ``keeps``: input files whose bytes must
+    not change, besides the earlier run's checkpoints and logs.
+    """
+
+    id: str
+    script: str
+    args: list[str]
+    expect: list[str]
+    cli: bool = True
+    hydra: bool = False
+    keeps: list[str] = field(default_factory=list)
+    root_skip: str = ""
+
+    def __str__(self) -> str:
+        return self.id
+
+
+CASES = [
+    # -- unknown config keys and groups (Hydra's own messages: they name the key and the options) --
+    Case(
+        "key_typo",
+        "train.py",
+        ["trainer.max_epoch=3"],
+        ["trainer.max_epoch", "To append to your config use +"],
+        hydra=True,
+    ),
+    Case(
+        "unknown_model",
+        "train.py",
+        ["model=nonexistent"],
+        ["model/nonexistent", "Available options in 'model'", "soft_moe_vit"],
+        hydra=True,
+    ),
+    Case(
+        "unknown_experiment",
+        "train.py",
+        ["experiment=soft_moe_vitt"],
+        ["experiment/soft_moe_vitt", "Available options in 'experiment'", "soft_moe_vit"],
+        hydra=True,
+    ),
+    Case(
+        "unknown_experiment_nope",
+        "eval.py",
+        ["experiment=nope", "ckpt_path={ckpt}"],
+        ["experiment=nope", "+experiment=nope"],
+        hydra=True,
+    ),
+    Case(
+        "added_key_typo",
+        "train.py",
+        [*FAST, "data.root={fm}", "+trainer.max_epoch=3"],
+        ["trainer.max_epoch", "did you mean trainer.max_epochs"],
+        cli=False,
+    ),
+    # -- wrong types and values --
+    Case(
+        "max_epochs_not_int",
+        "train.py",
+        [*FAST, "data.root={fm}", "trainer.max_epochs=abc"],
+        ["trainer.max_epochs='abc'", "set it to one of: int, null"],
+    ),
+    Case(
+        "max_epochs_negative",
+        "train.py",
+        [*FAST, "data.root={fm}", "trainer.max_epochs=-3"],
+        ["You passed in -3", "non-negative integer or -1"],
+        cli=False,
+    ),
+    Case(
+        "precision_unknown",
+        "train.py",
+        [*FAST, "data.root={fm}", "trainer.precision=fp8"],
+        ["trainer.precision='fp8'", "'bf16-mixed'"],
+        cli=False,
+    ),
+    Case(
+        "batch_size_negative",
+        "train.py",
+        [*FAST, "data.root={fm}", "data.batch_size=-1"],
+        ["batch_size=-1", "must be a positive integer"],
+    ),
+    Case(
+        "num_experts_zero",
+        "train.py",
+        [*FAST, "data.root={fm}", "model.num_experts=0"],
+        ["num_experts=0", "must be a positive int"],
+        cli=False,
+    ),
+    Case(
+        "num_experts_not_int",
+        "train.py",
+        [*FAST, "data.root={fm}", "model.num_experts=abc"],
+        ["num_experts='abc'", "must be a positive int"],
+        cli=False,
+    ),
+    # -- impossible MoE settings --
+    Case(
+        "slots_per_expert_zero",
+        "train.py",
+        [*FAST, "data.root={fm}", "model.moe_kwargs.slots_per_expert=0"],
+        ["slots_per_expert=0", "must be a positive int"],
+        cli=False,
+    ),
+    Case(
+        "top_k_above_experts",
+        "train.py",
+        [*FAST, "data.root={fm}", "model=tokens_choice_vit", "model.moe_kwargs.top_k=9"],
+        ["top_k=9", "[1, num_experts=8]"],
+    ),
+    Case(
+        "capacity_factor_negative",
+        "train.py",
+        [*FAST, "data.root={fm}", "model=tokens_choice_vit", "model.moe_kwargs.capacity_factor=-1"],
+        ["capacity_factor=-1", "positive number, or None"],
+        cli=False,
+    ),
+    Case(
+        "moe_block_out_of_range",
+        "train.py",
+        [*FAST, "data.root={fm}", "model.moe_blocks=[7]"],
+        ["moe_blocks index 7", "allowed: -2 .. 1"],
+        cli=False,
+    ),
+    Case(
+        "moe_layer_unknown",
+        "train.py",
+        [*FAST, "data.root={fm}", "model.moe_layer=unknown"],
+        ["'unknown'", "registered layers", "soft_moe"],
+        cli=False,
+    ),
+    # -- missing or corrupt data --
+    Case(
+        "fashion_gz_truncated",
+        "train.py",
+        [*FAST, "data.root={fm_truncated}"],
+        ["{fm_truncated}/train-images-idx3-ubyte.gz", "fetch it again"],
+        keeps=["fm_truncated"],
+    ),
+    Case(
+        "fashion_file_missing",
+        "train.py",
+        [*FAST, "data.root={fm_missing}"],
+        ["t10k-labels-idx1-ubyte", "Put the 4 IDX files there"],
+        cli=False,
+        keeps=["fm_missing"],
+    ),
+    Case(
+        "image_unreadable_in_worker",
+        "train.py",
+        [*FAST, *IMAGEFOLDER, "data.batch_size=16", "data.num_workers=1"],
+        ["{img}/train/class1/bad.png", "delete or replace the file"],
+        keeps=["img"],
+    ),
+    Case(
+        "text_corpus_empty",
+        "train.py",
+        ["experiment=moe_transformer_lm", "data=text_files", "data.paths=[{empty_txt}]"],
+        ["{empty_txt}"],
+        keeps=["empty_txt"],
+    ),
+    # -- corrupt, truncated, foreign checkpoints --
+    Case(
+        "eval_checkpoint_missing",
+        "eval.py",
+        ["ckpt_path=/nonexistent.ckpt"],
+        ["ckpt_path='/nonexistent.ckpt' does not exist", "give the path of a .ckpt file"],
+    ),
+    Case(
+        "eval_checkpoint_random_bytes",
+        "eval.py",
+        ["ckpt_path={random_ckpt}"],
+        ["ckpt_path='{random_ckpt}'", "Pass a .ckpt written by scripts/train.py"],
+        keeps=["random_ckpt"],
+    ),
+    Case(
+        "eval_checkpoint_truncated",
+        "eval.py",
+        ["ckpt_path={truncated_ckpt}"],
+        ["ckpt_path='{truncated_ckpt}'", "Pass a .ckpt written by scripts/train.py"],
+        cli=False,
+        keeps=["truncated_ckpt"],
+    ),
+    Case(
+        "eval_checkpoint_plain_dict",
+        "eval.py",
+        ["ckpt_path={plain_ckpt}"],
+        ["ckpt_path='{plain_ckpt}'", "hyper_parameters", "Pass a .ckpt written by scripts/train.py"],
+        cli=False,
+        keeps=["plain_ckpt"],
+    ),
+    Case(
+        "eval_on_foreign_data",
+        "eval.py",
+        ["ckpt_path={ckpt}", *IMAGEFOLDER, "data.num_workers=0"],
+        ["num_classes=3", "trained with num_classes=10", "leave data unset"],
+    ),
+    Case(
+        "export_checkpoint_truncated",
+        "export.py",
+        ["ckpt_path={truncated_ckpt}", "output_path={tmp}/out.safetensors"],
+        ["ckpt_path='{truncated_ckpt}'", "Pass a .ckpt written by scripts/train.py"],
+        keeps=["truncated_ckpt"],
+    ),
+    Case(
+        "sample_from_a_classifier",
+        "sample.py",
+        ["ckpt_path={ckpt}"],
+        ["holds a ImageClassifier", "language-model experiment"],
+    ),
+    Case(
+        "sample_checkpoint_random_bytes",
+        "sample.py",
+        ["ckpt_path={random_ckpt}"],
+        ["ckpt_path='{random_ckpt}'", "Pass a .ckpt written by scripts/train.py"],
+        cli=False,
+        keeps=["random_ckpt"],
+    ),
+    Case(
+        "resume_checkpoint_truncated",
+        "train.py",
+        [*FAST, "data.root={fm}", "ckpt_path={truncated_ckpt}"],
+        ["ckpt_path='{truncated_ckpt}' could not be read", "resume from another checkpoint"],
+        keeps=["truncated_ckpt"],
+    ),
+    Case(
+        "resume_checkpoint_plain_dict",
+        "train.py",
+        [*FAST, "data.root={fm}", "ckpt_path={plain_ckpt}"],
+        ["ckpt_path='{plain_ckpt}' is not a Lightning training checkpoint", "task.init_from"],
+        cli=False,
+        keeps=["plain_ckpt"],
+    ),
+    Case(
+        "resume_checkpoint_of_another_model",
+        "train.py",
+        [*FAST, "data.root={fm}", "model.embed_dim=48", "ckpt_path={ckpt}"],
+        ["{ckpt}", "shape mismatch", "configuration the checkpoint was trained with"],
+        cli=False,
+    ),
+    # -- outputs that cannot be written --
+    Case(
+        "output_dir_under_a_file",
+        "train.py",
+        [*FAST, "data.root={fm}", "paths.output_dir={blocker}/sub"],
+        ["paths.output_dir='{blocker}/sub'", "set paths.output_dir to a folder you can write to"],
+        keeps=["blocker"],
+    ),
+    Case(
+        "output_dir_read_only",
+        "train.py",
+        [*FAST, "data.root={fm}", "paths.output_dir={read_only}/sub"],
+        ["paths.output_dir='{read_only}/sub'", "Permission denied", "folder you can write to"],
+        cli=False,
+        root_skip="root writes into a chmod 555 folder",
+    ),
+    Case(
+        "log_dir_under_a_file",
+        "train.py",
+        [*FAST, "data.root={fm}", "paths.log_dir={blocker}/logs"],
+        ["{blocker}/logs", "set paths.log_dir to a folder you can write to"],
+        keeps=["blocker"],
+    ),
+    Case(
+        "export_output_under_a_file",
+        "export.py",
+        ["ckpt_path={ckpt}", "output_path={blocker}/model.safetensors"],
+        ["'{blocker}'", "folder you can write to"],
+        keeps=["blocker"],
+    ),
+]
+CASE_IDS = [case.id for case in CASES]
+FUNCTIONS: dict[str, Callable] = {"train.py": train, "eval.py": evaluate, "export.py": export, "sample.py": sample}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tree_hashes(root: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under ``root`` (or of ``root`` itself)."""
+    if root.is_file():
+        return {root.name: _sha256(root)}
+    return {str(p.relative_to(root)): _sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _image_folder(root: Path) -> Path:
+    """3 classes x 2 good images per split, and one file in train/class1 that is no image."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in range(3):
+            folder = root / split / f"class{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(2):
+                Image.new("RGB", (32, 32), color=(80 * label, 10 * i, 50)).save(folder / f"{i}.png")
+    (root / "train" / "class1" / "bad.png").write_bytes(b"\x89PNG but then garbage " * 20)
+    return root
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """The bad (and good) inputs the table refers to by name."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    fm = write_fake_fashion_mnist(tmp / "fm", n_train=320, n_test=64)
+    fm_truncated = Path(shutil.copytree(fm, tmp / "fm_truncated"))
+    gz = fm_truncated / "train-images-idx3-ubyte.gz"
+    gz.write_bytes(gz.read_bytes()[: gz.stat().st_size // 2])
+    fm_missing = Path(shutil.copytree(fm, tmp / "fm_missing"))
+    (fm_missing / "t10k-labels-idx1-ubyte.gz").unlink()
+
+    # An earlier, good run: its checkpoints and logs must survive every case.
+    good = tmp / "good_run"
+    train(compose_config("train", [*SHORT, f"data.root={fm}", "trainer.max_epochs=1"], good))
+    ckpt = good / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file() and (good / "csv" / "metrics.csv").is_file()
+
+    random_ckpt = tmp / "random.ckpt"
+    random_ckpt.write_bytes(
+        torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).byte().numpy().tobytes()
+    )
+    truncated_ckpt = tmp / "truncated.ckpt"
+    truncated_ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    plain_ckpt = tmp / "plain.ckpt"
+    torch.save({"weights": [1.0, 2.0], "note": "not a training checkpoint"}, plain_ckpt)
+    empty_txt = tmp / "empty.txt"
+    empty_txt.write_text("")
+    blocker = tmp / "blocker"
+    blocker.write_text("a regular file where a folder is expected\n")
+    read_only = tmp / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    paths = dict(
+        tmp=tmp,
+        fm=fm,
+        fm_truncated=fm_truncated,
+        fm_missing=fm_missing,
+        img=_image_folder(tmp / "img"),
+        good=good,
+        ckpt=ckpt,
+        random_ckpt=random_ckpt,
+        truncated_ckpt=truncated_ckpt,
+        plain_ckpt=plain_ckpt,
+        empty_txt=empty_txt,
+        blocker=blocker,
+        read_only=read_only,
+    )
+    yield paths
+    read_only.chmod(0o755)
+
+
+def _fill(text: str, paths: dict[str, Path]) -> str:
+    return text.format(**{k: str(v) for k, v in paths.items()})
+
+
+def _run_cli(case: Case, paths: dict[str, Path]) -> subprocess.CompletedProcess:
+    args = [_fill(a, paths) for a in case.args]
+    if not any(a.startswith("paths.log_dir=") for a in args):
+        # Its own folder: two runs started in the same second never share a run folder.
+        args.append(f"paths.log_dir={paths['tmp'] / 'logs' / case.id}")
+    return run_script(case.script, *args, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def cli_results(request, inputs) -> dict[str, Future]:
+    """Start the subprocess cases this session selected, ``CLI_WORKERS`` at a time."""
+    selected = {
+        item.callspec.params["case"].id
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params
+    }
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # CLI_WORKERS processes on as many cores: no oversubscription
+        executor = ThreadPoolExecutor(max_workers=CLI_WORKERS)
+        futures = {c.id: executor.submit(_run_cli, c, inputs) for c in CASES if c.cli and c.id in selected}
+        yield futures
+        executor.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def earlier_run(inputs) -> dict[str, str]:
+    """The hashes of the earlier run's checkpoints and logs before any case ran."""
+    return _tree_hashes(inputs["good"])
+
+
+def _assert_intact(case: Case, paths: dict[str, Path], earlier_run: dict[str, str], kept: dict[str, dict]) -> None:
+    assert _tree_hashes(paths["good"]) == earlier_run, "the earlier run's checkpoints or logs changed"
+    for name, hashes in kept.items():
+        assert _tree_hashes(paths[name]) == hashes, f"{case.id} changed its input {name}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_bad_input_stops_with_one_clear_paragraph(case, inputs, cli_results, earlier_run, tmp_path):
+    if case.root_skip and os.geteuid() == 0:
+        pytest.skip(f"running as root: {case.root_skip} (the <file>/sub cases cover root)")
+    kept = {name: _tree_hashes(inputs[name]) for name in case.keeps}
+    paths = {**inputs, "tmp": tmp_path}
+    if case.cli:
+        result = cli_results[case.id].result()
+        output = result.stdout + result.stderr
+        assert result.returncode == 1, f"exit status {result.returncode}:\n{output[-3000:]}"
+        if not case.hydra:
+            errors = [line for line in output.splitlines() if "[moekit][ERROR]" in line or "[HYDRA] cannot" in line]
+            assert len(errors) == 1, f"expected one error paragraph:\n{output[-3000:]}"
+            message = errors[0]
+        else:
+            message = output
+    else:
+        overrides = [_fill(a, paths) for a in case.args]
+        config = {"train.py": "train", "eval.py": "eval", "export.py": "export", "sample.py": "sample"}[case.script]
+        cfg = compose_config(config, [*overrides, f"paths.log_dir={tmp_path / 'logs'}"], tmp_path / "out")
+        with pytest.raises(USER_ERRORS) as info:
+            FUNCTIONS[case.script](cfg)
+        message = user_message(info.value)
+        output = message
+        assert "\n\n" not in message.strip(), "one paragraph"
+    assert "Traceback" not in output
+    for expected in case.expect:
+        assert _fill(expected, paths) in message, f"{expected!r} missing from:\n{message}"
+    _assert_intact(case, inputs, earlier_run, kept)
+
+
+def test_the_table_covers_every_script_and_runs_most_cases_through_the_cli():
+    assert len(CASES) >= 20 and len(set(CASE_IDS)) == len(CASES)
+    assert {case.script for case in CASES} == set(FUNCTIONS)
+    assert sum(case.cli for case in CASES) > len(CASES) / 2
+
+
+def test_a_full_disk_during_a_checkpoint_write_keeps_the_last_checkpoint(inputs, tmp_path):
+    """Resume a run whose checkpoint writes all fail like a full disk: exit status 1, one line that
+    says what to do, and the run's last.ckpt keeps its bytes and still loads."""
+    run_dir = Path(shutil.copytree(inputs["good"], tmp_path / "run"))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    before = _tree_hashes(run_dir)
+    wrapper = tmp_path / "train_on_a_full_disk.py"
+    wrapper.write_text(DISK_FULL_WRAPPER.format(script=str(REPO / "scripts" / "train.py")))
+    overrides = [*SHORT, f"data.root={inputs['fm']}", "trainer.max_epochs=2", f"paths.output_dir={run_dir}"]
+    result = run_script(str(wrapper), *overrides, f"ckpt_path={last}", f"paths.log_dir={tmp_path / 'logs'}", cwd=REPO)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if "[moekit][ERROR]" in line]
+    assert len(errors) == 1, output[-3000:]
+    assert os.strerror(errno.ENOSPC) in errors[0] and "ENOSPC" in errors[0]
+    assert "Free disk space" in errors[0] and "resume with ckpt_path=" in errors[0]
+    # The checkpoints written before are untouched and load; no half-written file is left beside them.
+    assert {k: v for k, v in _tree_hashes(run_dir).items() if k.startswith("checkpoints/")} == {
+        k: v for k, v in before.items() if k.startswith("checkpoints/")
+    }
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(
+        Path(k).name for k in before if k.startswith("checkpoints/")
+    )
+    assert load_task(str(last)).net is not None
+    # (Its csv/ logs are not compared: Lightning's CSVLogger rewrites metrics.csv of a run resumed in
+    # the same folder, failure or not. The earlier run's own folder is checked by the table's cases.)
+
+
+def test_the_disk_full_message_is_a_user_error_in_process(inputs, tmp_path, monkeypatch):
+    """The same failure as above in-process: ``train`` raises a user error, not the raw OSError."""
+    run_dir = Path(shutil.copytree(inputs["good"], tmp_path / "run"))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    digest = _sha256(last)
+
+    def full_disk_save(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f) if isinstance(f, (str, Path)) else None)
+
+    overrides = [*SHORT, f"data.root={inputs['fm']}", "trainer.max_epochs=2", f"ckpt_path={last}"]
+    cfg = compose_config("train", [*overrides, f"paths.output_dir={run_dir}"], run_dir)
+    monkeypatch.setattr(torch, "save", full_disk_save)
+    with pytest.raises(USER_ERRORS, match="No space left on device") as info:
+        train(cfg)
+    monkeypatch.undo()
+    assert isinstance(info.value, OSError) and "paths.output_dir" in str(info.value)
+    assert _sha256(last) == digest
+    load_task(str(last))
+
+
+def test_user_message_strips_the_dataloader_worker_traceback():
+    try:
+        raise ValueError("imagefolder: cannot read the image /x/bad.png (boom); delete or replace the file")
+    except ValueError:
+        from torch._utils import ExceptionWrapper
+
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(ValueError) as info:
+        wrapped.reraise()
+    assert "Traceback" in str(info.value)
+    assert user_message(info.value) == (
+        "imagefolder: cannot read the image /x/bad.png (boom); delete or replace the file"
+    )
+
+
+def test_an_unreadable_image_error_names_the_file(tmp_path):
+    from moekit.data.imagefolder import UnreadableImageError, read_rgb_image
+
+    bad = _image_folder(tmp_path / "img") / "train" / "class1" / "bad.png"
+    with pytest.raises(UnreadableImageError, match=str(bad)):
+        read_rgb_image(str(bad))
+    good = tmp_path / "img" / "train" / "class1" / "0.png"
+    assert read_rgb_image(str(good)).size == (32, 32)
+    truncated = tmp_path / "truncated.png"
+    truncated.write_bytes(good.read_bytes()[:60])
+    with pytest.raises(UnreadableImageError, match="truncated.png"):
+        read_rgb_image(str(truncated))

@@ -1,0 +1,229 @@
+"""A killed run resumes to the same result, and checkpoint writes are atomic.
+
+Real ``scripts/train.py`` subprocesses on CPU with ``trainer.deterministic=true`` train a tiny Soft MoE
+ViT on a fake Fashion-MNIST for 3 epochs of 8 steps, ``last.ckpt`` every 5 steps and every epoch.
+An uninterrupted run gives the reference; interrupted runs are SIGKILLed (after a ``last.ckpt`` write,
+and in the middle of one) or sent SIGTERM, resumed with ``ckpt_path=<last.ckpt>``, and must end with
+bit-identical weights, optimizer state and test metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from moekit.checkpoint_io import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
+from moekit.data.resumable import ResumableRandomSampler, get_rng_states, set_rng_states
+
+EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
+
+
+@pytest.fixture(scope="module")
+def fake_fashion(tmp_path_factory) -> Path:
+    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fm") / "fashion-mnist", n_train=320, n_test=64)
+
+
+def _args(data_root: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        f"data.root={data_root}",
+        "data.val_size=64",
+        "data.batch_size=32",  # 256 training images: 8 steps per epoch
+        "model.embed_dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "model.num_experts=4",
+        "logger=csv",
+        f"trainer.max_epochs={EPOCHS}",
+        "trainer.log_every_n_steps=1",
+        "trainer.deterministic=true",
+        f"callbacks.last_checkpoint_steps.every_n_train_steps={EVERY_N_STEPS}",
+        "+trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+        f"paths.output_dir={output_dir}",
+        *extra,
+    ]
+
+
+def _start(args: list[str], write_delay: float = 0.0) -> subprocess.Popen:
+    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
+    if write_delay:
+        env[WRITE_DELAY_ENV] = str(write_delay)
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (status {proc.returncode}) before {what}:\n{proc.communicate()[0]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _test_metrics(output: str) -> dict[str, float]:
+    metrics = dict(re.findall(r"(test/\w+)\s*│\s*([-+0-9.e]+)", output))
+    assert "test/loss" in metrics, f"no test metrics in the output:\n{output[-3000:]}"
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _assert_same_training_state(resumed: dict, reference: dict) -> None:
+    assert resumed["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert resumed["state_dict"].keys() == reference["state_dict"].keys()
+    different = [k for k, v in reference["state_dict"].items() if not torch.equal(v, resumed["state_dict"][k])]
+    assert not different, f"weights differ from the uninterrupted run: {different}"
+    for ref_state, res_state in zip(reference["optimizer_states"][0]["state"].values(),
+                                    resumed["optimizer_states"][0]["state"].values(), strict=True):  # fmt: skip
+        for key, value in ref_state.items():
+            assert torch.equal(value, res_state[key]), f"optimizer state {key!r} differs"
+    assert resumed["lr_schedulers"] == reference["lr_schedulers"]
+
+
+@pytest.fixture(scope="module")
+def reference(fake_fashion, tmp_path_factory) -> tuple[dict, dict[str, float]]:
+    """The uninterrupted run: its final last.ckpt and test metrics."""
+    out = tmp_path_factory.mktemp("reference")
+    status, output = _finish(_start(_args(fake_fashion, out)))
+    assert status == 0, output[-3000:]
+    return _load(out / "checkpoints" / "last.ckpt"), _test_metrics(output)
+
+
+@pytest.mark.slow
+def test_killed_runs_resume_to_the_same_weights_and_metrics(fake_fashion, reference, tmp_path):
+    ref_ckpt, ref_metrics = reference
+    out = tmp_path / "run"
+    last = out / "checkpoints" / "last.ckpt"
+
+    # 1. SIGKILL right after the first last.ckpt lands (step 5, mid-epoch), while the run trains on.
+    proc = _start(_args(fake_fashion, out), write_delay=0.2)
+    _wait_for(last.exists, proc, "the first last.ckpt")
+    _kill(proc)
+    first = _load(last)
+    assert first["global_step"] == EVERY_N_STEPS
+
+    # 2. Resume, and SIGKILL in the middle of the next checkpoint write (the temporary file is complete,
+    #    the rename has not happened): last.ckpt must still be the previous, loadable file.
+    proc = _start(_args(fake_fashion, out, f"ckpt_path={last}"), write_delay=120)
+    _wait_for(lambda: any(last.parent.glob(".*.tmp")), proc, "a checkpoint write")
+    time.sleep(0.5)  # let the write reach the pause before the rename
+    _kill(proc)
+    assert list(last.parent.glob(".*.tmp")), "the kill should have left the unfinished temporary file"
+    assert _load(last)["global_step"] == EVERY_N_STEPS, "the interrupted write replaced last.ckpt"
+
+    # 3. Resume to the end: the same weights, optimizer state, schedule and test metrics as without kills.
+    status, output = _finish(_start(_args(fake_fashion, out, f"ckpt_path={last}")))
+    assert status == 0, output[-3000:]
+    _assert_same_training_state(_load(last), ref_ckpt)
+    assert _test_metrics(output) == ref_metrics
+
+
+@pytest.mark.slow
+def test_sigterm_saves_last_ckpt_exits_and_resumes_exactly(fake_fashion, reference, tmp_path):
+    ref_ckpt, ref_metrics = reference
+    out = tmp_path / "run"
+    last = out / "checkpoints" / "last.ckpt"
+    proc = _start(_args(fake_fashion, out), write_delay=0.2)
+    _wait_for(lambda: any(out.glob("checkpoints/epoch_*.ckpt")), proc, "the first epoch's checkpoint")
+    proc.send_signal(signal.SIGTERM)
+    status, output = _finish(proc)
+    assert status == 128 + signal.SIGTERM, output[-3000:]
+    stopped = re.search(r"received SIGTERM: saved .*last\.ckpt at step (\d+)", output)
+    assert stopped, output[-3000:]
+    step = int(stopped.group(1))
+    assert STEPS_PER_EPOCH <= step < EPOCHS * STEPS_PER_EPOCH
+    assert _load(last)["global_step"] == step
+    assert "test/loss" not in output, "a pre-empted run must not go on to test"
+
+    status, output = _finish(_start(_args(fake_fashion, out, f"ckpt_path={last}")))
+    assert status == 0, output[-3000:]
+    _assert_same_training_state(_load(last), ref_ckpt)
+    assert _test_metrics(output) == ref_metrics
+
+
+# ---------------------------------------------------------------------------------------------
+def test_atomic_save_keeps_the_old_file_when_the_write_fails(tmp_path):
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        AtomicCheckpointIO().save_checkpoint({"step": 2, "bad": Unpicklable()}, path)
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], "no temporary file is left behind"
+    AtomicCheckpointIO().save_checkpoint({"step": 3}, path)
+    assert torch.load(path, weights_only=True) == {"step": 3}
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_bad_write_delay_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(WRITE_DELAY_ENV, "soon")
+    with pytest.raises(ValueError, match=f"{WRITE_DELAY_ENV}='soon' must be a number of seconds"):
+        atomic_torch_save({"step": 1}, tmp_path / "x.ckpt")
+    assert not list(tmp_path.iterdir())
+
+
+def test_sampler_resumes_mid_epoch_with_the_same_indices_and_random_draws():
+    def batches(sampler: ResumableRandomSampler, n: int) -> list[tuple[list[int], float]]:
+        it, out = iter(sampler), []
+        for _ in range(n):
+            indices = [next(it) for _ in range(sampler.batch_size)]
+            out.append((indices, torch.rand(()).item()))  # a draw between batches, like the augmentation
+        return out
+
+    torch.manual_seed(0)
+    sampler = ResumableRandomSampler(40, batch_size=8, seed=3)
+    whole = batches(sampler, 5)
+    again = batches(sampler, 5)
+    assert [b for b, _ in whole] != [b for b, _ in again], "a new order each epoch"
+    assert sorted(i for b, _ in whole for i in b) == list(range(40))
+
+    torch.manual_seed(0)
+    sampler = ResumableRandomSampler(40, batch_size=8, seed=3)
+    it = iter(sampler)
+    for _ in range(3 * 8 + 1):  # 3 batches consumed, the 4th prefetched (its first index drawn)
+        next(it)
+    state = sampler.state_dict(consumed_batches=3, epoch_done=False)
+    fresh = ResumableRandomSampler(40, batch_size=8, seed=3)
+    fresh.load_state_dict(state)
+    rng = get_rng_states()
+    torch.manual_seed(123)  # whatever the new process did before
+    assert [b for b, _ in batches(fresh, 2)] == [b for b, _ in whole[3:]]
+    set_rng_states(rng)
+    assert torch.equal(torch.get_rng_state(), rng["torch"])
