@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import ExpertBank
 
 
@@ -103,3 +104,36 @@ def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def fake_fashion(tmp_path_factory) -> Path:
+    """A tiny Fashion-MNIST in the real IDX format (320 training, 64 test images)."""
+    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fm") / "fashion-mnist", n_train=320, n_test=64)
+
+
+def small_overrides(data_root: Path, epochs: int = 1) -> list[str]:
+    """A fast run: tiny model dims, few samples, CSV logs."""
+    return [
+        f"data.root={data_root}",
+        "data.val_size=64",
+        "data.batch_size=32",
+        "model.embed_dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "logger=csv",
+        f"trainer.max_epochs={epochs}",
+        "trainer.log_every_n_steps=1",
+        "+trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+    ]
+
+
+TINY_NET = {
+    "_target_": "moekit.models.create_model",
+    "model_name": "soft_moe_vit_tiny_patch4_28",
+    "embed_dim": 32,
+    "depth": 2,
+    "num_heads": 2,
+    "num_experts": 4,
+}

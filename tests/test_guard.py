@@ -14,9 +14,8 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import moekit.run as run
-from conftest import compose_config
+from conftest import TINY_NET, compose_config, small_overrides
 from moekit.callbacks import NonFiniteGuard, NonFiniteTrainingError
-from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.models import TransformerLM
 from moekit.moe import ExpertsChoiceMoE, MoELayer, SoftMoE, TopKMoE, get_moe_layer, list_moe_layers, moe_layers
 from moekit.run import train
@@ -25,28 +24,8 @@ from moekit.tasks import ImageClassifier
 STEPS_PER_EPOCH = 8  # 320 fake images - 64 for validation, batches of 32
 
 
-@pytest.fixture(scope="module")
-def fake_fashion(tmp_path_factory) -> Path:
-    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fm") / "fashion-mnist", n_train=320, n_test=64)
-
-
 def _config(experiment: str, data_root: Path, out: Path, *extra: str):
-    overrides = [
-        f"experiment={experiment}",
-        f"data.root={data_root}",
-        "data.val_size=64",
-        "data.batch_size=32",
-        "model.embed_dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "logger=csv",
-        "trainer.max_epochs=1",
-        "trainer.log_every_n_steps=1",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
-        "test=false",
-        *extra,
-    ]
+    overrides = [f"experiment={experiment}", *small_overrides(data_root), "test=false", *extra]
     return compose_config("train", overrides, out)
 
 
@@ -191,14 +170,6 @@ def test_guard_state_survives_a_checkpoint():
 # ---------------------------------------------------------------------------------------------
 # fp16 with a grad scaler. Lightning turns precision="16-mixed" into bf16 on CPU, so the test builds
 # the plugin itself: torch's CPU GradScaler behaves like the CUDA one (unscale, skip on inf, back off).
-TINY_NET = {
-    "_target_": "moekit.models.create_model",
-    "model_name": "soft_moe_vit_tiny_patch4_28",
-    "embed_dim": 32,
-    "depth": 2,
-    "num_heads": 2,
-    "num_experts": 4,
-}
 
 
 def _loader(n: int = 64, batch: int = 16, nan_at: int | None = None):

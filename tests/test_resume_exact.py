@@ -22,15 +22,9 @@ import torch
 
 from conftest import REPO
 from moekit.checkpoint_io import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
-from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.data.resumable import ResumableRandomSampler, get_rng_states, set_rng_states
 
 EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
-
-
-@pytest.fixture(scope="module")
-def fake_fashion(tmp_path_factory) -> Path:
-    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fm") / "fashion-mnist", n_train=320, n_test=64)
 
 
 def _args(data_root: Path, output_dir: Path, *extra: str) -> list[str]:

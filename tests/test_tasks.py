@@ -8,18 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import TINY_NET
 from moekit.moe import SoftMoE, TopKMoE, collect_moe_outputs
 from moekit.tasks import ImageClassifier
 from moekit.tasks.optim import ScheduleConfig, lr_lambda, param_groups
-
-TINY_NET = {
-    "_target_": "moekit.models.create_model",
-    "model_name": "soft_moe_vit_tiny_patch4_28",
-    "embed_dim": 32,
-    "depth": 2,
-    "num_heads": 2,
-    "num_experts": 4,
-}
 
 
 def test_cosine_schedule_with_warmup():

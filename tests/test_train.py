@@ -11,9 +11,8 @@ import torch
 from hydra.utils import instantiate
 
 import moekit.models  # noqa: F401  (registers the models with timm)
-from conftest import CONFIGS, REPO, compose_config, run_script
+from conftest import CONFIGS, REPO, compose_config, run_script, small_overrides
 from moekit.checkpoint import CheckpointError
-from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import MoELayer, TopKMoE
 from moekit.run import evaluate, export, linear_probe, load_task, train
 from moekit.tasks import ImageClassifier
@@ -21,28 +20,6 @@ from moekit.tasks.fewshot import fit_ridge_probe
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml") if not p.stem.endswith("_lm"))
 SMALL_EXPERIMENTS = [e for e in EXPERIMENTS if "imagenet" not in e]
-
-
-@pytest.fixture(scope="module")
-def fake_fashion(tmp_path_factory) -> Path:
-    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fm") / "fashion-mnist", n_train=320, n_test=64)
-
-
-def small_overrides(data_root: Path, epochs: int = 1) -> list[str]:
-    """A fast run: tiny model dims, few samples, CSV logs."""
-    return [
-        f"data.root={data_root}",
-        "data.val_size=64",
-        "data.batch_size=32",
-        "model.embed_dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "logger=csv",
-        f"trainer.max_epochs={epochs}",
-        "trainer.log_every_n_steps=1",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
-    ]
 
 
 # ---------------------------------------------------------------------------------------------
