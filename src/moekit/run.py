@@ -84,7 +84,23 @@ def _instantiate_group(group: DictConfig | None) -> list:
     return [instantiate(entry) for entry in group.values() if isinstance(entry, DictConfig) and "_target_" in entry]
 
 
-def _check_ckpt_path(ckpt_path: str | None) -> None:
+SHARDED_METADATA = "meta.pt"
+"""The file of a sharded (FSDP ``state_dict_type=sharded``) checkpoint folder holding everything but
+the weights and optimizer states (Lightning's ``ModelParallelStrategy`` layout)."""
+
+
+def _is_sharded_checkpoint(ckpt_path: str) -> bool:
+    return (Path(ckpt_path) / SHARDED_METADATA).is_file()
+
+
+def _check_ckpt_path(ckpt_path: str | None, sharded_ok: bool = False) -> None:
+    if ckpt_path and sharded_ok and _is_sharded_checkpoint(ckpt_path):
+        return
+    if ckpt_path and _is_sharded_checkpoint(ckpt_path):
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} is a sharded checkpoint (one file per rank); only training resumes from it "
+            "(with trainer=fsdp). Save full checkpoints to evaluate or export: trainer.strategy.state_dict_type=full"
+        )
     if ckpt_path and not Path(ckpt_path).is_file():
         raise CheckpointError(
             f"ckpt_path={ckpt_path!r} does not exist; give the path of a .ckpt file (e.g. <run>/checkpoints/last.ckpt)"
@@ -185,7 +201,10 @@ def _check_trainer_config(trainer_cfg: DictConfig) -> None:
 
 def _check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
     """A checkpoint to resume from must be a readable Lightning checkpoint of this very network: say
-    so in one line instead of failing inside ``trainer.fit`` with a traceback."""
+    so in one line instead of failing inside ``trainer.fit`` with a traceback. (A sharded checkpoint
+    folder is checked by torch.distributed.checkpoint when it loads.)"""
+    if _is_sharded_checkpoint(ckpt_path):
+        return
     try:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:
@@ -223,7 +242,7 @@ def _where(trainer: Trainer) -> str:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the task on the data, then test the best checkpoint. Returns the final metrics."""
     L.seed_everything(cfg.seed, workers=True)
-    _check_ckpt_path(cfg.get("ckpt_path"))
+    _check_ckpt_path(cfg.get("ckpt_path"), sharded_ok=True)
     _check_trainer_config(cfg.trainer)
     output_dir = _check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from timm.layers import Mlp, SwiGLU, get_act_layer
 from torch import Tensor, nn
 
@@ -443,6 +444,7 @@ class TransformerLM(nn.Module):
         expert_std = moe_factory[1].get("expert_init_std", INIT_STD) if moe_factory is not None else INIT_STD
         self._init_weights(expert_std)
         require_causal(self)
+        self.grad_checkpointing = False
 
     @torch.no_grad()
     def _init_weights(self, expert_std: float | None) -> None:
@@ -463,6 +465,10 @@ class TransformerLM(nn.Module):
                             _normal_init_experts(bank, expert_std, expert_std * residual_scale)
             else:
                 nn.init.normal_(block.mlp.fc2.weight, 0.0, INIT_STD * residual_scale)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing of every block in training (timm's method name)."""
+        self.grad_checkpointing = enable
 
     def init_cache(self, batch_size: int) -> LMCache:
         """An empty :class:`LMCache` for ``batch_size`` sequences, on the model's device and in its dtype."""
@@ -491,7 +497,11 @@ class TransformerLM(nn.Module):
             positions = torch.arange(start, start + tokens, device=input_ids.device)
             x = x + self.position_embedding(positions)
         x = self.embed_drop(x)
+        recompute = self.grad_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
+            if recompute:  # activation checkpointing: keep only block inputs, recompute in backward
+                x = torch.utils.checkpoint.checkpoint(block, x, input_ids, use_reentrant=False)
+                continue
             kv_cache = None if cache is None else (cache.keys[i], cache.values[i])
             x = block(x, input_ids, start, kv_cache)
         if cache is not None:

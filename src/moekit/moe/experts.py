@@ -19,6 +19,10 @@ writes into preallocated outputs (ragged counts are read on the host: a sync, fr
 ``"bmm"`` - one batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with
 device-side offsets (no host sync). ``"auto"`` picks per device and layout from the measurements
 of ``scripts/bench_moe.py`` (see :data:`AUTO_KERNELS`).
+
+Expert parallelism. :meth:`ExpertBank.shard_` keeps only this rank's block of experts of an
+expert-parallel process group; ``forward`` then takes the same input (rows sorted by global expert)
+and exchanges rows with the other ranks (:func:`moekit.moe.all_to_all.expert_parallel_apply`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ import math
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from timm.layers import get_act_layer
 from torch import Tensor, nn
+
+from .all_to_all import expert_parallel_apply
 
 __all__ = ["ExpertBank", "grouped_linear", "AUTO_KERNELS", "Kernel"]
 
@@ -230,6 +237,8 @@ class ExpertBank(nn.Module):
         self.init = init
         self.init_std = init_std
         self.kernel = kernel
+        self.ep_group = None  # expert-parallel process group once sharded (see shard_)
+        self.expert_offset = 0  # global index of the first expert held here
         fc1_out = 2 * hidden_features if gated else hidden_features
         dd = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, in_features, fc1_out, **dd))
@@ -309,15 +318,50 @@ class ExpertBank(nn.Module):
             if noise_std > 0:
                 target.add_(torch.randn_like(target) * noise_std)
 
+    @property
+    def num_local_experts(self) -> int:
+        """Experts whose weights this process holds (``num_experts`` unless sharded)."""
+        return self.fc1_weight.shape[0]
+
+    @torch.no_grad()
+    def shard_(self, group) -> None:
+        """Keep only this rank's ``num_experts / W`` experts of the ``W``-rank process group ``group``
+        (rank ``r`` keeps experts ``r * L ... (r + 1) * L - 1``). Call before building the optimizer;
+        every rank must hold the same full bank beforehand."""
+        if self.ep_group is not None:
+            raise RuntimeError("ExpertBank.shard_: the bank is already sharded")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if self.num_experts % world:
+            raise ValueError(
+                f"ExpertBank: num_experts={self.num_experts} cannot be split over an expert-parallel group of {world} "
+                f"ranks; choose expert_parallel_size dividing {self.num_experts}"
+            )
+        local = self.num_experts // world
+        self.expert_offset = rank * local
+        for name in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"):
+            param = getattr(self, name)
+            if param is not None:
+                block = param[self.expert_offset : self.expert_offset + local].clone()
+                setattr(self, name, nn.Parameter(block, requires_grad=param.requires_grad))
+        self.ep_group = group
+
     def forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
         """Args: ``x: [rows, in]`` sorted by expert; ``group_sizes``: ``int`` rows per expert or
         ``LongTensor [experts]`` counts. Returns ``[rows, out]`` (rows past the last group are zero)."""
+        if self.ep_group is not None:
+            return expert_parallel_apply(self._local_forward, x, group_sizes, self.num_experts, self.ep_group)
+        return self._local_forward(x, group_sizes)
+
+    def _local_forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
+        """The experts held here on rows sorted by local expert."""
         weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             x = x.to(dtype)
             weights = tuple(w.to(dtype) if w is not None else None for w in weights)
+        elif x.dtype != self.fc1_weight.dtype:  # e.g. FSDP mixed precision: compute in the input's dtype
+            weights = tuple(w.to(x.dtype) if w is not None else None for w in weights)
         w1, b1, w2, b2 = weights
         with torch.autocast(device_type, enabled=False):
             h = grouped_linear(x, w1, b1, group_sizes, self.kernel)
@@ -338,4 +382,9 @@ class ExpertBank(nn.Module):
         return (
             f"num_experts={self.num_experts}, {self.in_features}->{self.hidden_features}->{self.out_features}, "
             f"gated={self.gated}, kernel={self.kernel!r}"
+            + (
+                f", local_experts={self.expert_offset}..{self.expert_offset + self.num_local_experts - 1}"
+                if self.ep_group is not None
+                else ""
+            )
         )

@@ -96,7 +96,8 @@ class SoftMoE(MoELayer):
         dd = {"device": device, "dtype": dtype}
         # Phi: one d-dimensional parameter vector per slot (LeCun-normal, as vmoe).
         self.phi = nn.Parameter(torch.randn(spec.in_features, self.num_slots, **dd) / math.sqrt(spec.in_features))
-        self.scale = nn.Parameter(torch.ones((), **dd)) if normalize else None
+        # The learned scale of the normalised logits, shape [1] (FSDP shards no 0-d parameters).
+        self.scale = nn.Parameter(torch.ones(1, **dd)) if normalize else None
         self.experts = spec.expert_bank(
             num_experts,
             gated=gated,
@@ -133,6 +134,12 @@ class SoftMoE(MoELayer):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"SoftMoE: slots_per_expert={slots_per_expert!r} must be a positive int")
         return slots
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        scale = state_dict.get(prefix + "scale")
+        if scale is not None and scale.dim() == 0:  # checkpoints from before the scale became [1]
+            state_dict[prefix + "scale"] = scale.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def compute_logits(self, x: Tensor) -> Tensor:
         """``[B, M, d] -> [B, M, S]`` routing logits in float32 (noise not included)."""

@@ -80,6 +80,22 @@ class MoETask(LightningModule):
         else:
             update_balancing_biases(self.net)  # loss-free balancing: once per optimizer step
 
+    def configure_model(self) -> None:
+        """moekit's strategies (:mod:`moekit.parallel.strategies`) shard the network here: experts over
+        expert-parallel groups, FSDP units. Runs before the optimizer is built."""
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None:
+            parallelize(self)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Norm clipping under expert parallelism takes the norm over all experts of the expert group
+        (each rank holds only some); everything else clips as Lightning does."""
+        clip_norm = getattr(self.trainer.strategy, "clip_gradient_norm", None)
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and clip_norm is not None:
+            if clip_norm(optimizer, gradient_clip_val) is not None:
+                return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
         config = dict(self.optimizer_config)
         weight_decay = config.pop("weight_decay")

@@ -1,0 +1,231 @@
+"""Expert parallelism in training: process groups, sharding a model's experts, the gradients and
+gradient norm of sharded experts, and checkpoints that do not depend on the world size.
+
+Layout. ``W`` ranks train data parallel; the experts of every MoE layer are split over expert-parallel
+groups of ``P`` consecutive ranks (``P`` divides ``W`` and each layer's expert count). Rank ``r`` holds
+the experts of block ``r mod P``; the ``W / P`` ranks holding the same block form its replica group.
+Everything else (attention, routers, embeddings) stays replicated or is sharded by FSDP.
+
+Gradients. Data parallel training averages gradients over the ``W`` ranks. An expert's gradient on
+its holder already sums the contributions of the ``P`` ranks of its group (the token exchange carries
+them back), so :func:`sync_expert_gradients` divides by ``W`` and sums over the replica group.
+Gradient clipping needs the norm over all experts of the group: :func:`clip_grad_norm_`.
+
+Checkpoints. :func:`gather_expert_state` / :func:`gather_expert_optimizer_state` turn local expert
+tensors into the full ones (what an unsharded model holds), :func:`shard_expert_state` /
+:func:`shard_expert_optimizer_state` take this rank's block of full tensors: a checkpoint saved at any
+world size loads at any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moekit.moe import ExpertBank, moe_layers
+
+__all__ = [
+    "ExpertParallelGroups",
+    "new_expert_parallel_groups",
+    "shard_experts",
+    "sharded_expert_banks",
+    "sync_expert_gradients",
+    "clip_grad_norm_",
+    "gather_expert_state",
+    "shard_expert_state",
+    "gather_expert_optimizer_state",
+    "shard_expert_optimizer_state",
+]
+
+
+@dataclass
+class ExpertParallelGroups:
+    """The process groups of expert parallelism with ``size`` ranks per group over ``world_size``.
+
+    Attributes:
+        expert_group: the ranks that share one copy of the experts, each holding ``1 / size`` of them.
+        replica_group: the ranks holding the same block of experts (None when ``size == world_size``).
+        size: ``P``, ranks per expert group.
+        world_size: ``W``, data-parallel ranks.
+    """
+
+    expert_group: Any
+    replica_group: Any
+    size: int
+    world_size: int
+
+
+def new_expert_parallel_groups(size: int) -> ExpertParallelGroups:
+    """Create the groups on the default process group; every rank must call this, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(
+            f"expert_parallel_size={size!r} must be a positive int dividing the world size {world} "
+            f"(the ranks of one expert group hold one copy of every expert between them)"
+        )
+    expert_group = replica_group = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            expert_group = group
+    if world > size:
+        for offset in range(size):
+            ranks = list(range(offset, world, size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                replica_group = group
+    return ExpertParallelGroups(expert_group, replica_group, size, world)
+
+
+def _routed_banks(model: nn.Module) -> Iterable[ExpertBank]:
+    """Every MoE layer's routed experts (shared experts, applied to every token, stay replicated)."""
+    for _, layer in moe_layers(model):
+        bank = getattr(layer, "experts", None)
+        if isinstance(bank, ExpertBank):
+            yield bank
+
+
+def shard_experts(model: nn.Module, groups: ExpertParallelGroups) -> int:
+    """Shard the routed experts of every MoE layer of ``model`` over ``groups.expert_group``; returns
+    the number of banks sharded. Build the optimizer afterwards."""
+    banks = list(_routed_banks(model))
+    for bank in banks:
+        bank.shard_(groups.expert_group)
+    return len(banks)
+
+
+def sharded_expert_banks(model: nn.Module) -> dict[str, ExpertBank]:
+    """``{qualified name: bank}`` of the expert banks of ``model`` that :func:`shard_experts` sharded."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, ExpertBank) and m.ep_group is not None}
+
+
+def _expert_params(model: nn.Module) -> dict[str, tuple[nn.Parameter, ExpertBank]]:
+    """``{qualified parameter name: (parameter, its bank)}`` of the sharded experts."""
+    return {
+        f"{name}.{pname}": (param, bank)
+        for name, bank in sharded_expert_banks(model).items()
+        for pname, param in bank.named_parameters(recurse=False)
+    }
+
+
+def sync_expert_gradients(parameters: Iterable[Tensor], groups: ExpertParallelGroups) -> None:
+    """Turn the local gradients of sharded expert ``parameters`` into the data-parallel mean: divide
+    by the world size, then sum over the replica group (one flat all-reduce)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    torch._foreach_div_(grads, float(groups.world_size))
+    if groups.replica_group is not None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=groups.replica_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _squared_norm(grads: list[Tensor]) -> Tensor:
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(norm, "full_tensor"):  # FSDP-sharded gradients (DTensor): the norm over all shards
+        norm = norm.full_tensor()
+    return norm.float().square()
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], expert_parameters: Iterable[Tensor], max_norm: float, groups: ExpertParallelGroups
+) -> Tensor:
+    """Clip the gradients of all ``parameters`` to a total L2 norm of ``max_norm``, where the norm
+    counts every expert of the expert group once (the local norms of the sharded
+    ``expert_parameters`` are summed over ``groups.expert_group``). Returns the total norm."""
+    expert_ids = {id(p) for p in expert_parameters}
+    params = [p for p in parameters if p.grad is not None]
+    dense = [p.grad for p in params if id(p) not in expert_ids]
+    experts = [p.grad for p in params if id(p) in expert_ids]
+    device = params[0].grad.device if params else torch.device("cpu")
+    dense_sq = _squared_norm(dense) if dense else torch.zeros((), device=device)
+    expert_sq = _squared_norm(experts) if experts else torch.zeros((), device=device)
+    dist.all_reduce(expert_sq, group=groups.expert_group)
+    total = (dense_sq.to(expert_sq.device) + expert_sq).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _gather_dim0(tensor: Tensor, group) -> Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def gather_expert_state(model: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Replace the local expert tensors of ``state_dict`` (``model.state_dict()`` keys after
+    ``prefix``) by the full ones. Collective: every rank of every expert group calls it."""
+    for name, (param, bank) in _expert_params(model).items():
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = _gather_dim0(state_dict[key].to(param.device), bank.ep_group).cpu()
+    return state_dict
+
+
+def shard_expert_state(model: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A copy of ``state_dict`` whose full expert tensors are cut to this rank's block."""
+    state = dict(state_dict)
+    for name, (param, bank) in _expert_params(model).items():
+        key = prefix + name
+        if key in state:
+            state[key] = _local_block(state[key], param, bank, key)
+    return state
+
+
+def _local_block(full: Tensor, param: Tensor, bank: ExpertBank, key: str) -> Tensor:
+    if full.shape[0] == param.shape[0] and bank.num_local_experts == bank.num_experts:
+        return full
+    if full.shape[0] != bank.num_experts:
+        raise ValueError(
+            f"checkpoint entry '{key}' holds {full.shape[0]} experts, the model has {bank.num_experts}: "
+            "the checkpoint belongs to a different model configuration"
+        )
+    return full[bank.expert_offset : bank.expert_offset + bank.num_local_experts]
+
+
+def _optimizer_expert_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[int, tuple[Tensor, ExpertBank]]:
+    """``{index in optimizer.state_dict(): (param, bank)}`` for the sharded expert parameters."""
+    owners = {id(param): (param, bank) for param, bank in _expert_params(model).values()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {index: owners[id(p)] for index, p in enumerate(params) if id(p) in owners}
+
+
+def gather_expert_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any]
+) -> dict[str, Any]:
+    """Replace the per-parameter state tensors of sharded experts (e.g. AdamW moments) in
+    ``optimizer_state`` (``optimizer.state_dict()``, whose entries are the live state: they are
+    copied, not changed) by the full ones. Collective."""
+    state = {**optimizer_state, "state": dict(optimizer_state["state"])}
+    for index, (param, bank) in _optimizer_expert_params(model, optimizer).items():
+        entry = dict(state["state"].get(index, {}))
+        for name, value in entry.items():
+            if isinstance(value, Tensor) and value.shape == param.shape:
+                entry[name] = _gather_dim0(value, bank.ep_group)
+        state["state"][index] = entry
+    return state
+
+
+def shard_expert_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A copy of a full ``optimizer_state`` whose expert state tensors are cut to this rank's block."""
+    state = {**optimizer_state, "state": {k: dict(v) for k, v in optimizer_state["state"].items()}}
+    for index, (param, bank) in _optimizer_expert_params(model, optimizer).items():
+        entry = state["state"].get(index, {})
+        for name, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[1:] == param.shape[1:]:
+                entry[name] = _local_block(value, param, bank, f"optimizer state {index}.{name}")
+    return state

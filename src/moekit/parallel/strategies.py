@@ -1,0 +1,245 @@
+"""Lightning strategies for MoE models: data parallel (DDP) and fully sharded (FSDP2), each with
+optional expert parallelism.
+
+* :class:`MoEDDPStrategy` - Lightning's ``DDPStrategy``. With ``expert_parallel_size=P > 1`` the routed
+  experts of every MoE layer are split over groups of ``P`` ranks (tokens travel by all-to-all, see
+  :mod:`moekit.moe.all_to_all`); DDP all-reduces only the other parameters.
+* :class:`MoEFSDPStrategy` - FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``:
+  transformer blocks / LSTM layers are the sharding units, every MoE layer's router is its own unit
+  kept in float32, optional activation checkpointing and parameter mixed precision, full or sharded
+  (distributed) checkpoints. Runs on CPU processes with gloo (tests) and on GPUs with NCCL.
+
+Both shard the model in ``LightningModule.configure_model`` (:meth:`MoETask.configure_model` calls
+``strategy.parallelize``), before the optimizer is built. Checkpoints hold full expert tensors, so a run
+saved at one world size resumes at another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from moekit.moe import ExpertBank, MoELayer, moe_layers
+
+from .expert_parallel import (
+    ExpertParallelGroups,
+    clip_grad_norm_,
+    gather_expert_optimizer_state,
+    gather_expert_state,
+    new_expert_parallel_groups,
+    shard_expert_optimizer_state,
+    shard_expert_state,
+    shard_experts,
+    sharded_expert_banks,
+    sync_expert_gradients,
+)
+
+__all__ = ["MoEDDPStrategy", "MoEFSDPStrategy", "sharding_units"]
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class _ExpertParallel:
+    """Expert parallelism shared by the strategies: sharding, gradient sync, clipping, checkpoints."""
+
+    expert_parallel_size: int
+    _expert_groups: ExpertParallelGroups | None = None
+
+    def _check_expert_parallel_size(self, size: int) -> int:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"expert_parallel_size={size!r} must be a positive int (1: experts replicated)")
+        return size
+
+    def _shard_experts(self, lightning_module: nn.Module) -> list[nn.Parameter]:
+        """Shard the routed experts (once); returns the sharded expert parameters."""
+        if self.expert_parallel_size > 1 and not sharded_expert_banks(lightning_module):
+            groups = new_expert_parallel_groups(self.expert_parallel_size)
+            if shard_experts(lightning_module, groups) == 0:
+                raise ValueError(
+                    f"expert_parallel_size={self.expert_parallel_size}, but the model has no MoE layer with routed "
+                    "experts; use expert_parallel_size=1"
+                )
+            self._expert_groups = groups
+        return self._expert_parameters(lightning_module)
+
+    @staticmethod
+    def _expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+        return [p for bank in sharded_expert_banks(module).values() for p in bank.parameters()]
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        if self._expert_groups is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        expert_params = self._expert_parameters(self.lightning_module)
+
+        def closure_then_sync_experts():
+            result = closure()  # forward + backward of the last micro-batch of the step
+            sync_expert_gradients(expert_params, self._expert_groups)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync_experts, model, **kwargs)
+
+    def clip_gradient_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor | None:
+        """Clip by the norm over all experts of the expert group (None: not expert parallel, the
+        caller clips as usual)."""
+        if self._expert_groups is None:
+            return None
+        params = [p for group in _unwrap(optimizer).param_groups for p in group["params"]]
+        experts = self._expert_parameters(self.lightning_module)
+        return clip_grad_norm_(params, experts, max_norm, self._expert_groups)
+
+    # Checkpoints hold full expert tensors (collectives: every rank takes part).
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self._expert_groups is not None:
+            state = gather_expert_state(self.lightning_module, state)
+        return state
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self._expert_groups is not None:
+            state = gather_expert_optimizer_state(self.lightning_module, _unwrap(optimizer), state)
+        return state
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._expert_groups is not None:
+            checkpoint = {
+                **checkpoint,
+                "state_dict": shard_expert_state(self.lightning_module, checkpoint["state_dict"]),
+            }
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._expert_groups is not None:
+            states = [
+                shard_expert_optimizer_state(self.lightning_module, _unwrap(optimizer), state)
+                for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"])
+            ]
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)
+
+
+class MoEDDPStrategy(_ExpertParallel, DDPStrategy):
+    """Lightning DDP with optional expert parallelism.
+
+    Args:
+        expert_parallel_size: ranks that share one copy of the experts (1: every rank holds all
+            experts, plain DDP). Must divide the world size and every MoE layer's expert count.
+        **kwargs: ``DDPStrategy`` arguments (``find_unused_parameters``, ``process_group_backend``, ...).
+    """
+
+    strategy_name = "moe_ddp"
+
+    def __init__(self, expert_parallel_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.expert_parallel_size = self._check_expert_parallel_size(expert_parallel_size)
+
+    def parallelize(self, lightning_module: nn.Module) -> None:
+        """Shard the experts; DDP then leaves them out of its gradient all-reduce and its broadcasts."""
+        experts = {id(p) for p in self._shard_experts(lightning_module)}
+        if experts:
+            names = [name for name, p in lightning_module.named_parameters() if id(p) in experts]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(lightning_module, names)
+
+
+def sharding_units(net: nn.Module) -> list[nn.Module]:
+    """FSDP's sharding units of ``net``: transformer blocks (timm ViT ``Block``, moekit
+    ``TransformerBlock``: the elements of ``net.blocks``) and LSTM layers."""
+    blocks = getattr(net, "blocks", None)
+    units = list(blocks) if isinstance(blocks, (nn.ModuleList, nn.Sequential)) else []
+    return units + [m for m in net.modules() if isinstance(m, nn.LSTM)]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
+
+
+class MoEFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) over all processes for MoE models.
+
+    Args:
+        activation_checkpointing: recompute each block in backward (the model's
+            ``set_grad_checkpointing``, as timm models offer).
+        param_dtype: dtype the sharded parameters are gathered in for compute (``"bfloat16"``; None:
+            as stored). Routers stay float32 either way (their MoE layer is its own unit).
+        reduce_dtype: dtype of the gradient reduce-scatter (None: ``param_dtype``).
+        reshard_after_forward: free the gathered parameters after each unit's forward (ZeRO-3);
+            False keeps them until backward (ZeRO-2-like, more memory, less communication).
+        state_dict_type: ``"full"`` (one file on rank 0, loadable without FSDP and at any world size)
+            or ``"sharded"`` (a folder with one file per rank, torch.distributed.checkpoint; resumes
+            with this strategy at any world size).
+        expert_parallel_size: must be 1: FSDP with sharded experts is not supported yet (use
+            :class:`MoEDDPStrategy` with ``expert_parallel_size``).
+        **kwargs: ``ModelParallelStrategy`` arguments (``process_group_backend``, ``timeout``).
+    """
+
+    strategy_name = "moe_fsdp"
+
+    def __init__(
+        self,
+        activation_checkpointing: bool = False,
+        param_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+        reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+        reshard_after_forward: bool = True,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        expert_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"MoEFSDPStrategy: state_dict_type={state_dict_type!r}; allowed: 'full', 'sharded'")
+        for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value not in _DTYPES:
+                raise ValueError(f"MoEFSDPStrategy: {name}={value!r}; allowed: 'float32', 'bfloat16', 'float16', null")
+        if expert_parallel_size != 1:
+            raise ValueError(
+                f"MoEFSDPStrategy: expert_parallel_size={expert_parallel_size} is not supported yet; shard the experts "
+                "with trainer=ddp trainer.strategy.expert_parallel_size=N (MoEDDPStrategy), or keep FSDP with "
+                "expert_parallel_size=1 (experts sharded by FSDP like every other parameter)"
+            )
+        super().__init__(save_distributed_checkpoint=state_dict_type == "sharded", **kwargs)
+        self.activation_checkpointing = activation_checkpointing
+        self.param_dtype = _DTYPES[param_dtype]
+        self.reduce_dtype = _DTYPES[reduce_dtype]
+        self.reshard_after_forward = reshard_after_forward
+
+    def setup_environment(self) -> None:
+        # One data-parallel mesh dimension over every process (no tensor parallelism).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def parallelize(self, lightning_module: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        net = lightning_module.net
+        if isinstance(net, FSDPModule):  # configure_model runs again for trainer.test after fit
+            return
+        if self.activation_checkpointing:
+            if not hasattr(net, "set_grad_checkpointing"):
+                raise ValueError(
+                    f"MoEFSDPStrategy: activation_checkpointing=True, but {type(net).__name__} has no "
+                    "set_grad_checkpointing(); use activation_checkpointing=false"
+                )
+            net.set_grad_checkpointing(True)
+        mesh = self.device_mesh["data_parallel"]
+        compute = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+        # Routers in float32: the MoE layer's own parameters are gathered in float32 and its input is
+        # not cast (the experts inside are a unit of their own, in the compute dtype).
+        router = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        for _, layer in moe_layers(net):
+            for module in layer.children():
+                if isinstance(module, ExpertBank):
+                    fully_shard(module, mp_policy=compute, **options)
+            fully_shard(layer, mp_policy=router, **options)
+        for unit in sharding_units(net):
+            if not isinstance(unit, MoELayer):
+                fully_shard(unit, mp_policy=compute, **options)
+        fully_shard(net, mp_policy=compute, **options)

@@ -1,0 +1,118 @@
+"""Expert parallelism equals the unsharded layer: on every rank, the output and input gradient of
+the expert-parallel layer equal those of the full layer on that rank's tokens; router gradients are
+the local ones; each expert's gradient on its holder is the sum over ranks of the full layer's
+gradients. Tokens-choice (dropless and with binding capacity + BPR), experts-choice and Soft MoE, on
+2 and 4 gloo processes; ranks get different batch sizes so the exchanged counts are uneven."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import spawn
+
+from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE
+from moekit.parallel import new_expert_parallel_groups, shard_experts, sharded_expert_banks
+
+DIM, HIDDEN, EXPERTS = 12, 16, 8
+
+CASES = {
+    "top2_dropless": lambda: TopKMoE(DIM, HIDDEN, num_experts=EXPERTS, top_k=2, normalize_gates=True),
+    "top1_capacity_bpr": lambda: TopKMoE(
+        DIM, HIDDEN, num_experts=EXPERTS, top_k=1, capacity_factor=0.5, batch_priority=True, switch_loss_weight=0.01
+    ),
+    "top2_gated_shared": lambda: TopKMoE(
+        DIM, HIDDEN, num_experts=EXPERTS, top_k=2, gated=True, num_shared_experts=1, capacity_factor=1.0
+    ),
+    "experts_choice": lambda: ExpertsChoiceMoE(DIM, HIDDEN, num_experts=EXPERTS, capacity_factor=1.5),
+    "soft_moe": lambda: SoftMoE(DIM, HIDDEN, num_experts=EXPERTS, slots_per_expert=2),
+}
+
+
+def _check_layer(rank: int, world: int, name: str) -> None:
+    torch.manual_seed(0)
+    full = CASES[name]()
+    parallel = copy.deepcopy(full)
+    shard_experts(parallel, new_expert_parallel_groups(world))
+    bank = parallel.experts
+    assert bank.num_local_experts == EXPERTS // world and bank.expert_offset == rank * EXPERTS // world
+
+    torch.manual_seed(100 + rank)
+    batch = 2 + rank  # uneven token counts across ranks
+    x = torch.randn(batch, 5, DIM)
+    probe = torch.randn(batch, 5, DIM)  # a random linear functional of the output as the loss
+    x_full, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_full, out_par = full(x_full), parallel(x_par)
+    torch.testing.assert_close(out_par, out_full, rtol=1e-5, atol=1e-6, msg=f"{name}: output, rank {rank}")
+    (out_full * probe).sum().backward()
+    (out_par * probe).sum().backward()
+    torch.testing.assert_close(x_par.grad, x_full.grad, rtol=1e-5, atol=1e-6, msg=f"{name}: input grad")
+
+    expert_names = {f"experts.{p}" for p, _ in bank.named_parameters()}
+    full_params = dict(full.named_parameters())
+    for pname, param in parallel.named_parameters():
+        reference = full_params[pname].grad
+        if pname in expert_names:
+            reference = reference.clone()
+            dist.all_reduce(reference)  # the holder's gradient sums every rank's tokens
+            reference = reference[bank.expert_offset : bank.expert_offset + bank.num_local_experts]
+        torch.testing.assert_close(param.grad, reference, rtol=1e-4, atol=1e-6, msg=f"{name}: grad of {pname}")
+    assert set(sharded_expert_banks(parallel)) == {"experts"}  # shared experts stay replicated
+
+
+def _all_cases(rank: int, world: int) -> None:
+    for name in CASES:
+        _check_layer(rank, world, name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_full_layer(world):
+    spawn(_all_cases, world)
+
+
+def _data_parallel_step(rank: int, world: int, expert_parallel_size: int) -> None:
+    """Data parallel over ``world`` ranks with experts split over groups of ``expert_parallel_size``:
+    after DDP's mean of the replicated gradients and :func:`sync_expert_gradients`, every gradient
+    equals the full layer's gradient of the mean loss over all ranks' batches, and
+    :func:`clip_grad_norm_` sees the full model's gradient norm."""
+    from moekit.parallel import clip_grad_norm_, sync_expert_gradients
+
+    torch.manual_seed(0)
+    full = CASES["top2_gated_shared"]()
+    parallel = copy.deepcopy(full)
+    groups = new_expert_parallel_groups(expert_parallel_size)
+    shard_experts(parallel, groups)
+    bank = parallel.experts
+
+    inputs = [torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    probes = [torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(50 + r)) for r in range(world)]
+    reference_loss = sum((full(x) * probe).sum() for x, probe in zip(inputs, probes)) / world
+    reference_loss.backward()
+    (parallel(inputs[rank]) * probes[rank]).sum().backward()
+
+    experts = list(bank.parameters())
+    expert_ids = {id(p) for p in experts}
+    for param in parallel.parameters():  # what DDP does to the replicated parameters
+        if id(param) not in expert_ids:
+            dist.all_reduce(param.grad)
+            param.grad /= world
+    sync_expert_gradients(experts, groups)
+
+    full_params = dict(full.named_parameters())
+    local = slice(bank.expert_offset, bank.expert_offset + bank.num_local_experts)
+    for name, param in parallel.named_parameters():
+        reference = full_params[name].grad
+        reference = reference[local] if id(param) in expert_ids else reference
+        torch.testing.assert_close(param.grad, reference, rtol=1e-4, atol=1e-6, msg=f"grad of {name}")
+
+    reference_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), max_norm=0.1)
+    norm = clip_grad_norm_(list(parallel.parameters()), experts, 0.1, groups)
+    torch.testing.assert_close(norm, reference_norm, rtol=1e-5, atol=1e-7)
+    for name, param in parallel.named_parameters():  # both clipped by the same factor
+        reference = full_params[name].grad
+        reference = reference[local] if id(param) in expert_ids else reference
+        torch.testing.assert_close(param.grad, reference, rtol=1e-4, atol=1e-7, msg=f"clipped grad of {name}")
+
+
+def test_data_parallel_with_expert_groups_matches_full_model():
+    spawn(_data_parallel_step, 4, 2)  # 2 expert groups of 2 ranks: experts replicated twice

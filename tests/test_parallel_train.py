@@ -1,0 +1,150 @@
+"""The distributed strategies through the real training script on CPU processes (gloo): each trains
+a small MoE ViT and a small MoE LM; a checkpoint written by 2 processes resumes in 1 process and in 4
+and takes the same next optimizer step (weights, hence the loss, identical to float tolerance)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_script
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
+
+QUIET = ["+trainer.enable_progress_bar=false", "+trainer.enable_model_summary=false", "logger=csv"]
+
+
+def _distributed(world: int, strategy: str, **options) -> list[str]:
+    if world == 1:
+        return ["trainer=cpu"]
+    extra = [f"trainer.strategy.{key}={value}" for key, value in options.items()]
+    return [f"trainer={strategy}", "trainer.accelerator=cpu", f"trainer.devices={world}", *extra]
+
+
+def _train(out: Path, *overrides: str) -> None:
+    result = run_script("train.py", f"paths.output_dir={out}", *QUIET, *overrides, cwd=out.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+VIT = [
+    "experiment=soft_moe_vit",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.num_experts=8",
+    "trainer.precision=32-true",
+    "trainer.log_every_n_steps=1",
+]
+LM = [
+    "experiment=moe_transformer_lm",
+    "model.dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.num_experts=4",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "++trainer.max_steps=3",
+    "++trainer.limit_val_batches=2",
+    "++trainer.limit_test_batches=2",
+    "trainer.log_every_n_steps=1",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_fashion(tmp_path_factory) -> Path:
+    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fm") / "fashion-mnist", n_train=96, n_test=32)
+
+
+def _expert_shapes(ckpt: Path) -> dict[str, tuple]:
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: tuple(v.shape) for k, v in state.items() if ".experts." in k}
+
+
+@pytest.mark.parametrize(
+    "model,strategy,options",
+    [
+        ("vit", "ddp", {"expert_parallel_size": 2}),
+        ("vit", "fsdp", {}),
+        ("lm", "ddp", {"expert_parallel_size": 2}),
+        ("lm", "fsdp", {"activation_checkpointing": "true", "param_dtype": "bfloat16"}),
+    ],
+)
+def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model, strategy, options):
+    data = (
+        [f"data.root={tiny_fashion}", "data.val_size=32", "data.batch_size=16", "trainer.max_epochs=1"]
+        if model == "vit"
+        else []
+    )
+    out = tmp_path / "run"
+    _train(out, *(VIT if model == "vit" else LM), *data, *_distributed(2, strategy, **options))
+    shapes = _expert_shapes(out / "checkpoints" / "last.ckpt")
+    experts = 8 if model == "vit" else 4
+    assert shapes and all(shape[0] == experts for shape in shapes.values()), shapes  # full, not one rank's
+    metrics = (out / "csv").rglob("metrics.csv")
+    assert any("test/loss" in path.read_text() for path in metrics)
+
+
+# Resume across world sizes. The training set has 8 images and the global batch is 8 (4 x 2 ranks,
+# 8 x 1, 2 x 4): every step sees the same images whatever the world size, with no augmentation and
+# float32 and no batch norm, so the step after the checkpoint must give the same weights.
+def _resume_overrides(data_root: Path, world: int, steps: int) -> list[str]:
+    return [
+        *VIT,
+        f"data.root={data_root}",
+        "data.val_size=8",
+        f"data.batch_size={8 // world}",
+        "data.eval_batch_size=8",
+        f"++trainer.max_steps={steps}",
+        "model.stem=patch",  # the conv stem's batch norm would see 8 / world images per rank
+        "task.optimizer.lr=1e-2",
+        "task.scheduler.warmup_steps=0",
+        "test=false",
+    ]
+
+
+def _state(ckpt: Path) -> dict[str, torch.Tensor]:
+    if ckpt.is_dir():  # a sharded checkpoint: gather its files into one (torch.distributed.checkpoint)
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(ckpt, ckpt.with_suffix(".full"))
+        ckpt = ckpt.with_suffix(".full")
+    return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_sharded"])
+def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
+    """ddp: experts split over all ranks; fsdp: a full checkpoint, resumed in 1 process without FSDP;
+    fsdp_sharded: a folder with one file per rank, resumed by FSDP on 1, 2 and 4 processes (saving full)."""
+    data_root = write_fake_fashion_mnist(tmp_path / "fm", n_train=16, n_test=8)
+    options = {"ddp": {"expert_parallel_size": "${trainer.devices}"}, "fsdp": {}}.get(strategy, {})
+    sharded = strategy == "fsdp_sharded"
+    strategy = strategy.removesuffix("_sharded")
+
+    first = tmp_path / "two"
+    save_sharded = {"state_dict_type": "sharded"} if sharded else {}
+    _train(first, *_resume_overrides(data_root, 2, 2), *_distributed(2, strategy, **options, **save_sharded))
+    saved = tmp_path / "step2.ckpt"
+    (shutil.copytree if sharded else shutil.copy)(first / "checkpoints" / "last.ckpt", saved)
+    assert saved.is_dir() == sharded
+
+    finals = {}
+    for world in (1, 2, 4):
+        out = tmp_path / f"resume{world}"
+        overrides = _resume_overrides(data_root, world, 3)
+        placement = _distributed(world, strategy, **options)
+        if sharded and world == 1:  # a sharded checkpoint needs the FSDP strategy to load
+            placement = [f"trainer={strategy}", "trainer.accelerator=cpu", "trainer.devices=1"]
+        _train(out, *overrides, f"ckpt_path={saved}", *placement)
+        finals[world] = _state(out / "checkpoints" / "last.ckpt")
+
+    before = _state(saved)
+    for key, value in finals[2].items():
+        assert (
+            not torch.equal(value, before[key])
+            or "num_batches" in key
+            or not value.is_floating_point()
+            or (value.abs().sum() == 0)
+        ), f"{key} did not move in the step after the checkpoint"
+        for world in (1, 4):
+            torch.testing.assert_close(finals[world][key], value, rtol=1e-5, atol=1e-7, msg=f"{key}, world {world}")
