@@ -63,6 +63,11 @@ def _check_layer(rank: int, world: int, name: str) -> None:
 def _all_cases(rank: int, world: int) -> None:
     for name in CASES:
         _check_layer(rank, world, name)
+    odd = TopKMoE(DIM, HIDDEN, num_experts=world + 1, top_k=1)
+    with pytest.raises(ValueError, match=f"num_experts={world + 1} cannot be split.*expert_parallel_size"):
+        shard_experts(odd, new_expert_parallel_groups(world))
+    with pytest.raises(ValueError, match="expert_parallel_size=3 must be a positive int dividing the world size"):
+        new_expert_parallel_groups(3)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -116,3 +121,12 @@ def _data_parallel_step(rank: int, world: int, expert_parallel_size: int) -> Non
 
 def test_data_parallel_with_expert_groups_matches_full_model():
     spawn(_data_parallel_step, 4, 2)  # 2 expert groups of 2 ranks: experts replicated twice
+
+
+def test_fsdp_strategy_refuses_expert_parallelism_with_the_alternative():
+    from moekit.parallel import MoEFSDPStrategy
+
+    with pytest.raises(ValueError, match="expert_parallel_size=2 is not supported yet.*MoEDDPStrategy"):
+        MoEFSDPStrategy(expert_parallel_size=2)
+    with pytest.raises(ValueError, match="state_dict_type='zip'"):
+        MoEFSDPStrategy(state_dict_type="zip")

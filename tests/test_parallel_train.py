@@ -148,3 +148,112 @@ def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
         ), f"{key} did not move in the step after the checkpoint"
         for world in (1, 4):
             torch.testing.assert_close(finals[world][key], value, rtol=1e-5, atol=1e-7, msg=f"{key}, world {world}")
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the rank-1 process")
+def test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly(tmp_path, tiny_fashion):
+    """Pre-emption under DDP: SIGTERM reaches rank 1 only; the ranks agree after the step, save
+    last.ckpt together and exit 143 (without the agreement rank 1 would wait for rank 0 at the save).
+    Resumed mid-epoch with 2 processes, the run ends with the weights of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    out = tmp_path / "run"
+    common = [
+        *VIT,
+        f"data.root={tiny_fashion}",
+        "data.val_size=32",
+        "data.batch_size=8",  # 64 training images: 4 steps per epoch on 2 ranks
+        "data.augment=basic",  # random crops and flips: each rank's random state must be restored
+        "task.scheduler.name=constant",  # the schedule does not depend on max_steps
+        "task.scheduler.warmup_steps=0",
+        "trainer.max_epochs=1000",
+        "trainer.deterministic=true",
+        "test=false",
+        *_distributed(2, "ddp"),
+    ]
+    args = [f"paths.output_dir={out}", *QUIET, *common, "++trainer.max_steps=100000"]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "train.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (children := _children(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert children, "rank 1 did not start"
+        # Training has started once the last.ckpt of the first epoch exists.
+        while not (out / "checkpoints" / "last.ckpt").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        for child in children:
+            subprocess.run(["kill", "-TERM", str(child)], check=False)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "received SIGTERM: saved" in output
+    stopped = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    end = stopped + 3 if stopped % 4 else stopped + 2  # finish in another epoch, from mid-epoch if possible
+
+    resumed, reference = tmp_path / "resumed", tmp_path / "reference"
+    _train(resumed, *common, f"++trainer.max_steps={end}", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}")
+    _train(reference, *common, f"++trainer.max_steps={end}")
+    got, expected = (_state(run / "checkpoints" / "last.ckpt") for run in (resumed, reference))
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), f"{key} differs after resuming from step {stopped}"
+
+
+def test_resumable_sampler_shards_like_distributed_sampler_and_resumes_per_rank():
+    from torch.utils.data import DistributedSampler
+
+    from moekit.data.resumable import ResumableRandomSampler
+
+    single = ResumableRandomSampler(10, batch_size=2, seed=5)
+    ranks = [ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=3, rank=r) for r in range(3)]
+    assert isinstance(ranks[0], DistributedSampler)  # so Lightning does not wrap it again
+    order = single.epoch_order(0).tolist()
+    shards = [list(sampler) for sampler in ranks]
+    assert [len(shard) for shard in shards] == [4, 4, 4]
+    padded = order + order[:2]
+    assert shards == [padded[r::3] for r in range(3)], "rank r takes every third index of one shared order"
+    assert list(single) == order, "one replica: the whole order, as before"
+
+    # Mid-epoch resume of rank 1 after one batch: the same remaining indices.
+    sampler = ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=3, rank=1)
+    first = list(sampler)  # epoch 0
+    sampler = ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=3, rank=1)
+    iterator = iter(sampler)
+    [next(iterator) for _ in range(3)]  # one batch consumed, the next prefetched
+    state = sampler.state_dict(consumed_batches=1, epoch_done=False)
+    assert state["num_replicas"] == 3 and len(state["ranks"]) == 1  # no process group: this rank only
+    state["ranks"] = [state["ranks"][0]] * 3
+    resumed = ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=3, rank=1)
+    resumed.load_state_dict(state)
+    assert list(resumed) == first[2:]
+
+    # At another world size the mid-epoch position does not exist: the next epoch starts.
+    other = ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=2, rank=0)
+    other.load_state_dict(state)
+    assert list(other) == ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=2).rank_order(1)

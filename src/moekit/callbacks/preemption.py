@@ -13,8 +13,9 @@ or fails. While training they replace the previous handlers rather than chain to
 SIGTERM handler would otherwise stop the run at the next epoch or validation boundary without writing
 a checkpoint. A signal that arrives during validation takes effect after the next training step (one
 after the last step is ignored: the run is finishing anyway). With Lightning's SLURM auto-requeue
-(SIGUSR1), leave SIGUSR1 out of ``signals``. Single-process training only: under DDP a signal reaching
-one rank would make it save alone; there rely on Lightning's SLURM requeue (``hpc_ckpt``).
+(SIGUSR1), leave SIGUSR1 out of ``signals``. With several processes (DDP, FSDP) the ranks agree after
+every step (one all-reduce of the caught signal number, a host sync): a signal reaching any rank makes
+all of them save the checkpoint together and exit.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import torch
 from lightning import Callback, LightningModule, Trainer
 
 __all__ = ["PreemptionCheckpoint", "Preempted"]
@@ -98,9 +100,12 @@ class PreemptionCheckpoint(Callback):
         self._install()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if self.received is None:
-            return
         signum = self.received
+        if trainer.world_size > 1:  # every rank takes part in saving: agree on the signal first
+            caught = torch.tensor(float(signum or 0), device=pl_module.device)
+            signum = int(trainer.strategy.reduce(caught, reduce_op="max").item()) or None
+        if signum is None:
+            return
         trainer.save_checkpoint(self.path)
         log.warning(
             "received %s: saved %s at step %d; resume with ckpt_path=%s",

@@ -20,10 +20,19 @@ The datamodules save this state through ``LightningDataModule.state_dict`` (Ligh
 every checkpoint) using the trainer's count of processed batches. Exactness holds with
 ``num_workers=0`` (the default of the in-memory datasets); with worker processes the order of the
 batches is still restored but the workers' own random draws are not.
+
+Data parallel training (DDP, FSDP). The sampler shards itself like ``DistributedSampler``: every rank
+draws the same epoch order, pads it to a multiple of the world size by repeating its start, and takes
+every ``num_replicas``-th index from position ``rank``. It is a ``DistributedSampler`` subclass, so
+Lightning leaves it unwrapped. A checkpoint holds the random states of every rank (gathered when it is
+written) and each rank resumes with its own. A checkpoint written in the middle of an epoch resumes at
+the same position only with the same world size; at another one the run continues with the next epoch
+(a warning says so), at an epoch boundary any world size continues exactly.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Iterator
@@ -31,9 +40,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 __all__ = ["ResumableRandomSampler", "get_rng_states", "set_rng_states"]
+
+log = logging.getLogger("moekit")
 
 
 def get_rng_states() -> dict[str, Any]:
@@ -75,21 +87,29 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-class ResumableRandomSampler(Sampler[int]):
-    """Shuffled indices of ``range(num_samples)``, a new seeded order each epoch, resumable mid-epoch.
+class ResumableRandomSampler(DistributedSampler):
+    """Shuffled indices of ``range(dataset_size)``, a new seeded order each epoch, resumable mid-epoch,
+    this rank's share of them under data parallelism.
 
     Args:
-        num_samples: size of the dataset.
-        batch_size: the loader's batch size (positions are saved in batches).
+        dataset_size: size of the dataset.
+        batch_size: the loader's batch size (positions are saved in batches of this rank).
         seed: seeds the orders: epoch ``e`` uses ``numpy.random.SeedSequence([seed, e])``.
+        num_replicas, rank: data-parallel ranks and this one's index (1, 0: everything).
     """
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int):
-        if num_samples <= 0:
-            raise ValueError(f"ResumableRandomSampler: num_samples={num_samples} must be > 0 (an empty dataset)")
+    def __init__(self, dataset_size: int, batch_size: int, seed: int, num_replicas: int = 1, rank: int = 0):
+        if dataset_size <= 0:
+            raise ValueError(f"ResumableRandomSampler: dataset_size={dataset_size} must be > 0 (an empty dataset)")
         if batch_size <= 0:
             raise ValueError(f"ResumableRandomSampler: batch_size={batch_size} must be > 0")
-        self.num_samples = num_samples
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"ResumableRandomSampler: rank={rank} must be in [0, num_replicas={num_replicas})")
+        # DistributedSampler's attributes, for code that reads them (its __init__ would need a dataset).
+        self.num_replicas, self.rank, self.shuffle, self.drop_last, self.epoch = num_replicas, rank, True, False, 0
+        self.dataset_size = dataset_size
+        self.num_samples = math.ceil(dataset_size / num_replicas)  # this rank's share
+        self.total_size = self.num_samples * num_replicas
         self.batch_size = batch_size
         self.seed = int(seed)
         self._next_epoch = 0  # the epoch the next __iter__ yields
@@ -105,17 +125,28 @@ class ResumableRandomSampler(Sampler[int]):
         """Batches per epoch, counting a last partial one."""
         return math.ceil(self.num_samples / self.batch_size)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this each epoch; the sampler counts epochs itself (resumes included)."""
+        self.epoch = epoch
+
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The permutation of epoch ``epoch``: ``[num_samples]`` int64."""
+        """The permutation of epoch ``epoch`` over all ranks: ``[dataset_size]`` int64."""
         seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
+        return torch.randperm(self.dataset_size, generator=torch.Generator().manual_seed(seed))
+
+    def rank_order(self, epoch: int) -> list[int]:
+        """This rank's indices of epoch ``epoch``: ``num_samples`` of them."""
+        order = self.epoch_order(epoch)
+        if self.total_size > self.dataset_size:  # pad by repeating the start, as DistributedSampler does
+            order = torch.cat([order, order[: self.total_size - self.dataset_size]])
+        return order[self.rank :: self.num_replicas].tolist()
 
     def __iter__(self) -> Iterator[int]:
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         resume, self._resume = self._resume, None
         start = resume["batch"] if resume is not None else 0
         self._epoch, self._batch_states = epoch, {}
-        order = self.epoch_order(epoch).tolist()
+        order = self.rank_order(epoch)
         for batch in range(start, self.num_batches):
             if resume is not None:
                 self._replay(resume, batch - start)
@@ -138,22 +169,45 @@ class ResumableRandomSampler(Sampler[int]):
 
     def state_dict(self, consumed_batches: int, epoch_done: bool) -> dict[str, Any]:
         """Where to continue after ``consumed_batches`` batches of the current epoch have been trained on
-        (``epoch_done``: the epoch is over, continue with the next one)."""
+        (``epoch_done``: the epoch is over, continue with the next one). Under ``torch.distributed`` with
+        several ranks this is a collective (the random states of every rank are gathered)."""
         if self._epoch is None or epoch_done:
             epoch = self._next_epoch if self._epoch is None else self._epoch + 1
-            return {"epoch": epoch, "batch": 0, "batch_rng": None, "rng": get_rng_states()}
-        batch_rng = self._batch_states.get(consumed_batches)
-        return {"epoch": self._epoch, "batch": consumed_batches, "batch_rng": batch_rng, "rng": get_rng_states()}
+            state = {"epoch": epoch, "batch": 0, "batch_rng": None}
+        else:
+            state = {"epoch": self._epoch, "batch": consumed_batches, "batch_rng": None}
+            state["batch_rng"] = self._batch_states.get(consumed_batches)
+        own = {"rng": get_rng_states(), "batch_rng": state.pop("batch_rng")}
+        ranks = [own]
+        if self.num_replicas > 1 and dist.is_available() and dist.is_initialized():
+            ranks = [None] * self.num_replicas
+            dist.all_gather_object(ranks, own)
+        return {**state, "num_replicas": self.num_replicas, "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (of :meth:`state_dict`) at the next iteration."""
+        if "ranks" not in state:  # written by a single process before checkpoints held every rank
+            state = {**state, "num_replicas": 1, "ranks": [{"rng": state["rng"], "batch_rng": state["batch_rng"]}]}
+        saved_world = state["num_replicas"]
+        if state["batch"] and saved_world != self.num_replicas:
+            log.warning(
+                "the checkpoint was written by %d data-parallel ranks in the middle of epoch %d; with %d ranks "
+                "that position does not exist: continuing with epoch %d",
+                saved_world,
+                state["epoch"],
+                self.num_replicas,
+                state["epoch"] + 1,
+            )
+            state = {**state, "epoch": state["epoch"] + 1, "batch": 0}
         if not 0 <= state["batch"] <= self.num_batches:
             raise ValueError(
                 f"ResumableRandomSampler: the checkpoint resumes at batch {state['batch']} of an epoch of "
                 f"{self.num_batches} batches; resume with the same dataset and batch size"
             )
+        own = state["ranks"][self.rank] if saved_world == self.num_replicas else state["ranks"][0]
+        batch_rng = own["batch_rng"] if saved_world == self.num_replicas else None
         self._next_epoch = int(state["epoch"])
-        self._resume = state
+        self._resume = {"batch": state["batch"], "rng": own["rng"], "batch_rng": batch_rng}
 
 
 class ResumableTrainOrderMixin:
@@ -167,7 +221,11 @@ class ResumableTrainOrderMixin:
     _pending_sampler_state: dict[str, Any] | None = None
 
     def _train_sampler_for(self, num_samples: int, batch_size: int, seed: int) -> ResumableRandomSampler:
-        sampler = ResumableRandomSampler(num_samples, batch_size, seed)
+        trainer = getattr(self, "trainer", None)
+        ranks = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+        sampler = ResumableRandomSampler(
+            num_samples, batch_size, seed, ranks.get("num_replicas", 1), ranks.get("rank", 0)
+        )
         if self._pending_sampler_state is not None:
             sampler.load_state_dict(self._pending_sampler_state)
             self._pending_sampler_state = None
