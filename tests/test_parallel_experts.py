@@ -123,10 +123,12 @@ def test_data_parallel_with_expert_groups_matches_full_model():
     spawn(_data_parallel_step, 4, 2)  # 2 expert groups of 2 ranks: experts replicated twice
 
 
-def test_fsdp_strategy_refuses_expert_parallelism_with_the_alternative():
+def test_fsdp_strategy_refuses_bad_settings_with_the_fix():
     from moekit.parallel import MoEFSDPStrategy
 
-    with pytest.raises(ValueError, match="expert_parallel_size=2 is not supported yet.*MoEDDPStrategy"):
-        MoEFSDPStrategy(expert_parallel_size=2)
+    with pytest.raises(ValueError, match="state_dict_type='sharded' with expert_parallel_size=2.*state_dict_type=full"):
+        MoEFSDPStrategy(expert_parallel_size=2, state_dict_type="sharded")
+    with pytest.raises(ValueError, match="expert_parallel_size=0 must be a positive int"):
+        MoEFSDPStrategy(expert_parallel_size=0)
     with pytest.raises(ValueError, match="state_dict_type='zip'"):
         MoEFSDPStrategy(state_dict_type="zip")

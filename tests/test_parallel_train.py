@@ -63,11 +63,10 @@ def _expert_shapes(ckpt: Path) -> dict[str, tuple]:
 
 @pytest.mark.parametrize(
     "model,strategy,options",
-    [
-        ("vit", "ddp", {"expert_parallel_size": 2}),
-        ("vit", "fsdp", {}),
+    [  # the ViT trains under each strategy in test_checkpoint_from_2_processes_resumes_in_1_and_4
         ("lm", "ddp", {"expert_parallel_size": 2}),
         ("lm", "fsdp", {"activation_checkpointing": "true", "param_dtype": "bfloat16"}),
+        ("lm", "fsdp", {"expert_parallel_size": 2, "param_dtype": "bfloat16"}),
     ],
 )
 def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model, strategy, options):
@@ -112,14 +111,15 @@ def _state(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_sharded"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_sharded", "fsdp_ep"])
 def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
-    """ddp: experts split over all ranks; fsdp: a full checkpoint, resumed in 1 process without FSDP;
-    fsdp_sharded: a folder with one file per rank, resumed by FSDP on 1, 2 and 4 processes (saving full)."""
+    """ddp, fsdp_ep: experts split over all ranks; fsdp: a full checkpoint, resumed in 1 process without
+    FSDP; fsdp_sharded: a folder with one file per rank, resumed by FSDP on 1, 2 and 4 processes."""
     data_root = write_fake_fashion_mnist(tmp_path / "fm", n_train=16, n_test=8)
-    options = {"ddp": {"expert_parallel_size": "${trainer.devices}"}, "fsdp": {}}.get(strategy, {})
+    split_experts = {"expert_parallel_size": "${trainer.devices}"}
+    options = split_experts if strategy in ("ddp", "fsdp_ep") else {}
     sharded = strategy == "fsdp_sharded"
-    strategy = strategy.removesuffix("_sharded")
+    strategy = strategy.removesuffix("_sharded").removesuffix("_ep")
 
     first = tmp_path / "two"
     save_sharded = {"state_dict_type": "sharded"} if sharded else {}

@@ -37,6 +37,8 @@ __all__ = [
     "sync_expert_gradients",
     "clip_grad_norm_",
     "gather_expert_state",
+    "gather_expert_optimizer_entries",
+    "shard_expert_entries",
     "shard_expert_state",
     "gather_expert_optimizer_state",
     "shard_expert_optimizer_state",
@@ -152,7 +154,10 @@ def clip_grad_norm_(
     expert_sq = _squared_norm(experts) if experts else torch.zeros((), device=device)
     dist.all_reduce(expert_sq, group=groups.expert_group)
     total = (dense_sq.to(expert_sq.device) + expert_sq).sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    # Scale the local tensors: FSDP-sharded gradients (DTensor) and plain expert gradients do not mix.
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    torch._foreach_mul_(grads, scale.to(grads[0].device)) if grads else None
     return total
 
 
@@ -162,24 +167,52 @@ def _gather_dim0(tensor: Tensor, group) -> Tensor:
     return torch.cat(parts)
 
 
-def gather_expert_state(model: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Replace the local expert tensors of ``state_dict`` (``model.state_dict()`` keys after
-    ``prefix``) by the full ones. Collective: every rank of every expert group calls it."""
+def gather_expert_state(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Put the full expert tensors (gathered from the model's shards) into ``state_dict`` under their
+    ``model.state_dict()`` keys, where ``state_dict`` has those keys (a rank that saves nothing may
+    pass ``{}``). Collective: every rank of every expert group calls it."""
     for name, (param, bank) in _expert_params(model).items():
-        key = prefix + name
-        if key in state_dict:
-            state_dict[key] = _gather_dim0(state_dict[key].to(param.device), bank.ep_group).cpu()
+        full = _gather_dim0(param.detach(), bank.ep_group)
+        if name in state_dict:
+            state_dict[name] = full.cpu()
     return state_dict
 
 
-def shard_expert_state(model: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A copy of ``state_dict`` whose full expert tensors are cut to this rank's block."""
-    state = dict(state_dict)
+def gather_expert_optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Tensor]]:
+    """``{parameter name: {state name: full tensor}}`` of the sharded experts' optimizer states (e.g.
+    AdamW moments), gathered from the live optimizer. Collective."""
+    entries = {}
     for name, (param, bank) in _expert_params(model).items():
-        key = prefix + name
-        if key in state:
-            state[key] = _local_block(state[key], param, bank, key)
-    return state
+        state = optimizer.state.get(param, {})
+        entries[name] = {
+            key: _gather_dim0(value, bank.ep_group).cpu()
+            for key, value in sorted(state.items())
+            if isinstance(value, Tensor) and value.shape == param.shape
+        }
+    return entries
+
+
+def shard_expert_entries(model: nn.Module, entries: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``entries`` (``{parameter name: tensor or {state name: tensor}}``, e.g. a state dict or
+    the ``"state"`` of a name-keyed optimizer state dict) with the full expert tensors cut to this
+    rank's block."""
+    result = dict(entries)
+    for name, (param, bank) in _expert_params(model).items():
+        value = result.get(name)
+        if isinstance(value, Tensor):
+            result[name] = _local_block(value, param, bank, name)
+        elif isinstance(value, Mapping):
+            result[name] = {
+                k: _local_block(v, param, bank, f"{name}.{k}") if isinstance(v, Tensor) and v.dim() > 0 else v
+                for k, v in value.items()
+            }
+    return result
+
+
+def shard_expert_state(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` (``model.state_dict()`` keys) whose full expert tensors are cut to
+    this rank's block."""
+    return shard_expert_entries(model, state_dict)
 
 
 def _local_block(full: Tensor, param: Tensor, bank: ExpertBank, key: str) -> Tensor:

@@ -17,6 +17,7 @@ saved at one world size resumes at another.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -31,9 +32,11 @@ from moekit.moe import ExpertBank, MoELayer, moe_layers
 from .expert_parallel import (
     ExpertParallelGroups,
     clip_grad_norm_,
+    gather_expert_optimizer_entries,
     gather_expert_optimizer_state,
     gather_expert_state,
     new_expert_parallel_groups,
+    shard_expert_entries,
     shard_expert_optimizer_state,
     shard_expert_state,
     shard_experts,
@@ -103,6 +106,29 @@ class _ExpertParallel:
             state = gather_expert_state(self.lightning_module, state)
         return state
 
+
+class MoEDDPStrategy(_ExpertParallel, DDPStrategy):
+    """Lightning DDP with optional expert parallelism.
+
+    Args:
+        expert_parallel_size: ranks that share one copy of the experts (1: every rank holds all
+            experts, plain DDP). Must divide the world size and every MoE layer's expert count.
+        **kwargs: ``DDPStrategy`` arguments (``find_unused_parameters``, ``process_group_backend``, ...).
+    """
+
+    strategy_name = "moe_ddp"
+
+    def __init__(self, expert_parallel_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.expert_parallel_size = self._check_expert_parallel_size(expert_parallel_size)
+
+    def parallelize(self, lightning_module: nn.Module) -> None:
+        """Shard the experts; DDP then leaves them out of its gradient all-reduce and its broadcasts."""
+        experts = {id(p) for p in self._shard_experts(lightning_module)}
+        if experts:
+            names = [name for name, p in lightning_module.named_parameters() if id(p) in experts]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(lightning_module, names)
+
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
         if self._expert_groups is not None:
@@ -127,29 +153,6 @@ class _ExpertParallel:
         super().load_optimizer_state_dict(checkpoint)
 
 
-class MoEDDPStrategy(_ExpertParallel, DDPStrategy):
-    """Lightning DDP with optional expert parallelism.
-
-    Args:
-        expert_parallel_size: ranks that share one copy of the experts (1: every rank holds all
-            experts, plain DDP). Must divide the world size and every MoE layer's expert count.
-        **kwargs: ``DDPStrategy`` arguments (``find_unused_parameters``, ``process_group_backend``, ...).
-    """
-
-    strategy_name = "moe_ddp"
-
-    def __init__(self, expert_parallel_size: int = 1, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.expert_parallel_size = self._check_expert_parallel_size(expert_parallel_size)
-
-    def parallelize(self, lightning_module: nn.Module) -> None:
-        """Shard the experts; DDP then leaves them out of its gradient all-reduce and its broadcasts."""
-        experts = {id(p) for p in self._shard_experts(lightning_module)}
-        if experts:
-            names = [name for name, p in lightning_module.named_parameters() if id(p) in experts]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(lightning_module, names)
-
-
 def sharding_units(net: nn.Module) -> list[nn.Module]:
     """FSDP's sharding units of ``net``: transformer blocks (timm ViT ``Block``, moekit
     ``TransformerBlock``: the elements of ``net.blocks``) and LSTM layers."""
@@ -161,7 +164,7 @@ def sharding_units(net: nn.Module) -> list[nn.Module]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
 
 
-class MoEFSDPStrategy(ModelParallelStrategy):
+class MoEFSDPStrategy(_ExpertParallel, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) over all processes for MoE models.
 
     Args:
@@ -175,8 +178,9 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         state_dict_type: ``"full"`` (one file on rank 0, loadable without FSDP and at any world size)
             or ``"sharded"`` (a folder with one file per rank, torch.distributed.checkpoint; resumes
             with this strategy at any world size).
-        expert_parallel_size: must be 1: FSDP with sharded experts is not supported yet (use
-            :class:`MoEDDPStrategy` with ``expert_parallel_size``).
+        expert_parallel_size: ``P > 1`` splits the routed experts over groups of ``P`` ranks (as
+            :class:`MoEDDPStrategy`); FSDP then shards everything else over all ranks and leaves the
+            experts to expert parallelism. Checkpoints must be ``full`` then.
         **kwargs: ``ModelParallelStrategy`` arguments (``process_group_backend``, ``timeout``).
     """
 
@@ -197,13 +201,13 @@ class MoEFSDPStrategy(ModelParallelStrategy):
         for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if value not in _DTYPES:
                 raise ValueError(f"MoEFSDPStrategy: {name}={value!r}; allowed: 'float32', 'bfloat16', 'float16', null")
-        if expert_parallel_size != 1:
+        if expert_parallel_size != 1 and state_dict_type == "sharded":
             raise ValueError(
-                f"MoEFSDPStrategy: expert_parallel_size={expert_parallel_size} is not supported yet; shard the experts "
-                "with trainer=ddp trainer.strategy.expert_parallel_size=N (MoEDDPStrategy), or keep FSDP with "
-                "expert_parallel_size=1 (experts sharded by FSDP like every other parameter)"
+                f"MoEFSDPStrategy: state_dict_type='sharded' with expert_parallel_size={expert_parallel_size} is not "
+                "supported; use state_dict_type=full (a checkpoint that also loads at other world sizes)"
             )
         super().__init__(save_distributed_checkpoint=state_dict_type == "sharded", **kwargs)
+        self.expert_parallel_size = self._check_expert_parallel_size(expert_parallel_size)
         self.activation_checkpointing = activation_checkpointing
         self.param_dtype = _DTYPES[param_dtype]
         self.reduce_dtype = _DTYPES[reduce_dtype]
@@ -228,18 +232,66 @@ class MoEFSDPStrategy(ModelParallelStrategy):
                     "set_grad_checkpointing(); use activation_checkpointing=false"
                 )
             net.set_grad_checkpointing(True)
+        experts = set(self._shard_experts(lightning_module))  # expert parallelism owns these, FSDP the rest
         mesh = self.device_mesh["data_parallel"]
         compute = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         # Routers in float32: the MoE layer's own parameters are gathered in float32 and its input is
         # not cast (the experts inside are a unit of their own, in the compute dtype).
         router = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward, "ignored_params": experts or None}
         for _, layer in moe_layers(net):
             for module in layer.children():
-                if isinstance(module, ExpertBank):
+                if isinstance(module, ExpertBank) and module.ep_group is None:  # shared experts, or P = 1
                     fully_shard(module, mp_policy=compute, **options)
             fully_shard(layer, mp_policy=router, **options)
         for unit in sharding_units(net):
             if not isinstance(unit, MoELayer):
                 fully_shard(unit, mp_policy=compute, **options)
         fully_shard(net, mp_policy=compute, **options)
+
+    # Full checkpoints with expert parallelism: FSDP's state-dict functions see the experts as plain
+    # per-rank tensors, so their full tensors are gathered on save and cut to each rank on load here.
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._expert_groups is None:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        optimizer = _unwrap(optimizer)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_optimizer_state_dict(self.model, optimizer, options=options)  # name-keyed, rank 0 only
+        experts = gather_expert_optimizer_entries(self.model, optimizer)
+        if self.global_rank != 0:
+            return state
+        for name, entries in experts.items():
+            state["state"].setdefault(name, {}).update(entries)
+        return FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._expert_groups is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            raise ValueError(
+                f"ckpt_path={str(path)!r}: with expert_parallel_size={self.expert_parallel_size} FSDP resumes from "
+                "full checkpoints (one file) only"
+            )
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        strict = self.lightning_module.strict_loading
+        # Every rank reads the file and keeps its own block of experts (no broadcast from rank 0).
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.model, shard_expert_state(self.model, checkpoint.pop("state_dict")), options=options)
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+            saved = _rekey_optimizer_state_if_needed(saved, self.model)
+            saved = {**saved, "state": shard_expert_entries(self.model, saved["state"])}
+            set_optimizer_state_dict(
+                self.model, _unwrap(optimizer), saved, options=StateDictOptions(full_state_dict=True)
+            )
+        return checkpoint
