@@ -132,3 +132,18 @@ def test_fsdp_strategy_refuses_bad_settings_with_the_fix():
         MoEFSDPStrategy(expert_parallel_size=0)
     with pytest.raises(ValueError, match="state_dict_type='zip'"):
         MoEFSDPStrategy(state_dict_type="zip")
+
+
+def test_bench_parallel_counts_the_bytes_of_the_cost_model(tmp_path):
+    """scripts/bench_parallel.py on 2 processes: Soft MoE with 32 experts x 1 slot on sequences of 64
+    tokens sends r = 0.5 rows per token; expert parallelism moves 4 r d b (P - 1) / P bytes per token
+    and layer (d = 256, float32, P = 2): 1024 tokens x 2 layers x 1 KiB = 2 MiB per step."""
+    from conftest import run_script
+
+    args = ["--worlds", "2", "--layer", "soft_moe", "--experts", "32", "--dim", "256", "--hidden", "64"]
+    result = run_script("bench_parallel.py", *args, "--tokens", "1024", "--steps", "1", "--warmup", "0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {line.split()[2]: line.split() for line in result.stdout.splitlines() if line.startswith(" 2 soft_moe")}
+    assert float(rows["expert-parallel"][4]) == pytest.approx(2.0, abs=0.005)
+    assert float(rows["replicated"][4]) == 0.0
+    assert float(rows["expert-parallel"][5]) < float(rows["replicated"][5]) / 10  # only the router's gradient
