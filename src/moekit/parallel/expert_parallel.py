@@ -226,39 +226,33 @@ def _local_block(full: Tensor, param: Tensor, bank: ExpertBank, key: str) -> Ten
     return full[bank.expert_offset : bank.expert_offset + bank.num_local_experts]
 
 
-def _optimizer_expert_params(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[int, tuple[Tensor, ExpertBank]]:
-    """``{index in optimizer.state_dict(): (param, bank)}`` for the sharded expert parameters."""
-    owners = {id(param): (param, bank) for param, bank in _expert_params(model).values()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {index: owners[id(p)] for index, p in enumerate(params) if id(p) in owners}
+def _optimizer_indices(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """``{expert parameter name: its index in optimizer.state_dict()}`` for the sharded experts."""
+    index_of = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return {name: index_of[id(param)] for name, (param, _) in _expert_params(model).items() if id(param) in index_of}
 
 
 def gather_expert_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any]
 ) -> dict[str, Any]:
-    """Replace the per-parameter state tensors of sharded experts (e.g. AdamW moments) in
-    ``optimizer_state`` (``optimizer.state_dict()``, whose entries are the live state: they are
-    copied, not changed) by the full ones. Collective."""
+    """A copy of ``optimizer_state`` (``optimizer.state_dict()``, index-keyed) whose expert state
+    tensors are the full ones (:func:`gather_expert_optimizer_entries`). Collective."""
+    entries = gather_expert_optimizer_entries(model, optimizer)
     state = {**optimizer_state, "state": dict(optimizer_state["state"])}
-    for index, (param, bank) in _optimizer_expert_params(model, optimizer).items():
-        entry = dict(state["state"].get(index, {}))
-        for name, value in entry.items():
-            if isinstance(value, Tensor) and value.shape == param.shape:
-                entry[name] = _gather_dim0(value, bank.ep_group)
-        state["state"][index] = entry
+    for name, index in _optimizer_indices(model, optimizer).items():
+        state["state"][index] = {**state["state"].get(index, {}), **entries[name]}
     return state
 
 
 def shard_expert_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """A copy of a full ``optimizer_state`` whose expert state tensors are cut to this rank's block."""
-    state = {**optimizer_state, "state": {k: dict(v) for k, v in optimizer_state["state"].items()}}
-    for index, (param, bank) in _optimizer_expert_params(model, optimizer).items():
-        entry = state["state"].get(index, {})
-        for name, value in entry.items():
-            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[1:] == param.shape[1:]:
-                entry[name] = _local_block(value, param, bank, f"optimizer state {index}.{name}")
+    """A copy of a full, index-keyed ``optimizer_state`` whose expert state tensors are cut to this
+    rank's block (:func:`shard_expert_entries`)."""
+    indices = _optimizer_indices(model, optimizer)
+    by_name = {name: optimizer_state["state"][i] for name, i in indices.items() if i in optimizer_state["state"]}
+    local = shard_expert_entries(model, by_name)
+    state = {**optimizer_state, "state": dict(optimizer_state["state"])}
+    for name, entry in local.items():
+        state["state"][indices[name]] = entry
     return state
