@@ -533,8 +533,8 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_last_checkpoint(inputs,
         Path(k).name for k in before if k.startswith("checkpoints/")
     )
     assert load_task(str(last)).net is not None
-    # (Its csv/ logs are not compared: Lightning's CSVLogger rewrites metrics.csv of a run resumed in
-    # the same folder, failure or not. The earlier run's own folder is checked by the table's cases.)
+    # (Its csv/ logs are not compared: the resumed run adds its rows to metrics.csv before it fails, see
+    # moekit.loggers and tests/test_resume_lm.py. The earlier run's own folder is checked by the table's cases.)
 
 
 def test_the_disk_full_message_is_a_user_error_in_process(inputs, tmp_path, monkeypatch):

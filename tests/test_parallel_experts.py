@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import spawn
 
+from distributed import spawn
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE
 from moekit.parallel import new_expert_parallel_groups, shard_experts, sharded_expert_banks
 

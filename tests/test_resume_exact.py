@@ -12,25 +12,30 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
 from moekit.checkpoint_io import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
 from moekit.data.resumable import ResumableRandomSampler, get_rng_states, set_rng_states
+from resume_helpers import (
+    assert_same_training_state,
+    finish,
+    kill,
+    load_checkpoint,
+    printed_test_metrics,
+    start,
+    train_command,
+    wait_for,
+)
 
 EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
 
 
 def _args(data_root: Path, output_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        str(REPO / "scripts" / "train.py"),
+    return train_command(
         f"data.root={data_root}",
         "data.val_size=64",
         "data.batch_size=32",  # 256 training images: 8 steps per epoch
@@ -47,67 +52,20 @@ def _args(data_root: Path, output_dir: Path, *extra: str) -> list[str]:
         "+trainer.enable_model_summary=false",
         f"paths.output_dir={output_dir}",
         *extra,
-    ]
-
-
-def _start(args: list[str], write_delay: float = 0.0) -> subprocess.Popen:
-    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
-    if write_delay:
-        env[WRITE_DELAY_ENV] = str(write_delay)
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
-
-
-def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (status {proc.returncode}) before {what}:\n{proc.communicate()[0]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-
-
-def _test_metrics(output: str) -> dict[str, float]:
-    metrics = dict(re.findall(r"(test/\w+)\s*│\s*([-+0-9.e]+)", output))
-    assert "test/loss" in metrics, f"no test metrics in the output:\n{output[-3000:]}"
-    return {k: float(v) for k, v in metrics.items()}
-
-
-def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    )
 
 
 def _assert_same_training_state(resumed: dict, reference: dict) -> None:
-    assert resumed["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
-    assert resumed["state_dict"].keys() == reference["state_dict"].keys()
-    different = [k for k, v in reference["state_dict"].items() if not torch.equal(v, resumed["state_dict"][k])]
-    assert not different, f"weights differ from the uninterrupted run: {different}"
-    for ref_state, res_state in zip(reference["optimizer_states"][0]["state"].values(),
-                                    resumed["optimizer_states"][0]["state"].values(), strict=True):  # fmt: skip
-        for key, value in ref_state.items():
-            assert torch.equal(value, res_state[key]), f"optimizer state {key!r} differs"
-    assert resumed["lr_schedulers"] == reference["lr_schedulers"]
+    assert_same_training_state(resumed, reference, global_step=EPOCHS * STEPS_PER_EPOCH)
 
 
 @pytest.fixture(scope="module")
 def reference(fake_fashion, tmp_path_factory) -> tuple[dict, dict[str, float]]:
     """The uninterrupted run: its final last.ckpt and test metrics."""
     out = tmp_path_factory.mktemp("reference")
-    status, output = _finish(_start(_args(fake_fashion, out)))
+    status, output = finish(start(_args(fake_fashion, out)))
     assert status == 0, output[-3000:]
-    return _load(out / "checkpoints" / "last.ckpt"), _test_metrics(output)
+    return load_checkpoint(out / "checkpoints" / "last.ckpt"), printed_test_metrics(output)
 
 
 @pytest.mark.slow
@@ -117,26 +75,26 @@ def test_killed_runs_resume_to_the_same_weights_and_metrics(fake_fashion, refere
     last = out / "checkpoints" / "last.ckpt"
 
     # 1. SIGKILL right after the first last.ckpt lands (step 5, mid-epoch), while the run trains on.
-    proc = _start(_args(fake_fashion, out), write_delay=0.2)
-    _wait_for(last.exists, proc, "the first last.ckpt")
-    _kill(proc)
-    first = _load(last)
+    proc = start(_args(fake_fashion, out), write_delay=0.2)
+    wait_for(last.exists, proc, "the first last.ckpt")
+    kill(proc)
+    first = load_checkpoint(last)
     assert first["global_step"] == EVERY_N_STEPS
 
     # 2. Resume, and SIGKILL in the middle of the next checkpoint write (the temporary file is complete,
     #    the rename has not happened): last.ckpt must still be the previous, loadable file.
-    proc = _start(_args(fake_fashion, out, f"ckpt_path={last}"), write_delay=120)
-    _wait_for(lambda: any(last.parent.glob(".*.tmp")), proc, "a checkpoint write")
+    proc = start(_args(fake_fashion, out, f"ckpt_path={last}"), write_delay=120)
+    wait_for(lambda: any(last.parent.glob(".*.tmp")), proc, "a checkpoint write")
     time.sleep(0.5)  # let the write reach the pause before the rename
-    _kill(proc)
+    kill(proc)
     assert list(last.parent.glob(".*.tmp")), "the kill should have left the unfinished temporary file"
-    assert _load(last)["global_step"] == EVERY_N_STEPS, "the interrupted write replaced last.ckpt"
+    assert load_checkpoint(last)["global_step"] == EVERY_N_STEPS, "the interrupted write replaced last.ckpt"
 
     # 3. Resume to the end: the same weights, optimizer state, schedule and test metrics as without kills.
-    status, output = _finish(_start(_args(fake_fashion, out, f"ckpt_path={last}")))
+    status, output = finish(start(_args(fake_fashion, out, f"ckpt_path={last}")))
     assert status == 0, output[-3000:]
-    _assert_same_training_state(_load(last), ref_ckpt)
-    assert _test_metrics(output) == ref_metrics
+    _assert_same_training_state(load_checkpoint(last), ref_ckpt)
+    assert printed_test_metrics(output) == ref_metrics
 
 
 @pytest.mark.slow
@@ -144,22 +102,22 @@ def test_sigterm_saves_last_ckpt_exits_and_resumes_exactly(fake_fashion, referen
     ref_ckpt, ref_metrics = reference
     out = tmp_path / "run"
     last = out / "checkpoints" / "last.ckpt"
-    proc = _start(_args(fake_fashion, out), write_delay=0.2)
-    _wait_for(lambda: any(out.glob("checkpoints/epoch_*.ckpt")), proc, "the first epoch's checkpoint")
+    proc = start(_args(fake_fashion, out), write_delay=0.2)
+    wait_for(lambda: any(out.glob("checkpoints/epoch_*.ckpt")), proc, "the first epoch's checkpoint")
     proc.send_signal(signal.SIGTERM)
-    status, output = _finish(proc)
+    status, output = finish(proc)
     assert status == 128 + signal.SIGTERM, output[-3000:]
     stopped = re.search(r"received SIGTERM: saved .*last\.ckpt at step (\d+)", output)
     assert stopped, output[-3000:]
     step = int(stopped.group(1))
     assert STEPS_PER_EPOCH <= step < EPOCHS * STEPS_PER_EPOCH
-    assert _load(last)["global_step"] == step
+    assert load_checkpoint(last)["global_step"] == step
     assert "test/loss" not in output, "a pre-empted run must not go on to test"
 
-    status, output = _finish(_start(_args(fake_fashion, out, f"ckpt_path={last}")))
+    status, output = finish(start(_args(fake_fashion, out, f"ckpt_path={last}")))
     assert status == 0, output[-3000:]
-    _assert_same_training_state(_load(last), ref_ckpt)
-    assert _test_metrics(output) == ref_metrics
+    _assert_same_training_state(load_checkpoint(last), ref_ckpt)
+    assert printed_test_metrics(output) == ref_metrics
 
 
 # ---------------------------------------------------------------------------------------------

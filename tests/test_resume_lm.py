@@ -1,0 +1,239 @@
+"""A killed language-model run resumes to the same result, and a run resumed into its own folder keeps
+its earlier logs.
+
+The runs train a tiny MoE Transformer LM (``experiment=moe_transformer_lm``: 2 blocks of 4 top-2
+SwiGLU experts, dim 32, dropout 0.1) on the first 2,800 bytes of the pydoc corpus with the byte
+tokenizer, 32-token windows in batches of 8: 8 steps per epoch, float32, ``trainer.deterministic=true``
+on CPU, CSV and TensorBoard logs. The kill test runs real ``scripts/train.py`` subprocesses: an
+uninterrupted run is the reference; another is SIGKILLed a few steps after a mid-epoch ``last.ckpt``
+and resumed from it into the same folder, and must end with bit-identical weights, optimizer state and
+test metrics, and a ``metrics.csv`` with the same rows as the reference's.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from conftest import compose_config
+from moekit.data.text import DOCUMENT_SEPARATOR, load_corpus
+from moekit.loggers import ResumableCSVLogger, read_metrics_csv
+from moekit.run import train
+from resume_helpers import (
+    assert_same_training_state,
+    finish,
+    kill,
+    load_checkpoint,
+    logged_steps,
+    printed_test_metrics,
+    start,
+    train_command,
+    wait_for,
+)
+
+EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
+KILL_AFTER_STEP = 11  # the kill comes once this step is logged: after last.ckpt of step 10 (epoch 1, batch 2)
+CORPUS_BYTES = 2800  # 80% train: 69 windows of 32 tokens, 8 batches of 8 (drop_last); 8 val and 8 test windows
+TIMING_SUFFIX = "_per_sec"  # wall-clock columns: the only ones that may differ between runs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The first ``CORPUS_BYTES`` characters (ASCII) of the pydoc corpus as one text file."""
+    text = DOCUMENT_SEPARATOR.join(load_corpus("pydoc"))[:CORPUS_BYTES]
+    assert len(text.encode("utf-8")) == CORPUS_BYTES
+    path = tmp_path_factory.mktemp("corpus") / "pydoc_head.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def lm_overrides(corpus: Path, *extra: str) -> list[str]:
+    return [
+        "experiment=moe_transformer_lm",
+        "data=text_files",
+        f"data.paths=[{corpus}]",
+        "data.seq_len=32",
+        "data.batch_size=8",
+        "data.val_fraction=0.1",
+        "data.test_fraction=0.1",
+        "model.dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "model.num_experts=4",
+        "model.moe_kwargs.expert_hidden_features=32",
+        "logger=many",
+        "trainer.precision=32-true",
+        f"trainer.max_epochs={EPOCHS}",
+        "trainer.log_every_n_steps=1",
+        "trainer.deterministic=true",
+        f"callbacks.last_checkpoint_steps.every_n_train_steps={EVERY_N_STEPS}",
+        "+trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+        *extra,
+    ]
+
+
+def metrics_rows(run: Path) -> list[dict[str, str]]:
+    """The rows of a run's ``csv/metrics.csv`` without the wall-clock columns and without the cells a
+    row leaves empty; checks that the file has one header line."""
+    text = (run / "csv" / "metrics.csv").read_text()
+    header, rows = read_metrics_csv(text)
+    assert text.count(",".join(header)) == 1, "the header must appear once"
+    return [{k: v for k, v in row.items() if v != "" and not k.endswith(TIMING_SUFFIX)} for row in rows]
+
+
+def without_train_epoch_means(rows: list[dict[str, str]], epoch: int) -> list[dict[str, str]]:
+    """``rows`` without the ``train/*_epoch`` means of ``epoch``. Lightning keeps the running means of
+    an epoch's ``on_epoch`` metrics out of its checkpoints, so after a resume in the middle of an epoch
+    they average only the batches trained since the resume (the weights and everything else are exact)."""
+    return [
+        {
+            k: v
+            for k, v in row.items()
+            if not (row.get("epoch") == str(epoch) and k.startswith("train/") and k.endswith("_epoch"))
+        }
+        for row in rows
+    ]
+
+
+def event_files(run: Path) -> dict[str, str]:
+    """``{name: sha256}`` of the TensorBoard event files of a run."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (run / "tensorboard").glob("events.out.*")}
+
+
+class Reference(NamedTuple):
+    """What the uninterrupted run left: its final last.ckpt, printed test metrics, metrics.csv rows
+    (:func:`metrics_rows`) and number of TensorBoard event files (one for fit, one for test)."""
+
+    checkpoint: dict
+    test_metrics: dict[str, float]
+    rows: list[dict[str, str]]
+    event_files: int
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Reference:
+    out = tmp_path_factory.mktemp("reference")
+    status, output = finish(start(train_command(*lm_overrides(corpus, f"paths.output_dir={out}"))))
+    assert status == 0, output[-3000:]
+    checkpoint = load_checkpoint(out / "checkpoints" / "last.ckpt")
+    return Reference(checkpoint, printed_test_metrics(output), metrics_rows(out), len(event_files(out)))
+
+
+@pytest.mark.slow
+def test_killed_lm_run_resumes_to_the_same_weights_metrics_and_logs(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    last = out / "checkpoints" / "last.ckpt"
+    metrics_csv = out / "csv" / "metrics.csv"
+    args = train_command(*lm_overrides(corpus, f"paths.output_dir={out}"))
+
+    # SIGKILL a few steps after a mid-epoch last.ckpt, while the run trains on. Each checkpoint write
+    # pauses 0.5 s before its rename, so the kill lands before the next last.ckpt (step 15) replaces it.
+    proc = start(args, write_delay=0.5)
+    wait_for(lambda: last.exists() and max(logged_steps(metrics_csv), default=-1) >= KILL_AFTER_STEP, proc, "step 11")
+    kill(proc)
+    saved_step = load_checkpoint(last)["global_step"]
+    assert saved_step == 2 * EVERY_N_STEPS and saved_step % STEPS_PER_EPOCH, "a mid-epoch checkpoint"
+    killed_rows = metrics_rows(out)
+    assert max(int(row["step"]) for row in killed_rows) >= saved_step, "rows of steps past the checkpoint exist"
+    killed_events = event_files(out)
+    assert len(killed_events) == 1
+
+    status, output = finish(start([*args, f"ckpt_path={last}"]))
+    assert status == 0, output[-3000:]
+    assert_same_training_state(load_checkpoint(last), reference.checkpoint, global_step=EPOCHS * STEPS_PER_EPOCH)
+    assert printed_test_metrics(output) == reference.test_metrics
+
+    # metrics.csv: the killed run's rows up to the checkpoint, then the resumed run's: the reference's rows.
+    rows = metrics_rows(out)
+    before = [row for row in killed_rows if int(row["step"]) < saved_step]
+    assert rows[: len(before)] == before
+    resumed_epoch = saved_step // STEPS_PER_EPOCH
+    assert without_train_epoch_means(rows, resumed_epoch) == without_train_epoch_means(reference.rows, resumed_epoch)
+    # TensorBoard: the killed run's event file untouched, the resumed run's beside it.
+    events = event_files(out)
+    assert killed_events.items() <= events.items() and len(events) == 1 + reference.event_files
+
+
+# ---------------------------------------------------------------------------------------------
+def test_training_resumed_in_the_same_folder_keeps_the_earlier_rows(corpus, tmp_path):
+    """Stop after 6 steps, resume to 12 in the same folder: metrics.csv has the train rows of steps
+    0-11 once each, the first run's rows unchanged, the validation columns that only the second run
+    logged added to the header; TensorBoard keeps the first run's event file."""
+    every_3 = "callbacks.last_checkpoint_steps.every_n_train_steps=3"
+    first = lm_overrides(corpus, "+trainer.max_steps=6", "test=false", every_3)
+    train(compose_config("train", first, tmp_path))
+    first_rows = metrics_rows(tmp_path)
+    first_events = event_files(tmp_path)
+    assert sorted({int(row["step"]) for row in first_rows}) == list(range(6))
+    assert not any(key.startswith("val/") for row in first_rows for key in row)
+
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 6
+    second = lm_overrides(corpus, "+trainer.max_steps=12", "test=false", every_3, f"ckpt_path={last}")
+    train(compose_config("train", second, tmp_path))
+    rows = metrics_rows(tmp_path)
+    assert rows[: len(first_rows)] == first_rows
+    train_steps = [int(row["step"]) for row in rows if "train/loss_step" in row]
+    assert train_steps == list(range(12))
+    assert any("val/loss" in row for row in rows[len(first_rows) :]), "epoch 0 ended at step 8 with validation"
+    events = event_files(tmp_path)
+    assert len(events) == 2 and first_events.items() <= events.items()
+
+
+def _log(logger: ResumableCSVLogger, steps: range, **metrics: float) -> None:
+    for step in steps:
+        logger.log_metrics({name: value + step for name, value in metrics.items()}, step=step)
+    logger.finalize("success")
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_csv_logger_replaces_the_rows_of_repeated_steps_and_widens_the_header(tmp_path):
+    _log(ResumableCSVLogger(tmp_path, name="csv", version=""), range(5), loss=1.0)
+    logger = ResumableCSVLogger(tmp_path, name="csv", version="")
+    _log(logger, range(3, 6), loss=10.0, acc=0.5)  # resumed at step 3, with a new column
+    path = tmp_path / "csv" / "metrics.csv"
+    assert path.read_text().splitlines()[0] == "acc,loss,step"
+    assert _rows(path) == [
+        {"acc": "", "loss": "1.0", "step": "0"},
+        {"acc": "", "loss": "2.0", "step": "1"},
+        {"acc": "", "loss": "3.0", "step": "2"},
+        {"acc": "3.5", "loss": "13.0", "step": "3"},
+        {"acc": "4.5", "loss": "14.0", "step": "4"},
+        {"acc": "5.5", "loss": "15.0", "step": "5"},
+    ]
+    assert logger.experiment.resumed and logger.experiment.replaced_rows == 2
+
+
+def test_csv_logger_drops_a_row_cut_short_by_a_kill(tmp_path):
+    _log(ResumableCSVLogger(tmp_path, name="", version=""), range(3), loss=1.0)
+    path = tmp_path / "metrics.csv"
+    path.write_text(path.read_text() + "3.0,")  # a kill in the middle of writing the row of step 3
+    _log(ResumableCSVLogger(tmp_path, name="", version=""), range(4, 6), loss=5.0)
+    assert [(row["loss"], row["step"]) for row in _rows(path)] == [
+        ("1.0", "0"),
+        ("2.0", "1"),
+        ("3.0", "2"),
+        ("9.0", "4"),
+        ("10.0", "5"),
+    ]
+    assert not list(tmp_path.glob(".*.tmp")), "no temporary file is left behind"
+    plain = tmp_path / "plain.txt"
+    plain.write_text("")
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777, "the mode of a plainly written file"
+
+
+def test_csv_logger_in_a_new_folder_behaves_like_lightnings(tmp_path):
+    logger = ResumableCSVLogger(tmp_path, name="csv", version="")
+    _log(logger, range(2), loss=1.0)
+    assert (tmp_path / "csv" / "metrics.csv").read_text().splitlines() == ["loss,step", "1.0,0", "2.0,1"]
+    assert not logger.experiment.resumed
