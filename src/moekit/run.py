@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from lightning import Callback, LightningDataModule, Trainer
@@ -28,8 +29,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
+from moekit.callbacks.training_counter import TrainingCounter
 from moekit.checkpoint import CheckpointError
 from moekit.checkpoint import load_weights as _load_weights
+from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_summary
+from moekit.results import RESULTS_FILE, build_run_record, write_json_atomic
 from moekit.tasks import ImageClassifier, LanguageModel, MoETask
 from moekit.tasks.base import TASK_KEY
 
@@ -240,7 +244,8 @@ def _where(trainer: Trainer) -> str:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit the task on the data, then test the best checkpoint. Returns the final metrics."""
+    """Fit the task on the data, then test the best checkpoint. Returns the final metrics and writes
+    them with the model's size, FLOPs, time and machine to ``<paths.output_dir>/results.json``."""
     L.seed_everything(cfg.seed, workers=True)
     _check_ckpt_path(cfg.get("ckpt_path"), sharded_ok=True)
     _check_trainer_config(cfg.trainer)
@@ -250,10 +255,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
     if cfg.get("ckpt_path"):
         _check_resume_checkpoint(cfg.ckpt_path, module)
-    callbacks: list[Callback] = _instantiate_group(cfg.get("callbacks"))
+    counter = TrainingCounter(count="elements" if isinstance(module, LanguageModel) else "rows")
+    callbacks: list[Callback] = [*_instantiate_group(cfg.get("callbacks")), counter]
     loggers: list[Logger] = _instantiate_group(cfg.get("logger"))
     trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    log.info("model: %s", _summary_line(module, datamodule))
+    summary = _summary(module, datamodule)
+    log.info("model: %s", summary if summary is not None else f"{type(module.net).__name__} (summary unavailable)")
     metrics: dict[str, float] = {}
     with _storage_errors(output_dir):
         if cfg.get("train", True):
@@ -263,7 +270,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
             best = getattr(trainer.checkpoint_callback, "best_model_path", "") if cfg.get("train", True) else ""
             trainer.test(module, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
             metrics.update(_floats(trainer.callback_metrics))
-    log.info("done.\n  %s", _where(trainer))
+        if trainer.is_global_zero:
+            record = build_run_record(
+                run_config=run_config,
+                overrides=_hydra_overrides(),
+                net=module.net,
+                summary=summary,
+                counter=counter,
+                metrics=metrics,
+                trainer=trainer,
+            )
+            write_json_atomic(output_dir / RESULTS_FILE, record)
+    log.info("done.\n  %s\n  run record: %s", _where(trainer), output_dir / RESULTS_FILE)
     return metrics
 
 
@@ -453,13 +471,22 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (torch.Tensor, float, int))}
 
 
-def _summary_line(module: MoETask, datamodule: LightningDataModule) -> str:
+def _summary(module: MoETask, datamodule: LightningDataModule) -> ModelSummary | LMSummary | None:
+    """The network's parameters and forward FLOPs per image (:func:`~moekit.models.summary.model_summary`)
+    or per token (:func:`~moekit.models.summary.lm_summary`); None when they cannot be measured (the
+    summary is informative: the run goes on)."""
     try:
-        from moekit.models.summary import lm_summary, model_summary
-
         if isinstance(module, ImageClassifier):
             size = (datamodule.in_chans, datamodule.img_size, datamodule.img_size)
-            return str(model_summary(module.net, input_size=size))
-        return str(lm_summary(module.net, seq_len=datamodule.seq_len))
-    except Exception as err:  # the summary is informative only
-        return f"{type(module.net).__name__} (summary unavailable: {err})"
+            return model_summary(module.net, input_size=size)
+        return lm_summary(module.net, seq_len=datamodule.seq_len)
+    except Exception as err:
+        log.warning("model summary unavailable: %s: %s", type(err).__name__, err)
+        return None
+
+
+def _hydra_overrides() -> list[str]:
+    """The run's command-line and sweep overrides (``hydra.overrides.task``); [] outside Hydra."""
+    if not HydraConfig.initialized():
+        return []
+    return list(HydraConfig.get().overrides.task)

@@ -6,6 +6,7 @@ from .moe_stats import ExpertLoadMonitor
 from .preemption import Preempted, PreemptionCheckpoint
 from .slots import SlotPictureLogger
 from .throughput import ThroughputLogger
+from .training_counter import TrainingCounter
 
 __all__ = [
     "CapacityTuner",
@@ -16,4 +17,5 @@ __all__ = [
     "PreemptionCheckpoint",
     "SlotPictureLogger",
     "ThroughputLogger",
+    "TrainingCounter",
 ]

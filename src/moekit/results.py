@@ -1,0 +1,669 @@
+"""Run records (``results.json``) and what turns a sweep's records into tables and figures.
+
+Every :func:`moekit.run.train` writes ``<paths.output_dir>/results.json`` (:func:`build_run_record`);
+``scripts/plot_results.py <folder>`` reads every record under a folder (:func:`load_results`), groups
+the runs that differ only in their seed (:func:`group_results`), and draws the figure of each results
+sweep (``configs/experiment/results/``) with the mean over seeds and the min-max range as error bars
+(:func:`plot_pareto`, :func:`plot_scaling`, :func:`plot_language`, :func:`plot_ablations`), plus a
+markdown table (:func:`markdown_table`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moekit.moe import moe_layers
+
+__all__ = [
+    "RESULTS_FILE",
+    "RunResult",
+    "Stat",
+    "Group",
+    "machine_info",
+    "model_family",
+    "build_run_record",
+    "write_json_atomic",
+    "load_results",
+    "summarize",
+    "group_results",
+    "figure_kind",
+    "markdown_table",
+    "plot_pareto",
+    "plot_scaling",
+    "plot_language",
+    "plot_ablations",
+    "plot_all",
+]
+
+RESULTS_FILE = "results.json"
+RECORD_VERSION = 1
+"""Bumped when a field of the record changes meaning."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing a run record
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name from ``/proc/cpuinfo`` (``platform.processor()`` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
+    threads, torch / Python versions, the OS, and the GPU's name (None without CUDA)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+
+
+def _git_commit(directory: Path) -> str | None:
+    """The commit checked out in ``directory`` (None outside a git checkout); ``+dirty`` when files differ."""
+    try:
+
+        def git(*args: str) -> str:
+            return subprocess.run(
+                ["git", *args], cwd=directory, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+
+        commit = git("rev-parse", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+_LAYER_SETTINGS = (
+    "top_k",
+    "slots_per_expert",
+    "capacity_factor",
+    "eval_capacity_factor",
+    "batch_priority",
+    "normalize",
+)
+
+
+def _moe_layer_settings(net: nn.Module) -> list[dict[str, Any]]:
+    """Per MoE layer of ``net``: its name, registry type, experts, and the routing settings it has
+    (top-k, slots per expert, capacity factors, BPR, Soft MoE's l2 normalisation)."""
+    layers = []
+    for name, layer in moe_layers(net):
+        entry: dict[str, Any] = {
+            "name": name,
+            "layer": getattr(layer, "registry_name", type(layer).__name__),
+            "num_experts": layer.experts.num_experts,
+        }
+        entry.update({key: getattr(layer, key) for key in _LAYER_SETTINGS if hasattr(layer, key)})
+        layers.append(entry)
+    return layers
+
+
+def model_family(net: nn.Module) -> str:
+    """A short name for the kind of network, for grouping runs: the router of its MoE layers
+    (``dense``, ``soft_moe``, ``top1``, ``top2``, ``experts_choice``, ...), prefixed with
+    ``transformer/`` or ``lstm/`` for language models."""
+    routers = []
+    for _, layer in moe_layers(net):
+        name = getattr(layer, "registry_name", type(layer).__name__)
+        top_k = getattr(layer, "top_k", None)
+        routers.append(f"top{top_k}" if name == "top_k" and top_k is not None else name)
+    router = "+".join(dict.fromkeys(routers)) or "dense"
+    arch = type(net).__name__
+    if arch == "TransformerLM":
+        return f"transformer/{router}"
+    if arch == "LSTMMoELM":
+        return f"lstm/{router}"
+    return router
+
+
+def _split_metrics(metrics: Mapping[str, float], split: str) -> dict[str, float]:
+    """``{"acc": ...}`` from ``{"<split>/acc": ...}`` (aux losses and other nested names included)."""
+    prefix = f"{split}/"
+    return {k.removeprefix(prefix): float(v) for k, v in metrics.items() if k.startswith(prefix)}
+
+
+def build_run_record(
+    *,
+    run_config: Mapping[str, Any],
+    overrides: Sequence[str],
+    net: nn.Module,
+    summary: Any,
+    counter: Any,
+    metrics: Mapping[str, float],
+    trainer: Any,
+) -> dict[str, Any]:
+    """The content of ``results.json`` for one run of :func:`moekit.run.train`.
+
+    Args:
+        run_config: the resolved run config (everything but ``hydra``).
+        overrides: the command-line / sweep overrides of the run (``hydra.overrides.task``).
+        net: the trained network.
+        summary: its :class:`~moekit.models.summary.ModelSummary` (images) or
+            :class:`~moekit.models.summary.LMSummary` (tokens); None when it could not be measured.
+        counter: the run's :class:`~moekit.callbacks.TrainingCounter`.
+        metrics: what :func:`~moekit.run.train` returns (``val/*`` after fit, ``test/*`` after test).
+        trainer: the Lightning trainer (steps, world size, the best checkpoint's score).
+    """
+    per_token = summary is not None and hasattr(summary, "flops_per_token")
+    forward = None if summary is None else float(summary.flops_per_token if per_token else summary.flops_per_image)
+    # Training FLOPs: forward + backward ~ 3 x the forward (the backward pass costs about twice the forward:
+    # gradients with respect to activations and to weights), times the examples trained on. An estimate:
+    # routers, auxiliary losses, the optimizer and recomputation are not counted separately.
+    training = None if forward is None else 3.0 * forward * counter.examples
+    checkpoint = getattr(trainer, "checkpoint_callback", None)
+    best_score = getattr(checkpoint, "best_model_score", None)
+    model_cfg = run_config.get("model", {})
+    layers = _moe_layer_settings(net)
+    return {
+        "version": RECORD_VERSION,
+        "task_name": run_config.get("task_name"),
+        "tags": list(run_config.get("tags") or []),
+        "seed": run_config.get("seed"),
+        "overrides": list(overrides),
+        "model": {
+            "name": model_cfg.get("model_name") or str(model_cfg.get("_target_", type(net).__name__)).rsplit(".")[-1],
+            "family": model_family(net),
+            "num_experts": max((layer["num_experts"] for layer in layers), default=0),
+            "moe_layers": layers,
+        },
+        "params": {
+            "total": None if summary is None else int(summary.total_params),
+            "active_per_token": None if summary is None else float(summary.active_params_per_token),
+        },
+        "flops": {
+            "example": "token" if per_token else "image",
+            "forward_per_example": forward,
+            "training": training,
+        },
+        "training": {
+            "examples_seen": counter.examples,
+            "batches": counter.batches,
+            "optimizer_steps": int(getattr(trainer, "global_step", 0)),
+            "world_size": int(getattr(trainer, "world_size", 1)),
+            "fit_seconds": counter.fit_seconds,
+            "mean_batch_seconds": counter.mean_batch_seconds,
+            "mean_throughput": counter.mean_throughput,
+            "throughput_unit": f"{'tokens' if per_token else 'images'}/s",
+            "resumed_from": run_config.get("ckpt_path"),
+        },
+        "metrics": {
+            "val": _split_metrics(metrics, "val"),
+            "test": _split_metrics(metrics, "test"),
+            "best_val": None
+            if best_score is None
+            else {"monitor": checkpoint.monitor, "value": float(best_score), "checkpoint": checkpoint.best_model_path},
+        },
+        "machine": machine_info(),
+        "git_commit": _git_commit(Path(__file__).resolve().parent),
+        "config": dict(run_config),
+    }
+
+
+def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary file in the same folder, fsync-ed and
+    renamed over ``path``: a reader sees the old file or the whole new one, never a part."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=str, allow_nan=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and aggregating records
+
+
+def _parse_override(override: str) -> tuple[str, str]:
+    """``("model.embed_dim", "64")`` from ``"model.embed_dim=64"`` (also ``+key=`` / ``++key=``)."""
+    key, _, value = override.lstrip("+~").partition("=")
+    return key, value
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run, read from its ``results.json``.
+
+    Attributes:
+        path: the run's folder.
+        task_name: the experiment's ``task_name`` (``results_pareto``, ...).
+        family: :func:`model_family` of its network.
+        seed: the run's seed.
+        setting: its overrides but the seed, as sorted ``(key, value)`` pairs: runs with the same
+            ``task_name`` and setting are seeds of one configuration.
+        num_experts: the most experts of any MoE layer (0 for a dense network).
+        total_params, active_params: parameters in all, and used per token.
+        forward_flops: forward FLOPs per example (image or token).
+        training_flops: 3 x ``forward_flops`` x the examples trained on.
+        fit_seconds: wall time of training (validation included).
+        batch_seconds: mean time of a training batch (data loading included).
+        throughput: mean training examples per second.
+        val, test: the final validation metrics and the test metrics (``acc``, ``acc_top5`` or
+            ``ppl``, ``bpb``, ...).
+    """
+
+    path: Path
+    task_name: str
+    family: str
+    seed: int | None
+    setting: tuple[tuple[str, str], ...]
+    num_experts: int
+    total_params: int | None
+    active_params: float | None
+    forward_flops: float | None
+    training_flops: float | None
+    fit_seconds: float | None
+    batch_seconds: float | None
+    throughput: float | None
+    val: Mapping[str, float]
+    test: Mapping[str, float]
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], path: Path) -> RunResult:
+        """Read the fields of a ``results.json`` record (:func:`build_run_record`)."""
+        pairs = (_parse_override(o) for o in record.get("overrides", []))
+        training = record.get("training", {})
+        return cls(
+            path=path,
+            task_name=str(record.get("task_name")),
+            family=record["model"]["family"],
+            seed=record.get("seed"),
+            setting=tuple(sorted((k, v) for k, v in pairs if k != "seed")),
+            num_experts=int(record["model"].get("num_experts", 0)),
+            total_params=record["params"].get("total"),
+            active_params=record["params"].get("active_per_token"),
+            forward_flops=record["flops"].get("forward_per_example"),
+            training_flops=record["flops"].get("training"),
+            fit_seconds=training.get("fit_seconds"),
+            batch_seconds=training.get("mean_batch_seconds"),
+            throughput=training.get("mean_throughput"),
+            val=dict(record["metrics"].get("val", {})),
+            test=dict(record["metrics"].get("test", {})),
+        )
+
+
+def load_results(folder: str | os.PathLike) -> list[RunResult]:
+    """Every ``results.json`` under ``folder`` (any depth), sorted by path.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist or holds no ``results.json``.
+        ValueError: a file is not a readable run record (the message names it).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder; give the sweep folder, e.g. logs/results/pareto")
+    files = sorted(folder.rglob(RESULTS_FILE))
+    if not files:
+        raise FileNotFoundError(
+            f"no {RESULTS_FILE} under {str(folder)!r}: every finished run of scripts/train.py writes one in its "
+            "output folder; run a sweep first (python scripts/train.py -m experiment=results/pareto) or give "
+            "the folder it wrote (logs/results/pareto)"
+        )
+    results = []
+    for file in files:
+        try:
+            results.append(RunResult.from_record(json.loads(file.read_text()), file.parent))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{str(file)!r} is not a moekit run record ({type(err).__name__}: {err})") from None
+    return results
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and spread of one quantity over the seeds of a configuration.
+
+    Attributes:
+        mean: the mean; low, high: the smallest and the largest value (the error bars);
+        std: the sample standard deviation (0 for one value); n: the number of values.
+    """
+
+    mean: float
+    low: float
+    high: float
+    std: float
+    n: int
+
+
+def summarize(values: Iterable[float | None]) -> Stat | None:
+    """:class:`Stat` of the values that are not None (None when none is)."""
+    present = [float(v) for v in values if v is not None]
+    if not present:
+        return None
+    n = len(present)
+    mean = sum(present) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in present) / (n - 1)) if n > 1 else 0.0
+    return Stat(mean=mean, low=min(present), high=max(present), std=std, n=n)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The runs (seeds) of one configuration: the same ``task_name``, family and setting."""
+
+    task_name: str
+    family: str
+    setting: tuple[tuple[str, str], ...]
+    runs: tuple[RunResult, ...]
+
+    def stat(self, value: Callable[[RunResult], float | None]) -> Stat | None:
+        """:class:`Stat` of ``value(run)`` over the runs."""
+        return summarize(value(run) for run in self.runs)
+
+    @property
+    def seeds(self) -> list[int | None]:
+        return sorted((run.seed for run in self.runs), key=lambda s: (s is None, s))
+
+
+def group_results(results: Iterable[RunResult]) -> list[Group]:
+    """One :class:`Group` per configuration, in order of task, family and setting."""
+    buckets: dict[tuple, list[RunResult]] = {}
+    for run in results:
+        buckets.setdefault((run.task_name, run.family, run.setting), []).append(run)
+    return [Group(*key, runs=tuple(runs)) for key, runs in sorted(buckets.items(), key=lambda item: item[0])]
+
+
+def setting_label(group: Group, groups: Sequence[Group]) -> str:
+    """``group``'s overrides whose values differ between the groups of its task (``"model=dense_vit,
+    model.embed_dim=64"``); a ``results/`` model config shows without the folder."""
+    same_task = [g for g in groups if g.task_name == group.task_name]
+    varying = {k for g in same_task for k, v in g.setting if any(dict(h.setting).get(k) != v for h in same_task)}
+    parts = [f"{k}={v.removeprefix('results/')}" for k, v in group.setting if k in varying]
+    return ",".join(parts) or "-"
+
+
+def figure_kind(task_name: str) -> str | None:
+    """Which figure a results sweep gets: ``pareto``, ``scaling``, ``language``, ``ablations``
+    (``results_ablation_*``), or None for runs of other experiments (table only)."""
+    if task_name.startswith("results_ablation"):
+        return "ablations"
+    kind = task_name.removeprefix("results_")
+    return kind if task_name.startswith("results_") and kind in ("pareto", "scaling", "language") else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class _Metric:
+    """A test metric as shown: its key in ``RunResult.test``, its label, and a display scale."""
+
+    key: str
+    label: str
+    scale: float = 1.0
+
+
+_IMAGE_METRICS = (_Metric("acc", "test top-1 %", 100.0), _Metric("acc_top5", "test top-5 %", 100.0))
+_LM_METRICS = (_Metric("ppl", "test ppl"), _Metric("bpb", "test bits/byte"))
+
+
+def _metrics_of(runs: Iterable[RunResult]) -> tuple[_Metric, ...]:
+    """The test metrics to show: accuracy for image classifiers, perplexity for language models."""
+    return _IMAGE_METRICS if any("acc" in run.test for run in runs) else _LM_METRICS
+
+
+def _si(value: float | None) -> str:
+    """``1.22M``-style number (``-`` for None)."""
+    if value is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.3g}"
+
+
+def _spread(stat: Stat | None, scale: float = 1.0, digits: int = 2) -> str:
+    """``mean (min-max)``, or the mean alone for one run."""
+    if stat is None:
+        return "-"
+    mean = f"{stat.mean * scale:.{digits}f}"
+    return mean if stat.n == 1 else f"{mean} ({stat.low * scale:.{digits}f}-{stat.high * scale:.{digits}f})"
+
+
+def _task_table(groups: Sequence[Group]) -> list[str]:
+    metrics = _metrics_of(run for g in groups for run in g.runs)
+    header = ["setting", "family", "seeds", "params", "active params / token", "FLOPs / example", "training FLOPs"]
+    header += ["fit time s", "step ms", *(m.label for m in metrics)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group in groups:
+        cells = [
+            f"`{setting_label(group, groups)}`",
+            group.family,
+            ",".join(str(s) for s in group.seeds),
+            _si(_mean(group.stat(lambda r: r.total_params))),
+            _si(_mean(group.stat(lambda r: r.active_params))),
+            _si(_mean(group.stat(lambda r: r.forward_flops))),
+            _si(_mean(group.stat(lambda r: r.training_flops))),
+            _spread(group.stat(lambda r: r.fit_seconds), digits=0),
+            _spread(group.stat(lambda r: r.batch_seconds), scale=1e3, digits=0),
+        ]
+        cells += [_spread(group.stat(lambda r, key=m.key: r.test.get(key)), scale=m.scale) for m in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _mean(stat: Stat | None) -> float | None:
+    return None if stat is None else stat.mean
+
+
+def markdown_table(results: Sequence[RunResult]) -> str:
+    """One markdown table per task (sweep): a row per configuration with its parameters, FLOPs,
+    times and test metrics; a value over several seeds reads ``mean (min-max)``."""
+    groups = group_results(results)
+    out = []
+    for task in dict.fromkeys(g.task_name for g in groups):
+        task_groups = [g for g in groups if g.task_name == task]
+        seeds = sum(len(g.runs) for g in task_groups)
+        out += [f"#### {task} ({len(task_groups)} configurations, {seeds} runs)", "", *_task_table(task_groups), ""]
+    out.append("Values over several seeds: mean (min-max). Training FLOPs = 3 x forward FLOPs x examples trained on.")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _errors(stats: Sequence[Stat], scale: float = 1.0) -> list[list[float]]:
+    """Matplotlib's asymmetric error bars: the distances from the means to the min and the max."""
+    return [[(s.mean - s.low) * scale for s in stats], [(s.high - s.mean) * scale for s in stats]]
+
+
+def _families(groups: Sequence[Group]) -> list[str]:
+    return list(dict.fromkeys(g.family for g in groups))
+
+
+def _series(
+    ax,
+    groups: Sequence[Group],
+    x: Callable[[RunResult], float | None],
+    y: Callable[[RunResult], float | None],
+    y_scale: float = 1.0,
+) -> None:
+    """One line per family through the configurations' means (sorted by x), with min-max error bars
+    in y (and in x where x varies between seeds, e.g. wall time)."""
+    for family in _families(groups):
+        points = [(g.stat(x), g.stat(y)) for g in groups if g.family == family]
+        points = sorted(((sx, sy) for sx, sy in points if sx is not None and sy is not None), key=lambda p: p[0].mean)
+        if not points:
+            continue
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        ax.errorbar(
+            [s.mean for s in xs],
+            [s.mean * y_scale for s in ys],
+            xerr=_errors(xs),
+            yerr=_errors(ys, y_scale),
+            marker="o",
+            capsize=3,
+            label=family,
+        )
+
+
+def _save(fig, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    _pyplot().close(fig)
+    return out
+
+
+def _primary_metric(results: Iterable[RunResult]) -> _Metric:
+    return _metrics_of(results)[0]
+
+
+def plot_pareto(results: Sequence[RunResult], out: Path) -> Path:
+    """Test accuracy against training FLOPs (left) and against training wall time (right), one line
+    per family through its model sizes; writes a PNG to ``out``."""
+    plt = _pyplot()
+    groups = group_results(results)
+    metric = _primary_metric(results)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, x, xlabel in (
+        (axes[0], lambda r: r.training_flops, "training FLOPs (3 x forward x images)"),
+        (axes[1], lambda r: r.fit_seconds, "training wall time (s)"),
+    ):
+        _series(ax, groups, x, lambda r: r.test.get(metric.key), metric.scale)
+        ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(metric.label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Pareto: mean over seeds, bars = min-max")
+    return _save(fig, out)
+
+
+def plot_scaling(results: Sequence[RunResult], out: Path) -> Path:
+    """Training step time (left) and test accuracy (right) against the number of experts (log2
+    axis), one line per router; writes a PNG to ``out``."""
+    plt = _pyplot()
+    groups = group_results(results)
+    metric = _primary_metric(results)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    _series(axes[0], groups, lambda r: r.num_experts, lambda r: r.batch_seconds, 1e3)
+    axes[0].set_ylabel("training step (ms, data loading included)")
+    _series(axes[1], groups, lambda r: r.num_experts, lambda r: r.test.get(metric.key), metric.scale)
+    axes[1].set_ylabel(metric.label)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("experts per MoE layer")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Scaling experts: mean over seeds, bars = min-max")
+    return _save(fig, out)
+
+
+def plot_language(results: Sequence[RunResult], out: Path) -> Path:
+    """Test perplexity against training FLOPs, one line (or point) per family; writes a PNG to ``out``."""
+    plt = _pyplot()
+    groups = group_results(results)
+    metric = _primary_metric(results)
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    _series(ax, groups, lambda r: r.training_flops, lambda r: r.test.get(metric.key), metric.scale)
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs (3 x forward x tokens)")
+    ax.set_ylabel(metric.label)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title("Language models: mean over seeds, bars = min-max")
+    return _save(fig, out)
+
+
+def plot_ablations(results: Sequence[RunResult], out: Path) -> Path:
+    """One bar chart per ablation (task): a bar per setting at the mean test metric over seeds,
+    error bars min-max; the y axis is zoomed on the bars (it does not start at 0). Writes a PNG."""
+    plt = _pyplot()
+    groups = group_results(results)
+    tasks = list(dict.fromkeys(g.task_name for g in groups))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        task_groups = [g for g in groups if g.task_name == task]
+        metric = _primary_metric(run for g in task_groups for run in g.runs)
+        stats = [g.stat(lambda r, key=metric.key: r.test.get(key)) for g in task_groups]
+        shown = [(g, s) for g, s in zip(task_groups, stats, strict=True) if s is not None]
+        if not shown:
+            continue
+        labels = [_short_label(setting_label(g, task_groups)) for g, _ in shown]
+        values = [s for _, s in shown]
+        ax.bar(range(len(values)), [s.mean * metric.scale for s in values], yerr=_errors(values, metric.scale))
+        ax.set_xticks(range(len(values)), labels, fontsize=8)
+        low = min(s.low for s in values) * metric.scale
+        high = max(s.high for s in values) * metric.scale
+        margin = max(high - low, abs(high) * 0.01, 1e-6)
+        ax.set_ylim(low - margin, high + margin)
+        ax.set_ylabel(metric.label)
+        ax.set_title(task.removeprefix("results_"))
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("Ablations: mean over seeds, bars = min-max (y axis not from 0)")
+    return _save(fig, out)
+
+
+def _short_label(label: str) -> str:
+    """``"normalize=false"`` from ``"model.moe_kwargs.normalize=false"``; one line per override."""
+    return (
+        "\n".join(
+            part.split("=", 1)[0].rsplit(".", 1)[-1] + "=" + part.split("=", 1)[1]
+            for part in label.split(",")
+            if "=" in part
+        )
+        or label
+    )
+
+
+_PLOTS: dict[str, Callable[[Sequence[RunResult], Path], Path]] = {
+    "pareto": plot_pareto,
+    "scaling": plot_scaling,
+    "language": plot_language,
+    "ablations": plot_ablations,
+}
+
+
+def plot_all(results: Sequence[RunResult], out_dir: Path) -> list[Path]:
+    """The figure of every results sweep among ``results`` (:func:`figure_kind` of their task):
+    ``<out_dir>/<kind>.png``. Runs of other experiments get no figure."""
+    by_kind: dict[str, list[RunResult]] = {}
+    for run in results:
+        kind = figure_kind(run.task_name)
+        if kind is not None:
+            by_kind.setdefault(kind, []).append(run)
+    return [_PLOTS[kind](runs, Path(out_dir) / f"{kind}.png") for kind, runs in by_kind.items()]

@@ -1,0 +1,460 @@
+"""Run records and the results tooling: ``results.json`` of real tiny runs, the results sweep configs
+(``configs/experiment/results/``), aggregation over seeds, figures and the plot script."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import moekit.models  # noqa: F401  (registers the models with timm)
+from conftest import CONFIGS, compose_config, run_script, small_overrides
+from moekit.callbacks import TrainingCounter
+from moekit.models.summary import lm_summary, model_summary
+from moekit.moe import moe_layers
+from moekit.results import (
+    RESULTS_FILE,
+    RunResult,
+    figure_kind,
+    group_results,
+    load_results,
+    markdown_table,
+    model_family,
+    plot_ablations,
+    plot_all,
+    plot_language,
+    plot_pareto,
+    plot_scaling,
+    setting_label,
+    summarize,
+    write_json_atomic,
+)
+from moekit.run import train
+
+SWEEPS = sorted(p.stem for p in (CONFIGS / "experiment" / "results").glob("*.yaml"))
+TINY_VIT = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2"]
+TINY_LM = {
+    "dense_transformer_lm": ["model.dim=32", "model.depth=2", "model.num_heads=2"],
+    "moe_transformer_lm": [
+        "model.dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "model.moe_kwargs.expert_hidden_features=32",
+    ],
+    "results/moe_lstm_lm_matched": ["model.dim=32", "model.expert_hidden=32", "model.num_experts=4", "model.top_k=2"],
+}
+
+
+def _read_record(output_dir: Path) -> dict:
+    return json.loads((output_dir / RESULTS_FILE).read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The run record of real runs
+
+
+@pytest.fixture(scope="module")
+def image_run(fake_fashion, tmp_path_factory):
+    """One epoch of the tiny Soft MoE ViT on the fake Fashion-MNIST: (cfg, returned metrics, record)."""
+    out = tmp_path_factory.mktemp("record_run")
+    overrides = [*small_overrides(fake_fashion), "model.num_experts=4", "seed=3"]
+    cfg = compose_config("train", overrides, out)
+    metrics = train(cfg)
+    return cfg, metrics, _read_record(out), overrides, out
+
+
+def test_the_record_names_the_run_and_its_network(image_run):
+    cfg, _, record, overrides, out = image_run
+    assert record["task_name"] == cfg.task_name == "train"
+    assert record["seed"] == 3
+    assert record["overrides"] == overrides
+    assert record["model"]["name"] == "soft_moe_vit_tiny_patch4_28"
+    assert record["model"]["family"] == "soft_moe"
+    assert record["model"]["num_experts"] == 4
+    assert [layer["slots_per_expert"] for layer in record["model"]["moe_layers"]] == [2], "depth 2: one MoE block"
+    assert record["config"]["model"]["embed_dim"] == 32
+    assert not [p for p in out.iterdir() if p.name.startswith(f".{RESULTS_FILE}")], "no temporary file left"
+
+
+def test_the_record_holds_the_model_summary_of_the_network(image_run):
+    cfg, _, record, _, _ = image_run
+    summary = model_summary(instantiate(cfg.model), input_size=(1, 28, 28))
+    assert record["params"]["total"] == summary.total_params
+    assert record["params"]["active_per_token"] == pytest.approx(summary.active_params_per_token)
+    assert record["params"]["active_per_token"] < record["params"]["total"]
+    assert record["flops"]["example"] == "image"
+    assert record["flops"]["forward_per_example"] == pytest.approx(summary.flops_per_image)
+
+
+def test_the_record_counts_examples_and_training_flops(image_run):
+    _, _, record, _, _ = image_run
+    training = record["training"]
+    # 320 fake training images - 64 held out for validation = 256 = 8 batches of 32, one epoch
+    assert training["examples_seen"] == 256
+    assert training["batches"] == training["optimizer_steps"] == 8
+    assert record["flops"]["training"] == pytest.approx(3 * record["flops"]["forward_per_example"] * 256)
+    assert training["fit_seconds"] > 0
+    # throughput and step time come from the same 7 timed batches of 32 (the first one starts the clock)
+    assert training["mean_throughput"] * training["mean_batch_seconds"] == pytest.approx(32)
+    assert training["mean_batch_seconds"] * 7 < training["fit_seconds"]
+
+
+def test_the_record_holds_the_final_metrics_that_train_returns(image_run):
+    _, metrics, record, _, _ = image_run
+    test, val = record["metrics"]["test"], record["metrics"]["val"]
+    assert test["acc"] == pytest.approx(metrics["test/acc"]) and test["acc_top5"] == pytest.approx(
+        metrics["test/acc_top5"]
+    )
+    assert val["acc"] == pytest.approx(metrics["val/acc"])
+    assert 0.0 <= test["acc"] <= test["acc_top5"] <= 1.0
+    assert record["metrics"]["best_val"]["monitor"] == "val/acc"
+    assert record["metrics"]["best_val"]["value"] == pytest.approx(metrics["val/acc"]), "one epoch: best = last"
+
+
+def test_the_record_describes_the_machine(image_run):
+    machine = image_run[2]["machine"]
+    assert machine["torch"] == torch.__version__
+    assert isinstance(machine["cpu"], str) and machine["cpu"]
+    assert machine["cpu_cores"] >= machine["usable_cores"] >= 1
+    assert (machine["gpu"] is None) == (not torch.cuda.is_available())
+
+
+def test_a_language_model_record_counts_tokens(tmp_path):
+    overrides = [
+        "experiment=moe_transformer_lm",
+        *TINY_LM["moe_transformer_lm"],
+        "data.seq_len=32",
+        "data.batch_size=4",
+        "+trainer.fast_dev_run=true",
+        "logger=csv",
+    ]
+    metrics = train(compose_config("train", overrides, tmp_path))
+    record = _read_record(tmp_path)
+    assert record["model"]["family"] == "transformer/top2"
+    assert record["flops"]["example"] == "token"
+    assert record["training"]["examples_seen"] == 4 * 32, "fast_dev_run: one batch of 4 sequences of 32 tokens"
+    assert record["training"]["throughput_unit"] == "tokens/s"
+    cfg = compose_config("train", overrides, tmp_path)
+    expected = lm_summary(instantiate(cfg.model), seq_len=32).flops_per_token
+    assert record["flops"]["forward_per_example"] == pytest.approx(expected)
+    assert record["flops"]["training"] == pytest.approx(3 * expected * 128)
+    assert record["metrics"]["test"]["ppl"] == pytest.approx(metrics["test/ppl"])
+    assert record["metrics"]["test"]["bpb"] == pytest.approx(metrics["test/bpb"])
+
+
+def test_training_counter_counts_rows_or_elements():
+    batch = (torch.zeros(4, 7), torch.zeros(4))
+    assert TrainingCounter("rows").batch_examples(batch) == 4
+    assert TrainingCounter("elements").batch_examples(batch) == 28
+    with pytest.raises(ValueError, match="count='tokens'"):
+        TrainingCounter("tokens")
+    assert TrainingCounter().mean_throughput is None and TrainingCounter().mean_batch_seconds is None
+
+
+def test_write_json_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
+    path = tmp_path / RESULTS_FILE
+    write_json_atomic(path, {"a": 1})
+    write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2}
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {(1, 2): "a tuple key JSON cannot hold"})
+    assert json.loads(path.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == [RESULTS_FILE], "the temporary file is removed"
+
+
+# ---------------------------------------------------------------------------------------------
+# The results sweeps
+
+
+def _sweep(name: str, tmp_path: Path, *overrides: str):
+    return compose_config("train", [f"experiment=results/{name}", *overrides], tmp_path)
+
+
+def _params(cfg) -> dict[str, list[str]]:
+    return {key: str(values).split(",") for key, values in cfg.hydra.sweeper.params.items()}
+
+
+def test_the_results_sweeps_exist():
+    assert SWEEPS == ["ablation_bpr", "ablation_l2norm", "ablation_slots", "language", "pareto", "scaling"]
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_each_sweep_composes_with_its_own_folder_and_three_seeds(name, tmp_path):
+    cfg = _sweep(name, tmp_path)
+    params = _params(cfg)
+    assert params["seed"] == ["0", "1", "2"]
+    assert cfg.task_name == f"results_{name}"
+    expected_dir = f"results/ablations/{name.removeprefix('ablation_')}" if "ablation" in name else f"results/{name}"
+    assert cfg.hydra.sweep.dir == f"{cfg.paths.log_dir}/{expected_dir}"
+    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.override_dirname}"
+    assert "experiment" in cfg.hydra.job.config.override_dirname.exclude_keys
+    assert figure_kind(cfg.task_name) == ("ablations" if "ablation" in name else name)
+    for key, values in params.items():  # every value of every swept key composes
+        for value in values:
+            _sweep(name, tmp_path, f"{key}={value}")
+
+
+def test_the_pareto_sweep_compares_five_routers_at_three_widths(tmp_path):
+    params = _params(_sweep("pareto", tmp_path))
+    assert params["model.embed_dim"] == ["64", "96", "128"]
+    families = set()
+    for model in params["model"]:
+        cfg = _sweep("pareto", tmp_path, f"model={model}", "model.embed_dim=64")
+        assert cfg.trainer.max_epochs == 5 and cfg.data.batch_size == 256, "the same budget for every model"
+        net = instantiate(cfg.model)
+        families.add(model_family(net))
+    assert families == {"dense", "soft_moe", "top1", "top2", "experts_choice"}
+
+
+@pytest.mark.parametrize("num_experts", [8, 256])
+def test_the_scaling_sweep_keeps_slots_and_capacity_fixed(num_experts, tmp_path):
+    params = _params(_sweep("scaling", tmp_path))
+    assert params["model.num_experts"] == ["8", "16", "32", "64", "128", "256"]
+    for model in params["model"]:
+        cfg = _sweep("scaling", tmp_path, f"model={model}", f"model.num_experts={num_experts}", *TINY_VIT)
+        layers = [layer for _, layer in moe_layers(instantiate(cfg.model))]
+        assert len(layers) == 2, "MoE in the last two blocks"
+        for layer in layers:
+            assert layer.experts.num_experts == num_experts
+            if hasattr(layer, "num_slots"):
+                assert layer.num_slots == 256
+            else:
+                assert layer.capacity_factor == layer.eval_capacity_factor == 1.0
+
+
+def test_the_language_sweep_compares_models_at_equal_forward_flops(tmp_path):
+    params = _params(_sweep("language", tmp_path))
+    flops = {}
+    for model in params["model"]:
+        cfg = _sweep("language", tmp_path, f"model={model}")
+        flops[model] = lm_summary(instantiate(cfg.model), seq_len=cfg.data.seq_len).flops_per_token
+    reference = flops["dense_transformer_lm"]
+    assert all(abs(f / reference - 1) < 0.02 for f in flops.values()), flops
+
+
+def test_the_bpr_ablation_sweeps_bpr_at_a_low_capacity(tmp_path):
+    params = _params(_sweep("ablation_bpr", tmp_path))
+    assert params["model.moe_kwargs.batch_priority"] == ["true", "false"]
+    assert min(float(c) for c in params["model.moe_kwargs.capacity_factor"]) < 1.0
+    cfg = _sweep("ablation_bpr", tmp_path, "model.moe_kwargs.capacity_factor=0.5")
+    layer = next(layer for _, layer in moe_layers(instantiate(cfg.model)))
+    assert layer.capacity_factor == layer.eval_capacity_factor == 0.5
+
+
+def _first_member(name: str, fake_fashion: Path) -> list[str]:
+    """The overrides of a sweep's first member (first value of every list), made tiny and fast."""
+    with_data = [f"data.root={fake_fashion}", "data.val_size=64", "data.batch_size=16", *TINY_VIT]
+    if name == "language":
+        return ["model=dense_transformer_lm", *TINY_LM["dense_transformer_lm"], "data.seq_len=32", "data.batch_size=4"]
+    return with_data
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_fast_dev_run_of_one_member_of_each_sweep(name, fake_fashion, tmp_path):
+    first = {key: values[0] for key, values in _params(_sweep(name, tmp_path)).items()}
+    overrides = [f"{k}={v}" for k, v in first.items()] + _first_member(name, fake_fashion)
+    cfg = _sweep(name, tmp_path, *overrides, "+trainer.fast_dev_run=true", "logger=csv")
+    metrics = train(cfg)
+    record = _read_record(tmp_path)
+    assert record["task_name"] == f"results_{name}"
+    assert record["seed"] == 0
+    metric = "test/ppl" if name == "language" else "test/acc"
+    assert math.isfinite(metrics[metric])
+    result = RunResult.from_record(record, tmp_path)
+    assert result.training_flops and result.training_flops > 0
+
+
+def test_a_sweep_from_the_command_line_then_its_figures(fake_fashion, tmp_path):
+    """`-m experiment=results/ablation_slots` with the seeds and slots narrowed on the command line (it
+    wins over the sweep's lists): one folder per run under logs/results/ablations/slots, then the plot
+    script draws the ablation figure and the table from them."""
+    run = run_script(
+        "train.py",
+        "-m",
+        "experiment=results/ablation_slots",
+        "model.moe_kwargs.slots_per_expert=1,2",
+        "seed=0",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"data.root={fake_fashion}",
+        "data.val_size=64",
+        "data.batch_size=16",
+        *TINY_VIT,
+        "+trainer.fast_dev_run=true",
+        "logger=csv",
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    sweep = tmp_path / "logs" / "results" / "ablations" / "slots"
+    runs = sorted(p.parent.name for p in sweep.glob(f"*/{RESULTS_FILE}"))
+    assert len(runs) == 2
+    assert all("seed=0" in r and "experiment=" not in r and "data.root" not in r for r in runs)
+    plot = run_script("plot_results.py", str(tmp_path / "logs" / "results"), cwd=tmp_path)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert "`model.moe_kwargs.slots_per_expert=1`" in plot.stdout
+    figure = tmp_path / "logs" / "results" / "figures" / "ablations.png"
+    assert figure.read_bytes().startswith(b"\x89PNG")
+    assert (figure.parent / "results.md").read_text() in plot.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation, tables and figures from hand-made records
+
+
+def _record(task: str, family: str, seed: int, overrides: list[str], **values) -> dict:
+    """A run record with the fields the results tooling reads."""
+    lm = values.get("ppl") is not None
+    forward = values.get("forward", 1e6)
+    return {
+        "task_name": task,
+        "seed": seed,
+        "overrides": [*overrides, f"seed={seed}"],
+        "model": {"family": family, "num_experts": values.get("experts", 0)},
+        "params": {"total": values.get("params", 1000), "active_per_token": values.get("active", 500.0)},
+        "flops": {"forward_per_example": forward, "training": 3 * forward * 1000},
+        "training": {
+            "fit_seconds": values.get("seconds", 10.0),
+            "mean_batch_seconds": values.get("step", 0.1),
+            "mean_throughput": 100.0,
+        },
+        "metrics": {"val": {}, "test": {"ppl": values["ppl"], "bpb": 1.0} if lm else {"acc": values["acc"]}},
+    }
+
+
+def _results(records: list[dict], root: Path | None = None) -> list[RunResult]:
+    return [RunResult.from_record(r, root or Path(f"run{i}")) for i, r in enumerate(records)]
+
+
+PARETO = [
+    _record("results_pareto", family, seed, [f"model={model}", f"model.embed_dim={width}"], **values)
+    for family, model in (("dense", "dense_vit"), ("soft_moe", "soft_moe_vit"))
+    for width in (64, 128)
+    for seed, values in enumerate(
+        dict(acc=a, forward=width * 1e4, seconds=width + s) for a, s in ((0.80, 1), (0.90, 2), (0.85, 6))
+    )
+]
+SCALING = [
+    _record("results_scaling", family, seed, [f"model={model}", f"model.num_experts={e}"], acc=0.8, experts=e, step=e)
+    for family, model in (("soft_moe", "results/scaling_soft_moe"), ("top1", "results/scaling_top1"))
+    for e in (8, 64, 256)
+    for seed in (0, 1)
+]
+LANGUAGE = [
+    _record("results_language", family, seed, [f"model={family}"], ppl=3.0 + seed, forward=9e6)
+    for family in ("transformer/dense", "transformer/top2", "lstm/top4")
+    for seed in (0, 1, 2)
+]
+ABLATIONS = [
+    _record(task, "soft_moe", seed, [f"{key}={value}"], acc=0.8 + 0.01 * seed)
+    for task, key, values in (
+        ("results_ablation_l2norm", "model.moe_kwargs.normalize", ("true", "false")),
+        ("results_ablation_slots", "model.moe_kwargs.slots_per_expert", ("1", "2", "4")),
+    )
+    for value in values
+    for seed in (0, 1, 2)
+]
+
+
+def test_summarize_gives_mean_min_max_and_sample_std():
+    stat = summarize([0.8, None, 0.9, 0.85])
+    assert (stat.mean, stat.low, stat.high, stat.n) == (pytest.approx(0.85), 0.8, 0.9, 3)
+    assert stat.std == pytest.approx(0.05)
+    assert summarize([0.7]).std == 0.0
+    assert summarize([None]) is None
+
+
+def test_group_results_averages_seeds_of_one_configuration():
+    groups = group_results(_results(PARETO))
+    assert len(groups) == 4, "2 families x 2 widths"
+    assert all(g.seeds == [0, 1, 2] for g in groups)
+    acc = groups[0].stat(lambda r: r.test["acc"])
+    assert (acc.mean, acc.low, acc.high) == (pytest.approx(0.85), 0.80, 0.90)
+    seconds = groups[0].stat(lambda r: r.fit_seconds)
+    assert seconds.low < seconds.mean < seconds.high
+    assert {setting_label(g, groups) for g in groups} == {
+        f"model={m},model.embed_dim={w}" for m in ("dense_vit", "soft_moe_vit") for w in (64, 128)
+    }
+
+
+def test_group_results_keeps_tasks_apart():
+    same_overrides = [_record(task, "soft_moe", 0, ["model.x=1"], acc=0.5) for task in ("results_a", "results_b")]
+    assert len(group_results(_results(same_overrides))) == 2
+
+
+def test_setting_label_shows_only_what_varies_and_drops_the_results_folder():
+    groups = group_results(_results(SCALING))
+    labels = {setting_label(g, groups) for g in groups}
+    assert "model=scaling_top1,model.num_experts=256" in labels
+    one = group_results(_results([_record("results_x", "dense", 0, ["data.root=/d"], acc=0.5)]))
+    assert setting_label(one[0], one) == "-"
+
+
+def test_markdown_table_rows_read_mean_and_min_max():
+    table = markdown_table(_results(PARETO + LANGUAGE))
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == 4 + 3
+    assert "85.00 (80.00-90.00)" in table, "accuracy in % over the 3 seeds"
+    assert "4.00 (3.00-5.00)" in table, "perplexity over the 3 seeds"
+    blocks = {block.split(" ", 1)[0]: block for block in table.split("#### ")[1:]}
+    assert "test top-1 %" in blocks["results_pareto"] and "test ppl" not in blocks["results_pareto"]
+    assert "test ppl" in blocks["results_language"] and "test top-1 %" not in blocks["results_language"]
+    for block in blocks.values():
+        widths = {line.count("|") for line in block.splitlines() if line.startswith("|")}
+        assert len(widths) == 1, "every row has as many cells as the header"
+
+
+def test_figure_kind_of_each_sweep_task():
+    assert [figure_kind(t) for t in ("results_pareto", "results_scaling", "results_language")] == [
+        "pareto",
+        "scaling",
+        "language",
+    ]
+    assert figure_kind("results_ablation_bpr") == "ablations"
+    assert figure_kind("soft_moe_vit") is None and figure_kind("results_other") is None
+
+
+@pytest.mark.parametrize(
+    "plot, records",
+    [(plot_pareto, PARETO), (plot_scaling, SCALING), (plot_language, LANGUAGE), (plot_ablations, ABLATIONS)],
+)
+def test_each_figure_is_a_png(plot, records, tmp_path):
+    out = plot(_results(records), tmp_path / "figure.png")
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_plot_all_draws_one_figure_per_sweep_kind(tmp_path):
+    other = [_record("soft_moe_vit", "soft_moe", 0, [], acc=0.9)]
+    written = plot_all(_results(PARETO + ABLATIONS + other), tmp_path)
+    assert sorted(p.name for p in written) == ["ablations.png", "pareto.png"]
+
+
+def test_load_results_reads_every_record_below_a_folder(tmp_path):
+    for i, record in enumerate(LANGUAGE):
+        folder = tmp_path / f"model=m{i % 3}" / f"seed={i}"
+        folder.mkdir(parents=True)
+        write_json_atomic(folder / RESULTS_FILE, record)
+    results = load_results(tmp_path)
+    assert len(results) == len(LANGUAGE)
+    assert {r.family for r in results} == {"transformer/dense", "transformer/top2", "lstm/top4"}
+
+
+def test_load_results_says_clearly_when_there_is_nothing_to_read(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no results.json under"):
+        load_results(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        load_results(tmp_path / "missing")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / RESULTS_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="run/results.json"):
+        load_results(tmp_path)
+
+
+def test_plot_script_on_an_empty_folder_fails_with_one_line(tmp_path):
+    run = run_script("plot_results.py", str(tmp_path), cwd=tmp_path)
+    assert run.returncode == 1
+    assert "no results.json under" in run.stderr and "Traceback" not in run.stderr
