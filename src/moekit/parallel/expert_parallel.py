@@ -157,7 +157,8 @@ def clip_grad_norm_(
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     # Scale the local tensors: FSDP-sharded gradients (DTensor) and plain expert gradients do not mix.
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-    torch._foreach_mul_(grads, scale.to(grads[0].device)) if grads else None
+    if grads:
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
     return total
 
 
