@@ -615,7 +615,7 @@ def plot_ablations(results: Sequence[RunResult], out: Path) -> Path:
     plt = _pyplot()
     groups = group_results(results)
     tasks = list(dict.fromkeys(g.task_name for g in groups))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(max(6.0, 4.5 * len(tasks)), 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         task_groups = [g for g in groups if g.task_name == task]
         metric = _primary_metric(run for g in task_groups for run in g.runs)
