@@ -233,8 +233,11 @@ def test_the_language_sweep_compares_models_at_equal_forward_flops(tmp_path):
     for model in params["model"]:
         cfg = _sweep("language", tmp_path, f"model={model}")
         flops[model] = lm_summary(instantiate(cfg.model), seq_len=cfg.data.seq_len).flops_per_token
-    reference = flops["dense_transformer_lm"]
-    assert all(abs(f / reference - 1) < 0.02 for f in flops.values()), flops
+    assert len(flops) == 6, "three families at two sizes"
+    for model, value in flops.items():  # each model matches the dense Transformer of its size
+        reference = flops["results/dense_transformer_lm_small" if model.endswith("_small") else "dense_transformer_lm"]
+        assert abs(value / reference - 1) < 0.02, flops
+    assert flops["dense_transformer_lm"] > 3 * flops["results/dense_transformer_lm_small"], "two distinct sizes"
 
 
 def test_the_bpr_ablation_sweeps_bpr_at_a_low_capacity(tmp_path):

@@ -1,0 +1,364 @@
+"""Benchmark of whole models: the training-step time of each MoE model against its dense twin.
+
+A benchmark, not a test: it prints tables of step times and of ratios measured in the same run. A
+step is what ``scripts/train.py`` trains, built from the same Hydra configs: the task's
+``training_step`` (forward, task loss + MoE auxiliary losses) under the trainer's precision
+(``bf16-mixed``: bf16 autocast), backward, gradient clipping at ``trainer.gradient_clip_val``, an
+optimizer step with the task's optimizer (AdamW, its parameter groups; no schedule), the loss-free
+balancing update and ``zero_grad``, on a random batch of the data config's shapes and batch size.
+The models of a table are timed in interleaved rounds (each model once per round, the median over
+rounds, after one warm-up step), so a slow phase of the machine hits all of them alike.
+
+    python scripts/bench_models.py                          # both groups (ViTs at width 128, LMs)
+    python scripts/bench_models.py --groups vit --vit-width 64 96 128
+    python scripts/bench_models.py --groups vit --override model.num_experts=32
+    python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s
+    python scripts/bench_models.py --quick                  # tiny shapes, a smoke run
+
+Groups: ``vit`` - the Pareto sweep's models (``experiment=results/pareto``) under
+``experiment=soft_moe_vit``, against ``dense_vit``; ``lm`` - the language sweep's models
+(``experiment=results/language``) under ``experiment=moe_transformer_lm``, against
+``dense_transformer_lm``. Parameters and forward FLOPs are those ``results.json`` records
+(:func:`moekit.models.summary.model_summary` / ``lm_summary``: FLOPs measured in eval mode).
+An ``--override`` whose key a model's config lacks (``model.num_experts`` for the dense twin) is
+left out for that model, and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra import compose, initialize_config_dir
+from lightning import LightningDataModule
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+from moekit.models.summary import LMSummary, ModelSummary
+from moekit.moe import update_balancing_biases
+from moekit.run import _summary, instantiate
+from moekit.tasks import LanguageModel, MoETask
+from moekit.tasks.optim import build_optimizer, param_groups
+from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+GROUPS: dict[str, tuple[str, list[str]]] = {
+    # group: (experiment, models; the first is the dense baseline)
+    "vit": (
+        "soft_moe_vit",
+        ["dense_vit", "soft_moe_vit", "results/top1_vit", "tokens_choice_vit", "experts_choice_vit"],
+    ),
+    "lm": ("moe_transformer_lm", ["dense_transformer_lm", "moe_transformer_lm", "results/moe_lstm_lm_matched"]),
+}
+
+QUICK_BATCH = 8
+QUICK_VIT_WIDTH = 32
+QUICK_OVERRIDES: dict[str, list[str]] = {
+    "vit": ["model.depth=2", "model.num_heads=2"],
+    "lm": ["data.seq_len=32", "model.dim=32"],
+}
+QUICK_MODEL_OVERRIDES: dict[str, list[str]] = {
+    "dense_transformer_lm": ["model.depth=2", "model.num_heads=2"],
+    "moe_transformer_lm": ["model.depth=2", "model.num_heads=2", "model.moe_kwargs.expert_hidden_features=64"],
+    "results/moe_lstm_lm_matched": ["model.expert_hidden=64"],
+}
+
+_MISSING = object()
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16}
+_FULL = {"32-true", "32"}
+
+
+@dataclass
+class Candidate:
+    """One model ready to train: the task (its ``net``), the optimizer the run would build, a random
+    batch on ``device``, the trainer's precision and clipping, and the model's summary."""
+
+    name: str
+    cfg: DictConfig
+    task: MoETask
+    optimizer: torch.optim.Optimizer
+    batch: tuple[Tensor, Tensor]
+    precision: str
+    clip_val: float | None
+    summary: ModelSummary | LMSummary | None
+    examples_per_step: int  # images, or tokens for a language model
+    device: torch.device
+
+    @property
+    def unit(self) -> str:
+        return "token" if isinstance(self.task, LanguageModel) else "image"
+
+    @property
+    def flops_per_example(self) -> float | None:
+        if self.summary is None:
+            return None
+        return float(self.summary.flops_per_token if self.unit == "token" else self.summary.flops_per_image)
+
+
+def compose_config(experiment: str, model: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """The config ``scripts/train.py experiment=<experiment> model=<model> <overrides>`` trains, with
+    the paths that Hydra's runtime would fill in set to plain values (nothing is written there)."""
+    paths = [f"paths.root_dir={REPO}", f"paths.output_dir={REPO / 'logs' / 'bench_models'}"]
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(
+            config_name="train", overrides=[f"experiment={experiment}", f"model={model}", *paths, *overrides]
+        )
+
+
+def applicable_overrides(experiment: str, model: str, overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``overrides`` into those that apply to this model's config and those whose key it lacks
+    (``key=value`` of a missing key; ``+key``, ``++key``, ``~key`` and group choices always apply)."""
+    if not overrides:
+        return [], []
+    cfg = compose_config(experiment, model)
+    kept, dropped = [], []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key.startswith(("+", "~")) or OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING:
+            kept.append(override)
+        else:
+            dropped.append(override)
+    return kept, dropped
+
+
+def _precision(value: Any) -> str:
+    precision = str(value)
+    if precision not in _AUTOCAST and precision not in _FULL:
+        raise ValueError(
+            f"trainer.precision={precision!r} is not supported by this benchmark; use bf16-mixed or 32-true"
+        )
+    return precision
+
+
+def _random_batch(task: MoETask, datamodule: LightningDataModule, batch_size: int, device) -> tuple[Tensor, Tensor]:
+    """A batch of the data module's shapes: ``(images [B, C, S, S], labels [B])`` or
+    ``(input_ids [B, T], targets [B, T])``."""
+    if isinstance(task, LanguageModel):
+        tokens = torch.randint(datamodule.vocab_size, (batch_size, datamodule.seq_len + 1))
+        batch = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    else:
+        size = datamodule.img_size
+        images = torch.randn(batch_size, datamodule.in_chans, size, size)
+        batch = images, torch.randint(datamodule.num_classes, (batch_size,))
+    return tuple(t.to(device) for t in batch)
+
+
+def build_candidate(
+    experiment: str,
+    model: str,
+    overrides: Sequence[str] = (),
+    batch_size: int | None = None,
+    device: str | torch.device = "cpu",
+) -> Candidate:
+    """Build what ``moekit.run.train`` would train for ``experiment=<experiment> model=<model>
+    <overrides>``: the task (seeded with the config's seed), its optimizer, and a random batch of the
+    data config's batch size (or ``batch_size``)."""
+    cfg = compose_config(experiment, model, list(overrides))
+    L.seed_everything(cfg.seed, verbose=False)
+    datamodule = instantiate(cfg.data, _convert_="all")  # no data is read: the shapes only
+    run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    task: MoETask = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
+    summary = _summary(task, datamodule)  # measured on the CPU, as train() does before fit
+    device = torch.device(device)
+    task.to(device).train()
+    # MoETask.configure_optimizers without the schedule (that needs a trainer for its length).
+    config = dict(task.optimizer_config)
+    weight_decay = config.pop("weight_decay")
+    decay_1d = config.pop("decay_1d", False)
+    optimizer = build_optimizer(param_groups(task.net, weight_decay, decay_1d), **config)
+    batch = _random_batch(task, datamodule, batch_size or datamodule.batch_size, device)
+    examples = batch[1].numel()  # images, or target tokens
+    clip_val = cfg.trainer.get("gradient_clip_val")
+    return Candidate(
+        name=model,
+        cfg=cfg,
+        task=task,
+        optimizer=optimizer,
+        batch=batch,
+        precision=_precision(cfg.trainer.precision),
+        clip_val=float(clip_val) if clip_val else None,
+        summary=summary,
+        examples_per_step=examples,
+        device=device,
+    )
+
+
+@contextlib.contextmanager
+def _no_trainer_warnings():
+    """``self.log`` without a trainer only warns (and logs nothing): silence that warning alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.log\(\).*trainer.*")
+        yield
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(c: Candidate) -> tuple[float, Tensor]:
+    """One training step of ``c`` as Lightning runs it; returns (seconds, the loss it minimised)."""
+    autocast = (
+        torch.autocast(c.device.type, dtype=_AUTOCAST[c.precision])
+        if c.precision in _AUTOCAST
+        else contextlib.nullcontext()
+    )
+    _sync(c.device)
+    start = time.perf_counter()
+    with autocast, _no_trainer_warnings():
+        loss = c.task.training_step(c.batch, 0)
+    loss.backward()
+    if c.clip_val:  # Lightning's norm clipping (precision plugin): over the optimizer's parameters
+        params = [p for group in c.optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, c.clip_val)
+    c.optimizer.step()
+    update_balancing_biases(c.task.net)  # MoETask.optimizer_step
+    c.optimizer.zero_grad(set_to_none=True)
+    _sync(c.device)
+    return time.perf_counter() - start, loss.detach()
+
+
+def time_models(candidates: list[Candidate], rounds: int) -> dict[str, float]:
+    """Median seconds per training step of each candidate, measured in interleaved rounds after one
+    warm-up step each."""
+    for c in candidates:
+        train_step(c)
+    times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    for _ in range(rounds):
+        for c in candidates:
+            times[c.name].append(train_step(c)[0])
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _si(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.3g}"
+
+
+def print_table(title: str, candidates: list[Candidate], times: dict[str, float], gpu: bool) -> None:
+    """A markdown table: sizes, FLOPs, the median step time, throughput and the ratio to the first
+    candidate (the dense baseline) of the same run."""
+    base = times[candidates[0].name]
+    unit = candidates[0].unit
+    header = f"| model | total params | active params / token | fwd FLOPs / {unit} | ms / step | {unit}s/s | vs dense |"
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    if gpu:
+        header += " TFLOP/s |"
+        rule += "---:|"
+    print(f"\n### {title}\n\n{header}\n{rule}")
+    for c in candidates:
+        t = times[c.name]
+        s = c.summary
+        cells = [
+            c.name,
+            _si(None if s is None else s.total_params),
+            _si(None if s is None else s.active_params_per_token),
+            _si(c.flops_per_example),
+            f"{t * 1e3:.1f}",
+            f"{c.examples_per_step / t:,.0f}",
+            f"{t / base:.2f}x",
+        ]
+        if gpu:
+            flops = c.flops_per_example
+            cells.append("n/a" if flops is None else f"{3 * flops * c.examples_per_step / t / 1e12:.2f}")
+        print("| " + " | ".join(cells) + " |")
+    sys.stdout.flush()
+
+
+def _describe(c: Candidate) -> str:
+    images, targets = c.batch
+    if c.unit == "token":
+        shape = f"batch {targets.shape[0]} x {targets.shape[1]} tokens"
+    else:
+        shape = f"batch {images.shape[0]} images {'x'.join(map(str, images.shape[1:]))}"
+    optim = type(c.optimizer).__name__
+    clip = f", clip {c.clip_val:g}" if c.clip_val else ""
+    return f"{shape}, {c.precision}, {optim}{clip}"
+
+
+def run_group(group: str, args: argparse.Namespace) -> None:
+    experiment, models = GROUPS[group]
+    base = list(QUICK_OVERRIDES[group]) if args.quick else []
+    widths = args.vit_width or ([QUICK_VIT_WIDTH] if args.quick else [128])
+    variants = [[f"model.embed_dim={w}"] for w in widths] if group == "vit" else [[]]
+    batch_size = args.batch_size or (QUICK_BATCH if args.quick else None)
+    for variant in variants:
+        candidates = []
+        for model in models:
+            extra = QUICK_MODEL_OVERRIDES.get(model, []) if args.quick else []
+            kept, dropped = applicable_overrides(experiment, model, list(args.override))
+            if dropped:
+                print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
+            candidates.append(
+                build_candidate(experiment, model, [*base, *variant, *extra, *kept], batch_size, args.device)
+            )
+        times = time_models(candidates, args.rounds)
+        what = f", width {variant[0].split('=')[1]}" if variant else ""
+        extras = f", overrides: {' '.join(args.override)}" if args.override else ""
+        title = f"{group}: experiment={experiment}{what}, {_describe(candidates[0])}{extras}"
+        print_table(title, candidates, times, gpu=args.device == "cuda")
+        del candidates
+        gc.collect()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.machine()} x{os.cpu_count()}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS))
+    parser.add_argument("--vit-width", type=int, nargs="+", help="model.embed_dim of the ViTs, one table each")
+    parser.add_argument("--batch-size", type=int, help="default: the data config's batch size")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (median reported)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script")
+    parser.add_argument(
+        "--override", nargs="+", default=[], help="Hydra overrides for every model (e.g. model.num_experts=32)"
+    )
+    add_allocator_argument(parser)
+    args = parser.parse_args(argv)
+    apply_allocator(args)
+    for name in ("rounds", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={value} must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    print(
+        f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, {_cpu_name()}{gpu}"
+        + f", allocator: {active_allocator()}; one training step (forward, backward, clip, AdamW step), "
+        f"median of {args.rounds} interleaved rounds"
+    )
+    for group in args.groups:
+        run_group(group, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""scripts/bench_models.py: the timed step is the training step of scripts/train.py, and a smoke run
+prints one table per group with a row per model against the dense baseline."""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO
+from moekit.moe import collect_moe_outputs, moe_layers
+
+_spec = importlib.util.spec_from_file_location("bench_models", REPO / "scripts" / "bench_models.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_models"] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    """One thread: these tests check what runs, not how fast (and stay quick on a busy machine)."""
+    monkeypatch.setenv("MOEKIT_NO_REEXEC", "1")  # main() must never re-exec the test process
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_timed_step_is_a_training_step():
+    overrides = [*bench.QUICK_OVERRIDES["vit"], "model.embed_dim=48", "model.num_experts=4"]
+    c = bench.build_candidate("soft_moe_vit", "tokens_choice_vit", overrides, batch_size=4)
+    net = c.task.net
+    # The composed config: the overrides reached the model, the experiment its trainer and optimizer.
+    assert net.embed_dim == 48 and len(net.blocks) == 2
+    layers = [layer for _, layer in moe_layers(net)]
+    assert len(layers) == 1 and layers[0].experts.num_experts == 4 and layers[0].top_k == 2
+    assert c.precision == "bf16-mixed" and c.clip_val == 1.0
+    assert isinstance(c.optimizer, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in c.optimizer.param_groups] == [0.05, 0.0]
+    assert c.optimizer.param_groups[0]["lr"] == 4.0e-3
+    images, labels = c.batch
+    assert images.shape == (4, 1, 28, 28) and labels.max() < 10 and c.examples_per_step == 4
+
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    logits = []
+    handle = net.register_forward_hook(lambda module, inputs, output: logits.append(output))
+    seconds, loss = bench.train_step(c)
+    handle.remove()
+    assert seconds > 0 and len(logits) == 1
+    assert logits[0].dtype == torch.bfloat16  # the forward ran under bf16 autocast
+
+    # The loss minimised = cross-entropy (with the experiment's label smoothing) + the MoE aux losses.
+    ce = F.cross_entropy(logits[0].float(), labels, label_smoothing=0.1)
+    aux = collect_moe_outputs(net).aux_loss.detach()
+    assert aux > 0
+    torch.testing.assert_close(loss - ce.detach(), aux)
+
+    # Backward and the optimizer step ran: the head, the router and the experts moved; grads cleared.
+    changed = {name for name, p in net.named_parameters() if not torch.equal(p.detach(), before[name])}
+    moe_prefix = next(name for name, _ in moe_layers(net))
+    assert "head.weight" in changed
+    assert any(name.startswith(f"{moe_prefix}.experts.") for name in changed)
+    assert any(name.startswith(moe_prefix) and "expert" not in name for name in changed)  # the router
+    assert len(changed) > 0.9 * len(before)
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_language_model_candidate():
+    overrides = [*bench.QUICK_OVERRIDES["lm"], *bench.QUICK_MODEL_OVERRIDES["moe_transformer_lm"]]
+    overrides.append("+model.moe_kwargs.bias_update_rate=0.01")  # loss-free balancing
+    c = bench.build_candidate("moe_transformer_lm", "moe_transformer_lm", overrides, batch_size=3)
+    input_ids, targets = c.batch
+    assert input_ids.shape == targets.shape == (3, 32) and c.examples_per_step == 96
+    assert torch.equal(input_ids[:, 1:], targets[:, :-1]) and int(targets.max()) < 256
+    assert c.unit == "token" and c.summary.flops_per_token == c.flops_per_example > 0
+    layers = [layer for _, layer in moe_layers(c.task.net)]
+    assert len(layers) == 2 and all(layer.experts.num_experts == 8 for layer in layers)
+    biases = [layer.router.expert_bias for layer in layers]
+    assert all(bool((b == 0).all()) for b in biases)
+    _, loss = bench.train_step(c)
+    assert torch.isfinite(loss)
+    # MoETask.optimizer_step's balancing update ran once: every bias moved by +-rate or 0.
+    assert all(bool((b != 0).any()) and bool((b.abs() <= 0.01 + 1e-9).all()) for b in biases)
+
+
+def _tables(text: str) -> dict[str, list[list[str]]]:
+    """Title -> rows (cells) of every markdown table of the output."""
+    tables = {}
+    for chunk in text.split("\n### ")[1:]:
+        title, *lines = chunk.splitlines()
+        rows = [
+            line.strip("|").split("|") for line in lines if line.startswith("| ") and not line.startswith("| model")
+        ]
+        tables[title] = [[cell.strip() for cell in row] for row in rows]
+    return tables
+
+
+def test_quick_run_prints_both_tables(capsys):
+    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--override", "model.num_experts=6"])
+    out = capsys.readouterr().out
+    assert out.startswith("# moekit model benchmark: torch ")
+    tables = _tables(out)
+    assert len(tables) == 2
+    for (group, (experiment, models)), (title, rows) in zip(bench.GROUPS.items(), tables.items()):
+        assert title.startswith(f"{group}: experiment={experiment}")
+        assert [row[0] for row in rows] == models
+        assert rows[0][6] == "1.00x"  # the dense baseline
+        assert all(len(row) == 7 and row[6].endswith("x") and float(row[4]) > 0 for row in rows)
+        assert rows[0][1] == rows[0][2]  # dense: every parameter is active
+        assert all(row[1] != row[2] for row in rows[1:])  # MoE: more parameters than each token uses
+    # The dense twins have no num_experts: the override is left out for them, and said so.
+    assert "(dense_vit: model.num_experts=6 left out" in out
+    assert "(dense_transformer_lm: model.num_experts=6 left out" in out
+    assert "(soft_moe_vit:" not in out
