@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test train demo bench clean
+.PHONY: install test train demo bench bench-models clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench: $(VENV)/.bench-installed
 	$(PY) scripts/bench_moe.py
+
+bench-models: install
+	$(PY) scripts/bench_models.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -13,6 +13,7 @@ rounds, after one warm-up step), so a slow phase of the machine hits all of them
     python scripts/bench_models.py --groups vit --vit-width 64 96 128
     python scripts/bench_models.py --groups vit --override model.num_experts=32
     python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s
+    python scripts/bench_models.py --groups vit --models soft_moe_vit --sweep model.moe_kwargs.slots_per_expert=1,2,4
     python scripts/bench_models.py --quick                  # tiny shapes, a smoke run
 
 Groups: ``vit`` - the Pareto sweep's models (``experiment=results/pareto``) under
@@ -21,7 +22,9 @@ Groups: ``vit`` - the Pareto sweep's models (``experiment=results/pareto``) unde
 ``dense_transformer_lm``. Parameters and forward FLOPs are those ``results.json`` records
 (:func:`moekit.models.summary.model_summary` / ``lm_summary``: FLOPs measured in eval mode).
 An ``--override`` whose key a model's config lacks (``model.num_experts`` for the dense twin) is
-left out for that model, and said so.
+left out for that model, and said so. ``--models`` keeps some of a group's MoE models (the dense
+baseline always runs); ``--sweep key=v1,v2`` times each kept MoE model once per value, in the same
+interleaved rounds (the step-time side of an ablation, e.g. slots per expert).
 """
 
 from __future__ import annotations
@@ -295,22 +298,52 @@ def _describe(c: Candidate) -> str:
     return f"{shape}, {c.precision}, {optim}{clip}"
 
 
+def parse_sweep(sweep: str | None) -> tuple[str, list[str]] | None:
+    """``"key=v1,v2"`` -> ``("key", ["v1", "v2"])``; None stays None."""
+    if sweep is None:
+        return None
+    key, _, values = sweep.partition("=")
+    choices = [v.strip() for v in values.split(",") if v.strip()]
+    if not key or not choices:
+        raise SystemExit(f"--sweep {sweep!r}: write key=value1,value2 (e.g. model.moe_kwargs.slots_per_expert=1,2,4)")
+    return key, choices
+
+
+def group_models(group: str, keep: Sequence[str] | None) -> list[str]:
+    """The group's dense baseline followed by its MoE models (those named in ``keep``, if given)."""
+    _, models = GROUPS[group]
+    if not keep:
+        return list(models)
+    unknown = [m for m in keep if m not in models[1:]]
+    if unknown:
+        raise SystemExit(f"--models {' '.join(unknown)}: not a MoE model of group {group!r}; choose from {models[1:]}")
+    return [models[0], *[m for m in models[1:] if m in keep]]
+
+
 def run_group(group: str, args: argparse.Namespace) -> None:
-    experiment, models = GROUPS[group]
+    experiment, _ = GROUPS[group]
+    models = group_models(group, args.models)
+    sweep = parse_sweep(args.sweep)
     base = list(QUICK_OVERRIDES[group]) if args.quick else []
     widths = args.vit_width or ([QUICK_VIT_WIDTH] if args.quick else [128])
     variants = [[f"model.embed_dim={w}"] for w in widths] if group == "vit" else [[]]
     batch_size = args.batch_size or (QUICK_BATCH if args.quick else None)
     for variant in variants:
         candidates = []
-        for model in models:
+        for i, model in enumerate(models):
             extra = QUICK_MODEL_OVERRIDES.get(model, []) if args.quick else []
             kept, dropped = applicable_overrides(experiment, model, list(args.override))
             if dropped:
                 print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
-            candidates.append(
-                build_candidate(experiment, model, [*base, *variant, *extra, *kept], batch_size, args.device)
-            )
+            settings = [None] if sweep is None or i == 0 else sweep[1]  # the dense baseline runs once
+            for value in settings:
+                swept = [] if value is None else [f"{sweep[0]}={value}"]
+                candidate = build_candidate(
+                    experiment, model, [*base, *variant, *extra, *kept, *swept], batch_size, args.device
+                )
+                if value is not None:
+                    candidate.name = f"{model} {sweep[0].rsplit('.', 1)[-1]}={value}"
+                candidates.append(candidate)
         times = time_models(candidates, args.rounds)
         what = f", width {variant[0].split('=')[1]}" if variant else ""
         extras = f", overrides: {' '.join(args.override)}" if args.override else ""
@@ -333,6 +366,8 @@ def _cpu_name() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS))
+    parser.add_argument("--models", nargs="+", help="MoE models of the group to time (default: all)")
+    parser.add_argument("--sweep", help="key=v1,v2,...: time each MoE model once per value, in the same rounds")
     parser.add_argument("--vit-width", type=int, nargs="+", help="model.embed_dim of the ViTs, one table each")
     parser.add_argument("--batch-size", type=int, help="default: the data config's batch size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

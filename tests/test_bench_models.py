@@ -113,3 +113,29 @@ def test_quick_run_prints_both_tables(capsys):
     assert "(dense_vit: model.num_experts=6 left out" in out
     assert "(dense_transformer_lm: model.num_experts=6 left out" in out
     assert "(soft_moe_vit:" not in out
+
+
+def test_sweep_times_each_value_of_a_setting_against_one_dense_baseline(capsys):
+    bench.main(
+        ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "vit", "--models", "soft_moe_vit"]
+        + ["--sweep", "model.moe_kwargs.slots_per_expert=1,2"]
+    )
+    (rows,) = _tables(capsys.readouterr().out).values()
+    assert [row[0] for row in rows] == [
+        "dense_vit",
+        "soft_moe_vit slots_per_expert=1",
+        "soft_moe_vit slots_per_expert=2",
+    ]
+    assert rows[0][6] == "1.00x"
+    # Twice the slots: the experts process twice the rows, so the forward FLOPs grow.
+    flops = [float(row[3].rstrip("KMG")) for row in rows[1:]]
+    assert flops[1] > flops[0]
+
+
+def test_models_and_sweep_reject_bad_values():
+    with pytest.raises(SystemExit, match="not a MoE model of group 'vit'"):
+        bench.group_models("vit", ["dense_vit"])
+    assert bench.group_models("vit", ["experts_choice_vit"]) == ["dense_vit", "experts_choice_vit"]
+    with pytest.raises(SystemExit, match="write key=value1,value2"):
+        bench.parse_sweep("model.moe_kwargs.slots_per_expert")
+    assert bench.parse_sweep("a.b=1, 2") == ("a.b", ["1", "2"])
