@@ -1,0 +1,112 @@
+"""scripts/bench_moe.py: the timed step is forward + backward of the layer in the chosen precision, a
+candidate that fails is skipped (not fatal), and a smoke run prints each table with its baseline at 1.00x."""
+
+import importlib.util
+import re
+import sys
+
+import pytest
+import torch
+from timm.layers import Mlp
+from torch import nn
+
+from conftest import REPO
+from moekit.moe import SoftMoE
+
+_spec = importlib.util.spec_from_file_location("bench_moe", REPO / "scripts" / "bench_moe.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_moe"] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("MOEKIT_NO_REEXEC", "1")  # main() must never re-exec the test process
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _RecordsDtype(nn.Module):
+    """A linear layer that remembers the dtype its forward computed in."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.dtypes: list[torch.dtype] = []
+
+    def forward(self, x):
+        y = self.linear(x)
+        self.dtypes.append(y.dtype)
+        return y
+
+
+class _Fails(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("needs 36 GiB\nsecond line")
+
+
+@pytest.mark.parametrize("autocast, expected", [(None, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_timed_step_runs_forward_and_backward_in_the_backends_precision(autocast, expected):
+    layer = _RecordsDtype()
+    x = torch.randn(4, 8, requires_grad=True)
+    times = bench.time_candidates([bench.Candidate("probe", layer)], x, 2, bench.Backend(autocast=autocast))
+    assert set(layer.dtypes) == {expected}
+    assert len(layer.dtypes) == 4  # the output-shape probe, the warm-up step and 2 rounds
+    assert times["probe"] > 0
+    assert layer.linear.weight.grad is not None and x.grad is not None  # backward ran
+    assert layer.linear.weight.grad.dtype == torch.float32  # autocast never changes the parameters
+
+
+def test_a_failing_candidate_is_skipped_and_said_so(capsys):
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    cands = [bench.Candidate("mlp", Mlp(8, 16)), bench.Candidate("broken", _Fails())]
+    times = bench.time_candidates(cands, x, 1)
+    assert list(times) == ["mlp"] and [c.name for c in cands] == ["mlp"]
+    assert "(broken: skipped, needs 36 GiB)" in capsys.readouterr().out
+
+
+def test_soft_moe_under_bf16_autocast_keeps_its_router_in_float32():
+    """The benchmark's bf16 setting times the layer as training runs it: the dispatch / combine
+    logits in float32 (the router), the experts in bf16."""
+    layer = SoftMoE(16, 32, num_experts=4, slots_per_expert=2)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    with bench.Backend(autocast=torch.bfloat16).precision():
+        y = layer(x)
+    assert y.dtype == torch.bfloat16  # the experts ran under autocast
+    y.float().sum().backward()
+    assert layer.phi.grad.dtype == torch.float32
+
+
+def _rows(out: str) -> dict[str, list[list[str]]]:
+    tables, title = {}, None
+    for line in out.splitlines():
+        if line.startswith("### "):
+            title = line[4:]
+            tables[title] = []
+        elif title and line.startswith("| ") and not line.startswith(("| layer", "| experts")):
+            tables[title].append([cell.strip() for cell in line.strip("|").split("|")])
+    return tables
+
+
+def test_quick_run_prints_tables_with_the_baseline_at_one(capsys):
+    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--tables", "layers", "scaling"])
+    out = capsys.readouterr().out
+    assert out.startswith("# moekit layer benchmark: torch ")
+    assert "fp32, forward + backward, batch x1" in out
+    tables = _rows(out)
+    layers = next(rows for title, rows in tables.items() if title.startswith("All layers"))
+    assert layers[0][0] == "dense Mlp" and layers[0][2] == "1.00x"
+    assert len(layers) >= 8 and all(float(row[1]) > 0 for row in layers)
+    scaling = next(rows for title, rows in tables.items() if title.startswith("Scaling experts"))
+    assert [row[0] for row in scaling] == ["4", "8", "16"]
+    assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for row in scaling for cell in row[2:])
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--batch-scale", "0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench.main(["--quick", "--device", "cuda"])
