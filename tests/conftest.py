@@ -2,10 +2,12 @@
 (per token / per slot loops: slow, obviously right), and helpers that compose the training configs
 and run the scripts."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -91,6 +93,27 @@ def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictCon
         cfg.hydra.runtime.cwd = str(REPO)
     HydraConfig.instance().set_config(cfg)
     return cfg
+
+
+def import_script(filename: str, module_name: str) -> ModuleType:
+    """``scripts/<filename>`` imported as the module ``module_name`` (registered in ``sys.modules``:
+    dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "scripts" / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_thread_no_reexec(monkeypatch):
+    """For benchmark scripts' tests, which check what runs, not how fast: one torch thread (quick on a
+    busy machine), and ``main()`` never re-executes the test process (with another allocator)."""
+    monkeypatch.setenv("MOEKIT_NO_REEXEC", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:

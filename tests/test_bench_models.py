@@ -1,30 +1,15 @@
 """scripts/bench_models.py: the timed step is the training step of scripts/train.py, and a smoke run
 prints one table per group with a row per model against the dense baseline."""
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
+from conftest import import_script
 from moekit.moe import collect_moe_outputs, moe_layers
 
-_spec = importlib.util.spec_from_file_location("bench_models", REPO / "scripts" / "bench_models.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_models"] = bench  # dataclasses look their module up
-_spec.loader.exec_module(bench)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    """One thread: these tests check what runs, not how fast (and stay quick on a busy machine)."""
-    monkeypatch.setenv("MOEKIT_NO_REEXEC", "1")  # main() must never re-exec the test process
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+bench = import_script("bench_models.py", "bench_models")
+pytestmark = pytest.mark.usefixtures("one_thread_no_reexec")
 
 
 def test_timed_step_is_a_training_step():

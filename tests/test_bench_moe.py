@@ -1,31 +1,18 @@
 """scripts/bench_moe.py: the timed step is forward + backward of the layer in the chosen precision, a
 candidate that fails is skipped (not fatal), and a smoke run prints each table with its baseline at 1.00x."""
 
-import importlib.util
 import re
-import sys
 
 import pytest
 import torch
 from timm.layers import Mlp
 from torch import nn
 
-from conftest import REPO
+from conftest import import_script
 from moekit.moe import SoftMoE
 
-_spec = importlib.util.spec_from_file_location("bench_moe", REPO / "scripts" / "bench_moe.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_moe"] = bench  # dataclasses look their module up
-_spec.loader.exec_module(bench)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setenv("MOEKIT_NO_REEXEC", "1")  # main() must never re-exec the test process
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+bench = import_script("bench_moe.py", "bench_moe")
+pytestmark = pytest.mark.usefixtures("one_thread_no_reexec")
 
 
 class _RecordsDtype(nn.Module):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, import_script
 
 SOAK_SCRIPT = REPO / "scripts" / "soak.py"
 MIB = 2**20
@@ -22,12 +21,8 @@ MIB = 2**20
 @pytest.fixture(scope="module")
 def soak() -> Iterator[ModuleType]:
     """``scripts/soak.py`` imported as a module."""
-    spec = importlib.util.spec_from_file_location("soak_script", SOAK_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield import_script("soak.py", "soak_script")
+    del sys.modules["soak_script"]
 
 
 def _records(soak: ModuleType, steps: int, every: int, rss_mib, seconds_per_step) -> list:
