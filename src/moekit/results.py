@@ -615,7 +615,10 @@ def plot_ablations(results: Sequence[RunResult], out: Path) -> Path:
     plt = _pyplot()
     groups = group_results(results)
     tasks = list(dict.fromkeys(g.task_name for g in groups))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(max(6.0, 4.5 * len(tasks)), 4.2), squeeze=False)
+    bars = [max(2, sum(g.task_name == task for g in groups)) for task in tasks]  # panel width follows its bars
+    fig, axes = plt.subplots(
+        1, len(tasks), figsize=(max(6.0, 2.1 * sum(bars)), 4.2), squeeze=False, gridspec_kw={"width_ratios": bars}
+    )
     for ax, task in zip(axes[0], tasks, strict=True):
         task_groups = [g for g in groups if g.task_name == task]
         metric = _primary_metric(run for g in task_groups for run in g.runs)
