@@ -14,17 +14,25 @@ rounds, after one warm-up step), so a slow phase of the machine hits all of them
     python scripts/bench_models.py --groups vit --override model.num_experts=32
     python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s
     python scripts/bench_models.py --groups vit --models soft_moe_vit --sweep model.moe_kwargs.slots_per_expert=1,2,4
+    python scripts/bench_models.py --groups scaling --sweep model.num_experts=8,16,32,64,128,256
+    python scripts/bench_models.py --groups vit --vit-width 64 96 128 --json logs/bench_models/pareto.json
     python scripts/bench_models.py --quick                  # tiny shapes, a smoke run
 
 Groups: ``vit`` - the Pareto sweep's models (``experiment=results/pareto``) under
 ``experiment=soft_moe_vit``, against ``dense_vit``; ``lm`` - the language sweep's models
 (``experiment=results/language``) under ``experiment=moe_transformer_lm``, against
-``dense_transformer_lm``. Parameters and forward FLOPs are those ``results.json`` records
+``dense_transformer_lm``; ``scaling`` - the expert-scaling sweep's routers (``experiment=results/scaling``;
+not run by default), against ``dense_vit``. Parameters and forward FLOPs are those ``results.json`` records
 (:func:`moekit.models.summary.model_summary` / ``lm_summary``: FLOPs measured in eval mode).
 An ``--override`` whose key a model's config lacks (``model.num_experts`` for the dense twin) is
 left out for that model, and said so. ``--models`` keeps some of a group's MoE models (the dense
 baseline always runs); ``--sweep key=v1,v2`` times each kept MoE model once per value, in the same
 interleaved rounds (the step-time side of an ablation, e.g. slots per expert).
+
+``--json PATH`` also writes the tables as JSON, each row with its model's resolved config, batch size and
+precision: ``scripts/plot_results.py --step-times PATH`` matches them to a sweep's runs and draws the
+time axes from these step times, measured side by side, rather than from the runs' recorded times,
+which drift with the machine between sessions.
 """
 
 from __future__ import annotations
@@ -32,8 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +58,7 @@ from torch import Tensor
 
 from moekit.models.summary import LMSummary, ModelSummary
 from moekit.moe import update_balancing_biases
+from moekit.results import STEP_TIMES_KIND, machine_info, write_json_atomic
 from moekit.run import _summary, instantiate
 from moekit.tasks import LanguageModel, MoETask
 from moekit.tasks.optim import build_optimizer, param_groups
@@ -67,12 +74,18 @@ GROUPS: dict[str, tuple[str, list[str]]] = {
         ["dense_vit", "soft_moe_vit", "results/top1_vit", "tokens_choice_vit", "experts_choice_vit"],
     ),
     "lm": ("moe_transformer_lm", ["dense_transformer_lm", "moe_transformer_lm", "results/moe_lstm_lm_matched"]),
+    "scaling": (
+        "results/scaling",
+        ["dense_vit", "results/scaling_soft_moe", "results/scaling_top1", "results/scaling_experts_choice"],
+    ),
 }
+DEFAULT_GROUPS = ["vit", "lm"]
 
 QUICK_BATCH = 8
 QUICK_VIT_WIDTH = 32
 QUICK_OVERRIDES: dict[str, list[str]] = {
     "vit": ["model.depth=2", "model.num_heads=2"],
+    "scaling": ["model.depth=2", "model.num_heads=2"],
     "lm": ["data.seq_len=32", "model.dim=32"],
 }
 QUICK_MODEL_OVERRIDES: dict[str, list[str]] = {
@@ -89,9 +102,12 @@ _FULL = {"32-true", "32"}
 @dataclass
 class Candidate:
     """One model ready to train: the task (its ``net``), the optimizer the run would build, a random
-    batch on ``device``, the trainer's precision and clipping, and the model's summary."""
+    batch on ``device``, the trainer's precision and clipping, and the model's summary; ``name`` is
+    its row in the table, ``model`` and ``overrides`` what built it."""
 
     name: str
+    model: str
+    overrides: list[str]
     cfg: DictConfig
     task: MoETask
     optimizer: torch.optim.Optimizer
@@ -189,6 +205,8 @@ def build_candidate(
     clip_val = cfg.trainer.get("gradient_clip_val")
     return Candidate(
         name=model,
+        model=model,
+        overrides=list(overrides),
         cfg=cfg,
         task=task,
         optimizer=optimizer,
@@ -287,6 +305,33 @@ def print_table(title: str, candidates: list[Candidate], times: dict[str, float]
     sys.stdout.flush()
 
 
+def table_record(title: str, candidates: list[Candidate], times: dict[str, float]) -> dict[str, Any]:
+    """A table as JSON: a row per model with its median step time, what it ran (the model's resolved
+    config, batch size, precision: :func:`moekit.results.step_time_key`) and its sizes."""
+    base = times[candidates[0].name]
+    rows = []
+    for c in candidates:
+        s = c.summary
+        rows.append(
+            {
+                "name": c.name,
+                "model": c.model,
+                "overrides": c.overrides,
+                "model_config": OmegaConf.to_container(c.cfg.model, resolve=True),
+                "batch_size": int(c.batch[1].shape[0]),
+                "precision": c.precision,
+                "seconds_per_step": times[c.name],
+                "vs_dense": times[c.name] / base,
+                "examples_per_step": c.examples_per_step,
+                "unit": c.unit,
+                "flops_per_example": c.flops_per_example,
+                "total_params": None if s is None else int(s.total_params),
+                "active_params_per_token": None if s is None else float(s.active_params_per_token),
+            }
+        )
+    return {"title": title, "rows": rows}
+
+
 def _describe(c: Candidate) -> str:
     images, targets = c.batch
     if c.unit == "token":
@@ -320,14 +365,17 @@ def group_models(group: str, keep: Sequence[str] | None) -> list[str]:
     return [models[0], *[m for m in models[1:] if m in keep]]
 
 
-def run_group(group: str, args: argparse.Namespace) -> None:
+def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time the group's models (one table per ViT width); print each table and return them as
+    :func:`table_record` s."""
     experiment, _ = GROUPS[group]
     models = group_models(group, args.models)
     sweep = parse_sweep(args.sweep)
     base = list(QUICK_OVERRIDES[group]) if args.quick else []
     widths = args.vit_width or ([QUICK_VIT_WIDTH] if args.quick else [128])
-    variants = [[f"model.embed_dim={w}"] for w in widths] if group == "vit" else [[]]
+    variants = [[f"model.embed_dim={w}"] for w in widths] if group != "lm" else [[]]
     batch_size = args.batch_size or (QUICK_BATCH if args.quick else None)
+    tables = []
     for variant in variants:
         candidates = []
         for i, model in enumerate(models):
@@ -349,23 +397,15 @@ def run_group(group: str, args: argparse.Namespace) -> None:
         extras = f", overrides: {' '.join(args.override)}" if args.override else ""
         title = f"{group}: experiment={experiment}{what}, {_describe(candidates[0])}{extras}"
         print_table(title, candidates, times, gpu=args.device == "cuda")
+        tables.append(table_record(title, candidates, times))
         del candidates
         gc.collect()
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.machine()} x{os.cpu_count()}"
+    return tables
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS))
+    parser.add_argument("--groups", nargs="+", choices=list(GROUPS), default=DEFAULT_GROUPS)
     parser.add_argument("--models", nargs="+", help="MoE models of the group to time (default: all)")
     parser.add_argument("--sweep", help="key=v1,v2,...: time each MoE model once per value, in the same rounds")
     parser.add_argument("--vit-width", type=int, nargs="+", help="model.embed_dim of the ViTs, one table each")
@@ -373,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (median reported)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script")
+    parser.add_argument("--json", type=Path, help="also write the tables here (for plot_results.py --step-times)")
     parser.add_argument(
         "--override", nargs="+", default=[], help="Hydra overrides for every model (e.g. model.num_experts=32)"
     )
@@ -383,16 +424,30 @@ def main(argv: list[str] | None = None) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={value} must be positive")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # fail now, not after the timing
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    machine = machine_info()
     print(
-        f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, {_cpu_name()}{gpu}"
-        + f", allocator: {active_allocator()}; one training step (forward, backward, clip, AdamW step), "
-        f"median of {args.rounds} interleaved rounds"
+        f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}; one training step "
+        f"(forward, backward, clip, AdamW step), median of {args.rounds} interleaved rounds"
     )
-    for group in args.groups:
-        run_group(group, args)
+    tables = [table for group in args.groups for table in run_group(group, args)]
+    if args.json:
+        record = {
+            "kind": STEP_TIMES_KIND,
+            "version": 1,
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "device": args.device,
+            "rounds": args.rounds,
+            "allocator": active_allocator(),
+            "machine": machine,
+            "tables": tables,
+        }
+        print(f"wrote {write_json_atomic(args.json, record)}")
 
 
 if __name__ == "__main__":

@@ -2,33 +2,65 @@
 
     python scripts/plot_results.py logs/results/pareto              # -> logs/results/pareto/figures/
     python scripts/plot_results.py logs/results --out docs/figures/results
+    python scripts/plot_results.py logs/results/pareto --step-times logs/bench_models/pareto.json
 
 Reads every ``results.json`` under the folder (each finished run of ``scripts/train.py`` writes one),
 averages the runs that differ only in their seed (mean; error bars and table ranges are min-max), draws
 the figure of each results sweep found (``pareto.png``, ``scaling.png``, ``language.png``,
 ``ablations.png``; see ``configs/experiment/results/``), and prints a markdown table, also written as
 ``results.md`` beside the figures. The logic is in :mod:`moekit.results`.
+
+``--step-times`` takes files of ``scripts/bench_models.py --json``: each run then gets its model's
+benchmarked step time, and the time axes use it (steps x step time) instead of the times the runs
+recorded, which are not comparable across sessions or beside other work on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
-from moekit.results import load_results, markdown_table, plot_all
+from moekit.results import (
+    RunResult,
+    attach_step_times,
+    load_results,
+    load_step_times,
+    markdown_table,
+    plot_all,
+)
+
+
+def report_missing_step_times(results: list[RunResult]) -> None:
+    """Say which sweeps' runs have no benchmarked step time (their figures keep the recorded times)."""
+    missing = Counter(run.task_name for run in results if run.bench_step_seconds is None)
+    for task, count in sorted(missing.items()):
+        print(
+            f"note: {count} run(s) of {task} have no step time in the --step-times files, so its figure uses the "
+            "recorded times; time their models with scripts/bench_models.py --json (the same models, batch size "
+            "and precision, e.g. --vit-width 64 96 128 for the Pareto sweep)",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a sweep folder (logs/results/<name>) or any folder of runs")
     parser.add_argument("--out", type=Path, default=None, help="where the figures go (default: <folder>/figures)")
+    parser.add_argument(
+        "--step-times", type=Path, nargs="+", help="scripts/bench_models.py --json files: time axes from them"
+    )
     args = parser.parse_args(argv)
     try:
         results = load_results(args.folder)
+        if args.step_times:
+            results = attach_step_times(results, load_step_times(args.step_times))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if args.step_times:
+        report_missing_step_times(results)
     out = args.out or args.folder / "figures"
     table = markdown_table(results)
     print(table)

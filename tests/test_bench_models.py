@@ -1,12 +1,15 @@
 """scripts/bench_models.py: the timed step is the training step of scripts/train.py, and a smoke run
 prints one table per group with a row per model against the dense baseline."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import import_script
 from moekit.moe import collect_moe_outputs, moe_layers
+from moekit.results import STEP_TIMES_KIND, load_step_times
 
 bench = import_script("bench_models.py", "bench_models")
 pytestmark = pytest.mark.usefixtures("one_thread_no_reexec")
@@ -87,7 +90,8 @@ def test_quick_run_prints_both_tables(capsys):
     assert out.startswith("# moekit model benchmark: torch ")
     tables = _tables(out)
     assert len(tables) == 2
-    for (group, (experiment, models)), (title, rows) in zip(bench.GROUPS.items(), tables.items()):
+    for group, (title, rows) in zip(bench.DEFAULT_GROUPS, tables.items(), strict=True):
+        experiment, models = bench.GROUPS[group]
         assert title.startswith(f"{group}: experiment={experiment}")
         assert [row[0] for row in rows] == models
         assert rows[0][6] == "1.00x"  # the dense baseline
@@ -124,3 +128,32 @@ def test_models_and_sweep_reject_bad_values():
     with pytest.raises(SystemExit, match="write key=value1,value2"):
         bench.parse_sweep("model.moe_kwargs.slots_per_expert")
     assert bench.parse_sweep("a.b=1, 2") == ("a.b", ["1", "2"])
+
+
+def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
+    """--json: the tables as printed, each row with its model's resolved config, batch size and precision,
+    which plot_results.py --step-times matches to the runs of the same model."""
+    out = tmp_path / "bench" / "scaling.json"
+    bench.main(
+        ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "scaling"]
+        + ["--models", "results/scaling_top1", "--sweep", "model.num_experts=4,8", "--json", str(out)]
+    )
+    (printed,) = _tables(capsys.readouterr().out).values()
+    record = json.loads(out.read_text())
+    assert record["kind"] == STEP_TIMES_KIND and record["rounds"] == 1
+    (table,) = record["tables"]
+    assert table["title"].startswith("scaling: experiment=results/scaling")
+    rows = table["rows"]
+    assert [row["name"] for row in rows] == [row[0] for row in printed]
+    assert [row["name"] for row in rows] == [
+        "dense_vit",
+        "results/scaling_top1 num_experts=4",
+        "results/scaling_top1 num_experts=8",
+    ]
+    assert [f"{row['seconds_per_step'] * 1e3:.1f}" for row in rows] == [row[4] for row in printed]
+    assert rows[0]["vs_dense"] == 1.0 and "num_experts" not in rows[0]["model_config"]
+    assert [row["model_config"]["num_experts"] for row in rows[1:]] == [4, 8]
+    assert all(row["model_config"]["moe_blocks"] == "last_2" for row in rows[1:])
+    assert all(row["batch_size"] == bench.QUICK_BATCH == row["examples_per_step"] for row in rows)
+    assert all(row["precision"] == "bf16-mixed" for row in rows)
+    assert len(load_step_times([out])) == 3  # three different models

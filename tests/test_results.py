@@ -13,16 +13,19 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import moekit.models  # noqa: F401  (registers the models with timm)
-from conftest import CONFIGS, compose_config, run_script, small_overrides
+from conftest import CONFIGS, compose_config, import_script, run_script, small_overrides
 from moekit.callbacks import TrainingCounter
 from moekit.models.summary import lm_summary, model_summary
 from moekit.moe import moe_layers
 from moekit.results import (
     RESULTS_FILE,
+    STEP_TIMES_KIND,
     RunResult,
+    attach_step_times,
     figure_kind,
     group_results,
     load_results,
+    load_step_times,
     markdown_table,
     model_family,
     plot_ablations,
@@ -31,6 +34,7 @@ from moekit.results import (
     plot_pareto,
     plot_scaling,
     setting_label,
+    step_time_key,
     summarize,
     write_json_atomic,
 )
@@ -270,6 +274,22 @@ def test_fast_dev_run_of_one_member_of_each_sweep(name, fake_fashion, tmp_path):
     assert math.isfinite(metrics[metric])
     result = RunResult.from_record(record, tmp_path)
     assert result.training_flops and result.training_flops > 0
+    if name in BENCH_GROUP:  # bench_models.py times this model: its row matches the run's step key
+        bench = import_script("bench_models.py", "bench_models")
+        model, rest = first["model"], [o for o in overrides if not o.startswith("model=")]
+        candidate = bench.build_candidate(bench.GROUPS[BENCH_GROUP[name]][0], model, rest)
+        _write_step_times(tmp_path / "steps.json", [bench.table_record("t", [candidate], {candidate.name: 0.25})])
+        (timed,) = attach_step_times([result], load_step_times([tmp_path / "steps.json"]))
+        assert timed.bench_step_seconds == 0.25
+        assert timed.bench_seconds == pytest.approx(0.25 * result.examples_seen / candidate.examples_per_step)
+
+
+BENCH_GROUP = {"pareto": "vit", "scaling": "scaling", "language": "lm"}  # sweep -> group of bench_models.py
+
+
+def _write_step_times(path: Path, tables: list[dict]) -> Path:
+    """A step-time file as ``bench_models.py --json`` writes it (the fields the results tooling reads)."""
+    return write_json_atomic(path, {"kind": STEP_TIMES_KIND, "version": 1, "tables": tables})
 
 
 def test_a_sweep_from_the_command_line_then_its_figures(fake_fashion, tmp_path):
@@ -320,11 +340,17 @@ def _record(task: str, family: str, seed: int, overrides: list[str], **values) -
         "params": {"total": values.get("params", 1000), "active_per_token": values.get("active", 500.0)},
         "flops": {"forward_per_example": forward, "training": 3 * forward * 1000},
         "training": {
+            "examples_seen": values.get("examples", 1000),
             "fit_seconds": values.get("seconds", 10.0),
             "mean_batch_seconds": values.get("step", 0.1),
             "mean_throughput": 100.0,
         },
         "metrics": {"val": {}, "test": {"ppl": values["ppl"], "bpb": 1.0} if lm else {"acc": values["acc"]}},
+        "config": {
+            "model": values.get("model_config", {"name": overrides}),
+            "data": {"batch_size": values.get("batch_size", 100)},
+            "trainer": {"precision": "bf16-mixed"},
+        },
     }
 
 
@@ -461,3 +487,124 @@ def test_plot_script_on_an_empty_folder_fails_with_one_line(tmp_path):
     run = run_script("plot_results.py", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 1
     assert "no results.json under" in run.stderr and "Traceback" not in run.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarked step times in place of the recorded times
+
+
+def _step_row(model_config, seconds: float, batch_size: int = 100, precision: str = "bf16-mixed") -> dict:
+    return {
+        "name": str(model_config),
+        "model_config": model_config,
+        "batch_size": batch_size,
+        "precision": precision,
+        "seconds_per_step": seconds,
+        "examples_per_step": batch_size,
+    }
+
+
+def test_step_times_go_to_the_runs_of_the_same_model_batch_and_precision(tmp_path):
+    runs = _results(PARETO)  # 1000 examples a run, batches of 100: 10 steps
+    dense_64 = {"name": ["model=dense_vit", "model.embed_dim=64"]}
+    soft_64 = {"name": ["model=soft_moe_vit", "model.embed_dim=64"]}
+    rows = [
+        _step_row(dense_64, 0.5),
+        _step_row(soft_64, 0.25, batch_size=50),  # another batch size: another step, no match
+        _step_row(soft_64, 0.75, precision="32-true"),  # another precision: no match
+    ]
+    step_times = load_step_times([_write_step_times(tmp_path / "steps.json", [{"title": "t", "rows": rows}])])
+    timed = attach_step_times(runs, step_times)
+    assert [r.path for r in timed] == [r.path for r in runs]
+    matched = [r for r in timed if r.bench_step_seconds is not None]
+    assert len(matched) == 3 and all(
+        dict(r.setting) == {"model": "dense_vit", "model.embed_dim": "64"} for r in matched
+    )
+    assert all(r.bench_seconds == pytest.approx(0.5 * 10) for r in matched)
+    assert all(r.bench_seconds is None for r in timed if r not in matched)
+    # The table gains the benchmarked step next to the recorded one.
+    table = markdown_table(timed)
+    assert "| bench step ms |" in table and "| 500 |" in table
+    assert "| bench step ms |" not in markdown_table(runs) and "bench_models" not in markdown_table(runs)
+
+
+def _timed(runs: list[RunResult], seconds, path: Path) -> list[RunResult]:
+    """``runs`` with the step times ``seconds(run)`` of their models, through a step-time file."""
+    rows = {r.step_key: _step_row(json.loads(r.step_key)["model"], seconds(r)) for r in runs}
+    return attach_step_times(
+        runs, load_step_times([_write_step_times(path, [{"title": "t", "rows": list(rows.values())}])])
+    )
+
+
+def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path, monkeypatch):
+    import moekit.results as results
+
+    drawn = {}
+
+    def keep(fig, out):  # each panel's label and points instead of a file
+        drawn[out.name] = [
+            (
+                ax.get_xlabel(),
+                ax.get_ylabel(),
+                [(list(c.lines[0].get_xdata()), list(c.lines[0].get_ydata())) for c in ax.containers],
+            )
+            for ax in fig.axes
+        ]
+        results._pyplot().close(fig)
+        return out
+
+    monkeypatch.setattr(results, "_save", keep)
+    pareto = _results(PARETO)  # 10 steps a run; recorded fit times width + 1, 2, 6 s
+    width = {r.step_key: int(dict(r.setting)["model.embed_dim"]) for r in pareto}
+    plot_pareto(_timed(pareto, lambda r: width[r.step_key] / 1000, tmp_path / "p.json"), tmp_path / "bench.png")
+    plot_pareto(pareto, tmp_path / "recorded.png")
+    (_, _, _), (label, _, lines) = drawn["bench.png"]
+    assert "benchmarked step" in label
+    assert sorted(x for xs, _ in lines for x in xs) == pytest.approx([0.64, 0.64, 1.28, 1.28])  # 10 x step
+    (_, _, _), (label, _, lines) = drawn["recorded.png"]
+    assert "as recorded" in label
+    assert sorted(x for xs, _ in lines for x in xs) == [67, 67, 131, 131]
+
+    scaling = _results(SCALING)  # recorded steps: num_experts seconds
+    plot_scaling(_timed(scaling, lambda r: 0.002 * r.num_experts, tmp_path / "s.json"), tmp_path / "scaling.png")
+    (label, ylabel, lines), _ = drawn["scaling.png"]
+    assert "benchmarked" in ylabel
+    assert sorted(y for _, ys in lines for y in ys) == pytest.approx([16, 16, 128, 128, 512, 512])  # ms
+    # One run without a step time: the figure keeps the recorded times for all.
+    partial = _timed(scaling[1:], lambda r: 0.002 * r.num_experts, tmp_path / "s2.json") + scaling[:1]
+    plot_scaling(partial, tmp_path / "partial.png")
+    (_, ylabel, _), _ = drawn["partial.png"]
+    assert "as recorded" in ylabel
+
+
+def test_step_time_files_that_cannot_be_used_say_why(tmp_path):
+    with pytest.raises(FileNotFoundError, match="bench_models.py --json"):
+        load_step_times([tmp_path / "missing.json"])
+    write_json_atomic(tmp_path / "run.json", {"kind": "something else", "tables": []})
+    with pytest.raises(ValueError, match="run.json.*not a step-time file"):
+        load_step_times([tmp_path / "run.json"])
+    row = _step_row({"name": "m"}, 0.5)
+    first = _write_step_times(tmp_path / "a.json", [{"title": "t", "rows": [row]}])
+    second = _write_step_times(tmp_path / "b.json", [{"title": "t", "rows": [row]}])
+    with pytest.raises(ValueError, match="timed twice.*a.json"):
+        load_step_times([first, second])
+    assert step_time_key({"a": 1, "b": 2}, 4, "32-true") == step_time_key({"b": 2, "a": 1}, 4, "32-true")
+
+
+def test_plot_script_takes_step_times_and_names_the_runs_left_without(tmp_path):
+    for i, record in enumerate(PARETO + ABLATIONS):
+        (tmp_path / "runs" / f"run{i}").mkdir(parents=True)
+        write_json_atomic(tmp_path / "runs" / f"run{i}" / RESULTS_FILE, record)
+    runs = _results(PARETO)
+    rows = {r.step_key: _step_row(json.loads(r.step_key)["model"], 0.1) for r in runs}
+    steps = _write_step_times(tmp_path / "steps.json", [{"title": "t", "rows": list(rows.values())}])
+    plot = run_script("plot_results.py", str(tmp_path / "runs"), "--step-times", str(steps), cwd=tmp_path)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert "| bench step ms |" in plot.stdout
+    assert "6 run(s) of results_ablation_l2norm have no step time" in plot.stderr
+    assert "9 run(s) of results_ablation_slots have no step time" in plot.stderr
+    assert "results_pareto" not in plot.stderr
+    bad = run_script(
+        "plot_results.py", str(tmp_path / "runs"), "--step-times", str(tmp_path / "none.json"), cwd=tmp_path
+    )
+    assert bad.returncode == 1 and "none.json" in bad.stderr and "Traceback" not in bad.stderr

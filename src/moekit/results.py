@@ -6,6 +6,12 @@ the runs that differ only in their seed (:func:`group_results`), and draws the f
 sweep (``configs/experiment/results/``) with the mean over seeds and the min-max range as error bars
 (:func:`plot_pareto`, :func:`plot_scaling`, :func:`plot_language`, :func:`plot_ablations`), plus a
 markdown table (:func:`markdown_table`).
+
+Wall times recorded by runs of different sessions (or beside other work) are not comparable: the
+machine's speed drifts. ``scripts/bench_models.py --json`` times the models' training steps in one
+interleaved run; :func:`load_step_times` reads its file and :func:`attach_step_times` gives each run
+the step time of its model (matched by :func:`step_time_key`: the resolved model config, the batch size
+and the precision), which the figures then use in place of the recorded times.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import platform
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,10 @@ __all__ = [
     "build_run_record",
     "write_json_atomic",
     "load_results",
+    "StepTime",
+    "step_time_key",
+    "load_step_times",
+    "attach_step_times",
     "summarize",
     "group_results",
     "figure_kind",
@@ -271,6 +281,11 @@ class RunResult:
         fit_seconds: wall time of training (validation included).
         batch_seconds: mean time of a training batch (data loading included).
         throughput: mean training examples per second.
+        examples_seen: training examples (images or tokens) of the run.
+        step_key: :func:`step_time_key` of its model, batch size and precision (None for a record
+            without its config).
+        bench_step_seconds, bench_examples_per_step: the benchmarked step time of its model and the
+            examples of that step (:func:`attach_step_times`), or None.
         val, test: the final validation metrics and the test metrics (``acc``, ``acc_top5`` or
             ``ppl``, ``bpb``, ...).
     """
@@ -288,14 +303,22 @@ class RunResult:
     fit_seconds: float | None
     batch_seconds: float | None
     throughput: float | None
+    examples_seen: int | None
+    step_key: str | None
     val: Mapping[str, float]
     test: Mapping[str, float]
+    bench_step_seconds: float | None = None
+    bench_examples_per_step: int | None = None
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], path: Path) -> RunResult:
         """Read the fields of a ``results.json`` record (:func:`build_run_record`)."""
         pairs = (_parse_override(o) for o in record.get("overrides", []))
         training = record.get("training", {})
+        config = record.get("config") or {}
+        step_key = None
+        if {"model", "data", "trainer"} <= set(config) and "batch_size" in config["data"]:
+            step_key = step_time_key(config["model"], config["data"]["batch_size"], config["trainer"]["precision"])
         return cls(
             path=path,
             task_name=str(record.get("task_name")),
@@ -310,9 +333,19 @@ class RunResult:
             fit_seconds=training.get("fit_seconds"),
             batch_seconds=training.get("mean_batch_seconds"),
             throughput=training.get("mean_throughput"),
+            examples_seen=training.get("examples_seen"),
+            step_key=step_key,
             val=dict(record["metrics"].get("val", {})),
             test=dict(record["metrics"].get("test", {})),
         )
+
+    @property
+    def bench_seconds(self) -> float | None:
+        """The run's training time at its benchmarked step time: steps x ``bench_step_seconds`` (None
+        without a step time)."""
+        if self.bench_step_seconds is None or not self.bench_examples_per_step or self.examples_seen is None:
+            return None
+        return self.bench_step_seconds * self.examples_seen / self.bench_examples_per_step
 
 
 def load_results(folder: str | os.PathLike) -> list[RunResult]:
@@ -339,6 +372,90 @@ def load_results(folder: str | os.PathLike) -> list[RunResult]:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{str(file)!r} is not a moekit run record ({type(err).__name__}: {err})") from None
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Step times from scripts/bench_models.py --json
+
+STEP_TIMES_KIND = "moekit.bench_models"
+
+
+def step_time_key(model_config: Mapping[str, Any], batch_size: int, precision: str) -> str:
+    """What makes two training steps the same work: the resolved model config, the batch size (images
+    or sequences) and the trainer's precision, as one canonical string."""
+    return json.dumps(
+        {"model": model_config, "batch_size": int(batch_size), "precision": str(precision)}, sort_keys=True
+    )
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One model's benchmarked training step.
+
+    Attributes:
+        name: the benchmark's row (``soft_moe_vit``, ``soft_moe_vit num_experts=32``, ...).
+        seconds: the median seconds of a training step.
+        examples_per_step: images (or tokens) in the step's batch.
+        source: the file it was read from.
+    """
+
+    name: str
+    seconds: float
+    examples_per_step: int
+    source: Path
+
+
+def load_step_times(paths: Iterable[str | os.PathLike]) -> dict[str, StepTime]:
+    """The step times of ``scripts/bench_models.py --json`` files, by :func:`step_time_key`.
+
+    Raises:
+        FileNotFoundError: a file does not exist.
+        ValueError: a file is not such a benchmark file, or two rows time the same model (the message
+            names both: give each model's step time once).
+    """
+    times: dict[str, StepTime] = {}
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{str(path)!r} does not exist; write one with python scripts/bench_models.py --json {path}"
+            )
+        try:
+            data = json.loads(path.read_text())
+            if data.get("kind") != STEP_TIMES_KIND:
+                raise ValueError(f"its kind is {data.get('kind')!r}, not {STEP_TIMES_KIND!r}")
+            rows = [(row, table["title"]) for table in data["tables"] for row in table["rows"]]
+            entries = [
+                (
+                    step_time_key(row["model_config"], row["batch_size"], row["precision"]),
+                    StepTime(row["name"], float(row["seconds_per_step"]), int(row["examples_per_step"]), path),
+                )
+                for row, _ in rows
+            ]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(
+                f"{str(path)!r} is not a step-time file of scripts/bench_models.py --json ({type(err).__name__}: {err})"
+            ) from None
+        for key, step in entries:
+            if key in times:
+                first = times[key]
+                raise ValueError(
+                    f"the model of {step.name!r} ({path}) is timed twice: also {first.name!r} ({first.source}); "
+                    "give each model's step time once"
+                )
+            times[key] = step
+    return times
+
+
+def attach_step_times(results: Sequence[RunResult], step_times: Mapping[str, StepTime]) -> list[RunResult]:
+    """``results`` with ``bench_step_seconds`` set from the step time of each run's model, where the
+    step times have one (:attr:`RunResult.step_key`); the other runs are returned unchanged."""
+    attached = []
+    for run in results:
+        step = step_times.get(run.step_key)
+        if step is not None:
+            run = replace(run, bench_step_seconds=step.seconds, bench_examples_per_step=step.examples_per_step)
+        attached.append(run)
+    return attached
 
 
 @dataclass(frozen=True)
@@ -455,7 +572,8 @@ def _spread(stat: Stat | None, scale: float = 1.0, digits: int = 2) -> str:
 def _task_table(groups: Sequence[Group]) -> list[str]:
     metrics = _metrics_of(run for g in groups for run in g.runs)
     header = ["setting", "family", "seeds", "params", "active params / token", "FLOPs / example", "training FLOPs"]
-    header += ["fit time s", "step ms", *(m.label for m in metrics)]
+    benched = any(run.bench_step_seconds is not None for g in groups for run in g.runs)
+    header += ["fit time s", "step ms", *(["bench step ms"] if benched else []), *(m.label for m in metrics)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for group in groups:
         cells = [
@@ -469,6 +587,8 @@ def _task_table(groups: Sequence[Group]) -> list[str]:
             _spread(group.stat(lambda r: r.fit_seconds), digits=0),
             _spread(group.stat(lambda r: r.batch_seconds), scale=1e3, digits=0),
         ]
+        if benched:
+            cells.append(_spread(group.stat(lambda r: r.bench_step_seconds), scale=1e3, digits=0))
         cells += [_spread(group.stat(lambda r, key=m.key: r.test.get(key)), scale=m.scale) for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -487,7 +607,13 @@ def markdown_table(results: Sequence[RunResult]) -> str:
         task_groups = [g for g in groups if g.task_name == task]
         seeds = sum(len(g.runs) for g in task_groups)
         out += [f"#### {task} ({len(task_groups)} configurations, {seeds} runs)", "", *_task_table(task_groups), ""]
-    out.append("Values over several seeds: mean (min-max). Training FLOPs = 3 x forward FLOPs x examples trained on.")
+    note = "Values over several seeds: mean (min-max). Training FLOPs = 3 x forward FLOPs x examples trained on."
+    if any(run.bench_step_seconds is not None for run in results):
+        note += (
+            " Step ms: the run's own mean batch time (data loading included); bench step ms: its model's training"
+            " step timed by scripts/bench_models.py."
+        )
+    out.append(note)
     return "\n".join(out) + "\n"
 
 
@@ -553,15 +679,20 @@ def _primary_metric(results: Iterable[RunResult]) -> _Metric:
 
 
 def plot_pareto(results: Sequence[RunResult], out: Path) -> Path:
-    """Test accuracy against training FLOPs (left) and against training wall time (right), one line
-    per family through its model sizes; writes a PNG to ``out``."""
+    """Test accuracy against training FLOPs (left) and against training time (right), one line per
+    family through its model sizes; writes a PNG to ``out``. The time is steps x the benchmarked step
+    time when every run has one (:func:`attach_step_times`), else each run's recorded fit time."""
     plt = _pyplot()
     groups = group_results(results)
     metric = _primary_metric(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    if all(run.bench_seconds is not None for run in results):
+        time, time_label = (lambda r: r.bench_seconds), "training time (s): steps x benchmarked step time"
+    else:
+        time, time_label = (lambda r: r.fit_seconds), "training wall time (s), as recorded"
     for ax, x, xlabel in (
         (axes[0], lambda r: r.training_flops, "training FLOPs (3 x forward x images)"),
-        (axes[1], lambda r: r.fit_seconds, "training wall time (s)"),
+        (axes[1], time, time_label),
     ):
         _series(ax, groups, x, lambda r: r.test.get(metric.key), metric.scale)
         ax.set_xscale("log")
@@ -575,13 +706,18 @@ def plot_pareto(results: Sequence[RunResult], out: Path) -> Path:
 
 def plot_scaling(results: Sequence[RunResult], out: Path) -> Path:
     """Training step time (left) and test accuracy (right) against the number of experts (log2
-    axis), one line per router; writes a PNG to ``out``."""
+    axis), one line per router; writes a PNG to ``out``. The step time is the benchmarked one when
+    every run has it (:func:`attach_step_times`), else each run's recorded mean batch time."""
     plt = _pyplot()
     groups = group_results(results)
     metric = _primary_metric(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    _series(axes[0], groups, lambda r: r.num_experts, lambda r: r.batch_seconds, 1e3)
-    axes[0].set_ylabel("training step (ms, data loading included)")
+    if all(run.bench_step_seconds is not None for run in results):
+        step, step_label = (lambda r: r.bench_step_seconds), "training step (ms, benchmarked)"
+    else:
+        step, step_label = (lambda r: r.batch_seconds), "training step (ms, as recorded, data loading included)"
+    _series(axes[0], groups, lambda r: r.num_experts, step, 1e3)
+    axes[0].set_ylabel(step_label)
     _series(axes[1], groups, lambda r: r.num_experts, lambda r: r.test.get(metric.key), metric.scale)
     axes[1].set_ylabel(metric.label)
     for ax in axes:
