@@ -7,7 +7,9 @@ step is what ``scripts/train.py`` trains, built from the same Hydra configs: the
 optimizer step with the task's optimizer (AdamW, its parameter groups; no schedule), the loss-free
 balancing update and ``zero_grad``, on a random batch of the data config's shapes and batch size.
 The models of a table are timed in interleaved rounds (each model once per round, the median over
-rounds, after one warm-up step), so a slow phase of the machine hits all of them alike.
+rounds, after one warm-up step), so a slow phase of the machine hits all of them alike. The table
+also shows the step's parameter update alone (clipping, optimizer step, balancing update, zero_grad),
+which grows with a model's total parameters where the forward and backward grow with the active ones.
 
     python scripts/bench_models.py                          # both groups (ViTs at width 128, LMs)
     python scripts/bench_models.py --groups vit --vit-width 64 96 128
@@ -232,8 +234,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(c: Candidate) -> tuple[float, Tensor]:
-    """One training step of ``c`` as Lightning runs it; returns (seconds, the loss it minimised)."""
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds of a training step, and of its parameter update alone (gradient clipping, the optimizer
+    step, the balancing update, ``zero_grad``: the part that grows with the total parameters, not the
+    active ones)."""
+
+    seconds: float
+    update_seconds: float
+
+
+def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
+    """One training step of ``c`` as Lightning runs it; returns its timing and the loss it minimised."""
     autocast = (
         torch.autocast(c.device.type, dtype=_AUTOCAST[c.precision])
         if c.precision in _AUTOCAST
@@ -244,6 +256,8 @@ def train_step(c: Candidate) -> tuple[float, Tensor]:
     with autocast, _no_trainer_warnings():
         loss = c.task.training_step(c.batch, 0)
     loss.backward()
+    _sync(c.device)
+    update_start = time.perf_counter()
     if c.clip_val:  # Lightning's norm clipping (precision plugin): over the optimizer's parameters
         params = [p for group in c.optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, c.clip_val)
@@ -251,19 +265,26 @@ def train_step(c: Candidate) -> tuple[float, Tensor]:
     update_balancing_biases(c.task.net)  # MoETask.optimizer_step
     c.optimizer.zero_grad(set_to_none=True)
     _sync(c.device)
-    return time.perf_counter() - start, loss.detach()
+    end = time.perf_counter()
+    return StepTiming(seconds=end - start, update_seconds=end - update_start), loss.detach()
 
 
-def time_models(candidates: list[Candidate], rounds: int) -> dict[str, float]:
-    """Median seconds per training step of each candidate, measured in interleaved rounds after one
-    warm-up step each."""
+def time_models(candidates: list[Candidate], rounds: int) -> dict[str, StepTiming]:
+    """Each candidate's median step time (and median update time), measured in interleaved rounds after
+    one warm-up step each."""
     for c in candidates:
         train_step(c)
-    times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    timings: dict[str, list[StepTiming]] = {c.name: [] for c in candidates}
     for _ in range(rounds):
         for c in candidates:
-            times[c.name].append(train_step(c)[0])
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            timings[c.name].append(train_step(c)[0])
+    return {
+        name: StepTiming(
+            seconds=statistics.median(t.seconds for t in ts),
+            update_seconds=statistics.median(t.update_seconds for t in ts),
+        )
+        for name, ts in timings.items()
+    }
 
 
 def _si(value: float | None) -> str:
@@ -275,19 +296,22 @@ def _si(value: float | None) -> str:
     return f"{value:.3g}"
 
 
-def print_table(title: str, candidates: list[Candidate], times: dict[str, float], gpu: bool) -> None:
-    """A markdown table: sizes, FLOPs, the median step time, throughput and the ratio to the first
-    candidate (the dense baseline) of the same run."""
-    base = times[candidates[0].name]
+def print_table(title: str, candidates: list[Candidate], times: dict[str, StepTiming], gpu: bool) -> None:
+    """A markdown table: sizes, FLOPs, the median step time (and its parameter update), throughput and
+    the ratio to the first candidate (the dense baseline) of the same run."""
+    base = times[candidates[0].name].seconds
     unit = candidates[0].unit
-    header = f"| model | total params | active params / token | fwd FLOPs / {unit} | ms / step | {unit}s/s | vs dense |"
-    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    header = (
+        f"| model | total params | active params / token | fwd FLOPs / {unit} | ms / step | update ms | {unit}s/s "
+        "| vs dense |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
     if gpu:
         header += " TFLOP/s |"
         rule += "---:|"
     print(f"\n### {title}\n\n{header}\n{rule}")
     for c in candidates:
-        t = times[c.name]
+        t = times[c.name].seconds
         s = c.summary
         cells = [
             c.name,
@@ -295,6 +319,7 @@ def print_table(title: str, candidates: list[Candidate], times: dict[str, float]
             _si(None if s is None else s.active_params_per_token),
             _si(c.flops_per_example),
             f"{t * 1e3:.1f}",
+            f"{times[c.name].update_seconds * 1e3:.1f}",
             f"{c.examples_per_step / t:,.0f}",
             f"{t / base:.2f}x",
         ]
@@ -305,10 +330,10 @@ def print_table(title: str, candidates: list[Candidate], times: dict[str, float]
     sys.stdout.flush()
 
 
-def table_record(title: str, candidates: list[Candidate], times: dict[str, float]) -> dict[str, Any]:
+def table_record(title: str, candidates: list[Candidate], times: dict[str, StepTiming]) -> dict[str, Any]:
     """A table as JSON: a row per model with its median step time, what it ran (the model's resolved
     config, batch size, precision: :func:`moekit.results.step_time_key`) and its sizes."""
-    base = times[candidates[0].name]
+    base = times[candidates[0].name].seconds
     rows = []
     for c in candidates:
         s = c.summary
@@ -320,8 +345,9 @@ def table_record(title: str, candidates: list[Candidate], times: dict[str, float
                 "model_config": OmegaConf.to_container(c.cfg.model, resolve=True),
                 "batch_size": int(c.batch[1].shape[0]),
                 "precision": c.precision,
-                "seconds_per_step": times[c.name],
-                "vs_dense": times[c.name] / base,
+                "seconds_per_step": times[c.name].seconds,
+                "update_seconds": times[c.name].update_seconds,
+                "vs_dense": times[c.name].seconds / base,
                 "examples_per_step": c.examples_per_step,
                 "unit": c.unit,
                 "flops_per_example": c.flops_per_example,

@@ -33,9 +33,9 @@ def test_timed_step_is_a_training_step():
     before = {name: p.detach().clone() for name, p in net.named_parameters()}
     logits = []
     handle = net.register_forward_hook(lambda module, inputs, output: logits.append(output))
-    seconds, loss = bench.train_step(c)
+    timing, loss = bench.train_step(c)
     handle.remove()
-    assert seconds > 0 and len(logits) == 1
+    assert 0 < timing.update_seconds < timing.seconds and len(logits) == 1
     assert logits[0].dtype == torch.bfloat16  # the forward ran under bf16 autocast
 
     # The loss minimised = cross-entropy (with the experiment's label smoothing) + the MoE aux losses.
@@ -94,8 +94,9 @@ def test_quick_run_prints_both_tables(capsys):
         experiment, models = bench.GROUPS[group]
         assert title.startswith(f"{group}: experiment={experiment}")
         assert [row[0] for row in rows] == models
-        assert rows[0][6] == "1.00x"  # the dense baseline
-        assert all(len(row) == 7 and row[6].endswith("x") and float(row[4]) > 0 for row in rows)
+        assert rows[0][7] == "1.00x"  # the dense baseline
+        assert all(len(row) == 8 and row[7].endswith("x") for row in rows)
+        assert all(float(row[4]) > float(row[5]) > 0 for row in rows)  # the step, and its update within it
         assert rows[0][1] == rows[0][2]  # dense: every parameter is active
         assert all(row[1] != row[2] for row in rows[1:])  # MoE: more parameters than each token uses
     # The dense twins have no num_experts: the override is left out for them, and said so.
@@ -115,7 +116,7 @@ def test_sweep_times_each_value_of_a_setting_against_one_dense_baseline(capsys):
         "soft_moe_vit slots_per_expert=1",
         "soft_moe_vit slots_per_expert=2",
     ]
-    assert rows[0][6] == "1.00x"
+    assert rows[0][7] == "1.00x"
     # Twice the slots: the experts process twice the rows, so the forward FLOPs grow.
     flops = [float(row[3].rstrip("KMG")) for row in rows[1:]]
     assert flops[1] > flops[0]
@@ -151,6 +152,7 @@ def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
         "results/scaling_top1 num_experts=8",
     ]
     assert [f"{row['seconds_per_step'] * 1e3:.1f}" for row in rows] == [row[4] for row in printed]
+    assert [f"{row['update_seconds'] * 1e3:.1f}" for row in rows] == [row[5] for row in printed]
     assert rows[0]["vs_dense"] == 1.0 and "num_experts" not in rows[0]["model_config"]
     assert [row["model_config"]["num_experts"] for row in rows[1:]] == [4, 8]
     assert all(row["model_config"]["moe_blocks"] == "last_2" for row in rows[1:])

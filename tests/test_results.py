@@ -278,7 +278,10 @@ def test_fast_dev_run_of_one_member_of_each_sweep(name, fake_fashion, tmp_path):
         bench = import_script("bench_models.py", "bench_models")
         model, rest = first["model"], [o for o in overrides if not o.startswith("model=")]
         candidate = bench.build_candidate(bench.GROUPS[BENCH_GROUP[name]][0], model, rest)
-        _write_step_times(tmp_path / "steps.json", [bench.table_record("t", [candidate], {candidate.name: 0.25})])
+        _write_step_times(
+            tmp_path / "steps.json",
+            [bench.table_record("t", [candidate], {candidate.name: bench.StepTiming(0.25, 0.1)})],
+        )
         (timed,) = attach_step_times([result], load_step_times([tmp_path / "steps.json"]))
         assert timed.bench_step_seconds == 0.25
         assert timed.bench_seconds == pytest.approx(0.25 * result.examples_seen / candidate.examples_per_step)
