@@ -12,7 +12,9 @@ the figure of each results sweep found (``pareto.png``, ``scaling.png``, ``langu
 
 ``--step-times`` takes files of ``scripts/bench_models.py --json``: each run then gets its model's
 benchmarked step time, and the time axes use it (steps x step time) instead of the times the runs
-recorded, which are not comparable across sessions or beside other work on the machine.
+recorded, which are not comparable across sessions or beside other work on the machine. The benchmark
+times a fresh model on random inputs: it misses the routing-dependent costs of sparse routers in
+training (README, Results).
 """
 
 from __future__ import annotations

@@ -423,13 +423,13 @@ def load_step_times(paths: Iterable[str | os.PathLike]) -> dict[str, StepTime]:
             data = json.loads(path.read_text())
             if data.get("kind") != STEP_TIMES_KIND:
                 raise ValueError(f"its kind is {data.get('kind')!r}, not {STEP_TIMES_KIND!r}")
-            rows = [(row, table["title"]) for table in data["tables"] for row in table["rows"]]
             entries = [
                 (
                     step_time_key(row["model_config"], row["batch_size"], row["precision"]),
                     StepTime(row["name"], float(row["seconds_per_step"]), int(row["examples_per_step"]), path),
                 )
-                for row, _ in rows
+                for table in data["tables"]
+                for row in table["rows"]
             ]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(
