@@ -5,7 +5,7 @@
     python scripts/plot_results.py logs/results/pareto --step-times logs/bench_models/pareto.json
 
 Reads every ``results.json`` under the folder (each finished run of ``scripts/train.py`` writes one),
-averages the runs that differ only in their seed (mean; error bars and table ranges are min-max), draws
+averages the runs that differ only in their seed (mean, times median; error bars and table ranges are min-max), draws
 the figure of each results sweep found (``pareto.png``, ``scaling.png``, ``language.png``,
 ``ablations.png``; see ``configs/experiment/results/``), and prints a markdown table, also written as
 ``results.md`` beside the figures. The logic is in :mod:`moekit.results`.

@@ -391,10 +391,12 @@ ABLATIONS = [
 ]
 
 
-def test_summarize_gives_mean_min_max_and_sample_std():
+def test_summarize_gives_mean_median_min_max_and_sample_std():
     stat = summarize([0.8, None, 0.9, 0.85])
-    assert (stat.mean, stat.low, stat.high, stat.n) == (pytest.approx(0.85), 0.8, 0.9, 3)
+    assert (stat.mean, stat.median, stat.low, stat.high, stat.n) == (pytest.approx(0.85), 0.85, 0.8, 0.9, 3)
     assert stat.std == pytest.approx(0.05)
+    times = summarize([300.0, 1356.0, 290.0])  # one run beside other work
+    assert (times.center(), times.center(median=True)) == (pytest.approx(648.667, abs=1e-3), 300.0)
     assert summarize([0.7]).std == 0.0
     assert summarize([None]) is None
 
@@ -431,6 +433,7 @@ def test_markdown_table_rows_read_mean_and_min_max():
     assert len(rows) == 4 + 3
     assert "85.00 (80.00-90.00)" in table, "accuracy in % over the 3 seeds"
     assert "4.00 (3.00-5.00)" in table, "perplexity over the 3 seeds"
+    assert "| 66 (65-70) |" in table, "fit time: the median of 65, 66 and 70 s (mean 67)"
     blocks = {block.split(" ", 1)[0]: block for block in table.split("#### ")[1:]}
     assert "test top-1 %" in blocks["results_pareto"] and "test ppl" not in blocks["results_pareto"]
     assert "test ppl" in blocks["results_language"] and "test top-1 %" not in blocks["results_language"]
@@ -457,6 +460,39 @@ def test_each_figure_is_a_png(plot, records, tmp_path):
     out = plot(_results(records), tmp_path / "figure.png")
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_log_axes_read_in_short_plain_numbers(tmp_path, monkeypatch):
+    import moekit.results as results
+
+    labels = {}
+
+    def keep(fig, out):  # the x tick labels of each panel, as drawn
+        fig.canvas.draw()
+        labels[out.name] = [
+            {
+                label.get_text()
+                for minor in (False, True)
+                for loc, label in zip(ax.get_xticks(minor=minor), ax.get_xticklabels(minor=minor), strict=True)
+                if min(ax.get_xlim()) <= loc <= max(ax.get_xlim()) and label.get_text()
+            }
+            for ax in fig.axes
+        ]
+        results._pyplot().close(fig)
+        return out
+
+    monkeypatch.setattr(results, "_save", keep)
+    wide = [
+        _record("results_pareto", "dense", 0, [f"model.embed_dim={w}"], acc=0.8, forward=f, seconds=s)
+        for w, f, s in ((64, 8e9, 280.0), (128, 5e10, 1300.0))
+    ]  # 24T and 150T training FLOPs
+    plot_pareto(_results(wide), tmp_path / "pareto.png")
+    flops, seconds = labels["pareto.png"]
+    assert {"30T", "50T", "100T"} <= flops and "200T" not in flops, "2, 3 and 5 x 10^n inside the axis"
+    assert {"300", "500", "1000"} <= seconds
+    assert not any("$" in label or "e+" in label for label in flops | seconds), "no 10^n mathtext"
+    plot_scaling(_results(SCALING), tmp_path / "scaling.png")
+    assert {"8", "64", "256"} <= labels["scaling.png"][0]
 
 
 def test_plot_all_draws_one_figure_per_sweep_kind(tmp_path):
@@ -557,7 +593,7 @@ def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path
         return out
 
     monkeypatch.setattr(results, "_save", keep)
-    pareto = _results(PARETO)  # 10 steps a run; recorded fit times width + 1, 2, 6 s
+    pareto = _results(PARETO)  # 10 steps a run; recorded fit times width + 1, 2, 6 s: median width + 2
     width = {r.step_key: int(dict(r.setting)["model.embed_dim"]) for r in pareto}
     plot_pareto(_timed(pareto, lambda r: width[r.step_key] / 1000, tmp_path / "p.json"), tmp_path / "bench.png")
     plot_pareto(pareto, tmp_path / "recorded.png")
@@ -566,7 +602,7 @@ def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path
     assert sorted(x for xs, _ in lines for x in xs) == pytest.approx([0.64, 0.64, 1.28, 1.28])  # 10 x step
     (_, _, _), (label, _, lines) = drawn["recorded.png"]
     assert "as recorded" in label
-    assert sorted(x for xs, _ in lines for x in xs) == [67, 67, 131, 131]
+    assert sorted(x for xs, _ in lines for x in xs) == [66, 66, 130, 130]
 
     scaling = _results(SCALING)  # recorded steps: num_experts seconds
     plot_scaling(_timed(scaling, lambda r: 0.002 * r.num_experts, tmp_path / "s.json"), tmp_path / "scaling.png")

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -460,18 +461,26 @@ def attach_step_times(results: Sequence[RunResult], step_times: Mapping[str, Ste
 
 @dataclass(frozen=True)
 class Stat:
-    """Mean and spread of one quantity over the seeds of a configuration.
+    """Mean, median and spread of one quantity over the seeds of a configuration.
+
+    Metrics are shown at their mean, times at their median (:func:`center`).
 
     Attributes:
-        mean: the mean; low, high: the smallest and the largest value (the error bars);
-        std: the sample standard deviation (0 for one value); n: the number of values.
+        mean, median: the mean and the median; low, high: the smallest and the largest value (the error
+        bars); std: the sample standard deviation (0 for one value); n: the number of values.
     """
 
     mean: float
+    median: float
     low: float
     high: float
     std: float
     n: int
+
+    def center(self, median: bool = False) -> float:
+        """The median or the mean. Times use the median: a run slowed by other work on the machine
+        moves the mean of its seeds, not their median."""
+        return self.median if median else self.mean
 
 
 def summarize(values: Iterable[float | None]) -> Stat | None:
@@ -482,7 +491,7 @@ def summarize(values: Iterable[float | None]) -> Stat | None:
     n = len(present)
     mean = sum(present) / n
     std = math.sqrt(sum((v - mean) ** 2 for v in present) / (n - 1)) if n > 1 else 0.0
-    return Stat(mean=mean, low=min(present), high=max(present), std=std, n=n)
+    return Stat(mean=mean, median=statistics.median(present), low=min(present), high=max(present), std=std, n=n)
 
 
 @dataclass(frozen=True)
@@ -561,12 +570,12 @@ def _si(value: float | None) -> str:
     return f"{value:.3g}"
 
 
-def _spread(stat: Stat | None, scale: float = 1.0, digits: int = 2) -> str:
-    """``mean (min-max)``, or the mean alone for one run."""
+def _spread(stat: Stat | None, scale: float = 1.0, digits: int = 2, median: bool = False) -> str:
+    """``mean (min-max)`` (``median (min-max)`` for times), or the value alone for one run."""
     if stat is None:
         return "-"
-    mean = f"{stat.mean * scale:.{digits}f}"
-    return mean if stat.n == 1 else f"{mean} ({stat.low * scale:.{digits}f}-{stat.high * scale:.{digits}f})"
+    value = f"{stat.center(median) * scale:.{digits}f}"
+    return value if stat.n == 1 else f"{value} ({stat.low * scale:.{digits}f}-{stat.high * scale:.{digits}f})"
 
 
 def _task_table(groups: Sequence[Group]) -> list[str]:
@@ -584,11 +593,11 @@ def _task_table(groups: Sequence[Group]) -> list[str]:
             _si(_mean(group.stat(lambda r: r.active_params))),
             _si(_mean(group.stat(lambda r: r.forward_flops))),
             _si(_mean(group.stat(lambda r: r.training_flops))),
-            _spread(group.stat(lambda r: r.fit_seconds), digits=0),
-            _spread(group.stat(lambda r: r.batch_seconds), scale=1e3, digits=0),
+            _spread(group.stat(lambda r: r.fit_seconds), digits=0, median=True),
+            _spread(group.stat(lambda r: r.batch_seconds), scale=1e3, digits=0, median=True),
         ]
         if benched:
-            cells.append(_spread(group.stat(lambda r: r.bench_step_seconds), scale=1e3, digits=0))
+            cells.append(_spread(group.stat(lambda r: r.bench_step_seconds), scale=1e3, digits=0, median=True))
         cells += [_spread(group.stat(lambda r, key=m.key: r.test.get(key)), scale=m.scale) for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -600,14 +609,18 @@ def _mean(stat: Stat | None) -> float | None:
 
 def markdown_table(results: Sequence[RunResult]) -> str:
     """One markdown table per task (sweep): a row per configuration with its parameters, FLOPs,
-    times and test metrics; a value over several seeds reads ``mean (min-max)``."""
+    times and test metrics; a value over several seeds reads ``mean (min-max)``, a time ``median
+    (min-max)``."""
     groups = group_results(results)
     out = []
     for task in dict.fromkeys(g.task_name for g in groups):
         task_groups = [g for g in groups if g.task_name == task]
         seeds = sum(len(g.runs) for g in task_groups)
         out += [f"#### {task} ({len(task_groups)} configurations, {seeds} runs)", "", *_task_table(task_groups), ""]
-    note = "Values over several seeds: mean (min-max). Training FLOPs = 3 x forward FLOPs x examples trained on."
+    note = (
+        "Values over several seeds: mean (min-max), times median (min-max): a run slowed by other work on the"
+        " machine moves the mean, not the median. Training FLOPs = 3 x forward FLOPs x examples trained on."
+    )
     if any(run.bench_step_seconds is not None for run in results):
         note += (
             " Step ms: the run's own mean batch time (data loading included); bench step ms: its model's training"
@@ -631,9 +644,38 @@ def _pyplot():
     return plt
 
 
-def _errors(stats: Sequence[Stat], scale: float = 1.0) -> list[list[float]]:
-    """Matplotlib's asymmetric error bars: the distances from the means to the min and the max."""
-    return [[(s.mean - s.low) * scale for s in stats], [(s.high - s.mean) * scale for s in stats]]
+def _tick_label(value: float) -> str:
+    """A short tick label: ``300``, ``0.5``, ``24T`` (SI prefixes from 10^4 on)."""
+    if abs(value) >= 1e4:
+        for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+            if abs(value) >= scale:
+                return f"{value / scale:.3g}{unit}"
+    return f"{value:.4g}"
+
+
+def _log_x(ax, base: float = 10) -> None:
+    """A log x axis with short plain labels; minor ticks are labelled at 2, 3 and 5 x 10^n, or all of
+    them where the axis spans less than 0.6 of a decade (a sweep of one model size)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log", base=base)
+
+    def minor(value: float, _) -> str:
+        low, high = sorted(ax.get_xlim())
+        mantissa = round(value / 10 ** math.floor(math.log10(value)), 6)
+        narrow = low > 0 and math.log10(high / low) < 0.6
+        return _tick_label(value) if narrow or mantissa in (2.0, 3.0, 5.0) else ""
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _tick_label(value)))
+    ax.xaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _errors(stats: Sequence[Stat], scale: float = 1.0, median: bool = False) -> list[list[float]]:
+    """Matplotlib's asymmetric error bars: the distances from the means (or medians) to the min and the max."""
+    return [
+        [(s.center(median) - s.low) * scale for s in stats],
+        [(s.high - s.center(median)) * scale for s in stats],
+    ]
 
 
 def _families(groups: Sequence[Group]) -> list[str]:
@@ -646,20 +688,23 @@ def _series(
     x: Callable[[RunResult], float | None],
     y: Callable[[RunResult], float | None],
     y_scale: float = 1.0,
+    y_median: bool = False,
 ) -> None:
-    """One line per family through the configurations' means (sorted by x), with min-max error bars
-    in y (and in x where x varies between seeds, e.g. wall time)."""
+    """One line per family through the configurations' points (sorted by x), with min-max error bars
+    in y (and in x where x varies between seeds). A point sits at the median x over the seeds (x is a
+    FLOP count or number of experts, the same for every seed, or a time) and at the mean y, or the
+    median with ``y_median`` (y a time)."""
     for family in _families(groups):
         points = [(g.stat(x), g.stat(y)) for g in groups if g.family == family]
-        points = sorted(((sx, sy) for sx, sy in points if sx is not None and sy is not None), key=lambda p: p[0].mean)
+        points = sorted(((sx, sy) for sx, sy in points if sx is not None and sy is not None), key=lambda p: p[0].median)
         if not points:
             continue
         xs, ys = [p[0] for p in points], [p[1] for p in points]
         ax.errorbar(
-            [s.mean for s in xs],
-            [s.mean * y_scale for s in ys],
-            xerr=_errors(xs),
-            yerr=_errors(ys, y_scale),
+            [s.median for s in xs],
+            [s.center(y_median) * y_scale for s in ys],
+            xerr=_errors(xs, median=True),
+            yerr=_errors(ys, y_scale, median=y_median),
             marker="o",
             capsize=3,
             label=family,
@@ -695,12 +740,12 @@ def plot_pareto(results: Sequence[RunResult], out: Path) -> Path:
         (axes[1], time, time_label),
     ):
         _series(ax, groups, x, lambda r: r.test.get(metric.key), metric.scale)
-        ax.set_xscale("log")
+        _log_x(ax)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric.label)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    fig.suptitle("Pareto: mean over seeds, bars = min-max")
+    fig.suptitle("Pareto: mean accuracy and median time over seeds, bars = min-max")
     return _save(fig, out)
 
 
@@ -716,16 +761,16 @@ def plot_scaling(results: Sequence[RunResult], out: Path) -> Path:
         step, step_label = (lambda r: r.bench_step_seconds), "training step (ms, benchmarked)"
     else:
         step, step_label = (lambda r: r.batch_seconds), "training step (ms, as recorded, data loading included)"
-    _series(axes[0], groups, lambda r: r.num_experts, step, 1e3)
+    _series(axes[0], groups, lambda r: r.num_experts, step, 1e3, y_median=True)
     axes[0].set_ylabel(step_label)
     _series(axes[1], groups, lambda r: r.num_experts, lambda r: r.test.get(metric.key), metric.scale)
     axes[1].set_ylabel(metric.label)
     for ax in axes:
-        ax.set_xscale("log", base=2)
+        _log_x(ax, base=2)
         ax.set_xlabel("experts per MoE layer")
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    fig.suptitle("Scaling experts: mean over seeds, bars = min-max")
+    fig.suptitle("Scaling experts: median step time and mean accuracy over seeds, bars = min-max")
     return _save(fig, out)
 
 
@@ -736,7 +781,7 @@ def plot_language(results: Sequence[RunResult], out: Path) -> Path:
     metric = _primary_metric(results)
     fig, ax = plt.subplots(figsize=(6, 4.2))
     _series(ax, groups, lambda r: r.training_flops, lambda r: r.test.get(metric.key), metric.scale)
-    ax.set_xscale("log")
+    _log_x(ax)
     ax.set_xlabel("training FLOPs (3 x forward x tokens)")
     ax.set_ylabel(metric.label)
     ax.grid(True, alpha=0.3)
