@@ -5,9 +5,10 @@
     python scripts/plot_results.py logs/results/pareto --step-times logs/bench_models/pareto.json
 
 Reads every ``results.json`` under the folder (each finished run of ``scripts/train.py`` writes one),
-averages the runs that differ only in their seed (mean, times median; error bars and table ranges are min-max), draws
-the figure of each results sweep found (``pareto.png``, ``scaling.png``, ``language.png``,
-``ablations.png``; see ``configs/experiment/results/``), and prints a markdown table, also written as
+averages the runs that differ only in their seed (the mean, times the median; error bars and table
+ranges are min-max), draws the figure of each results sweep found (``pareto.png``, ``scaling.png``,
+``language.png``, ``ablations.png``; see ``configs/experiment/results/``), and prints a markdown
+table, also written as
 ``results.md`` beside the figures. The logic is in :mod:`moekit.results`.
 
 ``--step-times`` takes files of ``scripts/bench_models.py --json``: each run then gets its model's
