@@ -8,8 +8,7 @@ Reads every ``results.json`` under the folder (each finished run of ``scripts/tr
 averages the runs that differ only in their seed (the mean, times the median; error bars and table
 ranges are min-max), draws the figure of each results sweep found (``pareto.png``, ``scaling.png``,
 ``language.png``, ``ablations.png``; see ``configs/experiment/results/``), and prints a markdown
-table, also written as
-``results.md`` beside the figures. The logic is in :mod:`moekit.results`.
+table, also written as ``results.md`` beside the figures. The logic is in :mod:`moekit.results`.
 
 ``--step-times`` takes files of ``scripts/bench_models.py --json``: each run then gets its model's
 benchmarked step time, and the time axes use it (steps x step time) instead of the times the runs
