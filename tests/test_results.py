@@ -467,7 +467,7 @@ def test_log_axes_read_in_short_plain_numbers(tmp_path, monkeypatch):
 
     labels = {}
 
-    def keep(fig, out):  # the x tick labels of each panel, as drawn
+    def keep(fig, out, **_):  # the x tick labels of each panel, as drawn
         fig.canvas.draw()
         labels[out.name] = [
             {
@@ -580,7 +580,7 @@ def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path
 
     drawn = {}
 
-    def keep(fig, out):  # each panel's label and points instead of a file
+    def keep(fig, out, **_):  # each panel's label and points instead of a file
         drawn[out.name] = [
             (
                 ax.get_xlabel(),

@@ -711,9 +711,10 @@ def _series(
         )
 
 
-def _save(fig, out: Path) -> Path:
+def _save(fig, out: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
+    """Write ``fig`` to ``out`` as a PNG; ``rect`` is the part of the figure its axes may fill."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(out, dpi=120)
     _pyplot().close(fig)
     return out
@@ -744,9 +745,10 @@ def plot_pareto(results: Sequence[RunResult], out: Path) -> Path:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric.label)
         ax.grid(True, alpha=0.3)
-    axes[0].legend()
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels, clear of the points
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
     fig.suptitle("Pareto: mean accuracy and median time over seeds, bars = min-max")
-    return _save(fig, out)
+    return _save(fig, out, rect=(0, 0.06, 1, 1))
 
 
 def plot_scaling(results: Sequence[RunResult], out: Path) -> Path:
