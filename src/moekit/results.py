@@ -463,7 +463,7 @@ def attach_step_times(results: Sequence[RunResult], step_times: Mapping[str, Ste
 class Stat:
     """Mean, median and spread of one quantity over the seeds of a configuration.
 
-    Metrics are shown at their mean, times at their median (:func:`center`).
+    Metrics are shown at their mean, times at their median (:meth:`center`).
 
     Attributes:
         mean, median: the mean and the median; low, high: the smallest and the largest value (the error
