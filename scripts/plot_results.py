@@ -12,9 +12,9 @@ table, also written as ``results.md`` beside the figures. The logic is in :mod:`
 
 ``--step-times`` takes files of ``scripts/bench_models.py --json``: each run then gets its model's
 benchmarked step time, and the time axes use it (steps x step time) instead of the times the runs
-recorded, which are not comparable across sessions or beside other work on the machine. The benchmark
-times a fresh model on random inputs: it misses the routing-dependent costs of sparse routers in
-training (README, Results).
+recorded, which are not comparable across sessions or beside other work on the machine. A benchmark
+that times many models in turn in one process puts some sparse routers' steps off by 15-40%
+(README, Results): time the models of a figure in small groups.
 """
 
 from __future__ import annotations
