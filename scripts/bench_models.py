@@ -6,8 +6,11 @@ step is what ``scripts/train.py`` trains, built from the same Hydra configs: the
 (``bf16-mixed``: bf16 autocast), backward, gradient clipping at ``trainer.gradient_clip_val``, an
 optimizer step with the task's optimizer (AdamW, its parameter groups; no schedule), the loss-free
 balancing update and ``zero_grad``, on a random batch of the data config's shapes and batch size.
-The models of a table are timed in interleaved rounds (each model once per round, the median over
-rounds, after one warm-up step), so a slow phase of the machine hits all of them alike. The table
+The models of a table are timed in interleaved rounds, so that a slow phase of the machine hits all of
+them alike: in each round every model takes ``--warmup`` untimed steps, then ``--steps`` timed ones in a
+row; its time is the median over all its timed steps. The warm-up step matters: a model's first step
+after another model's runs slow (the five width-64 ViTs in turn, 4 rounds: Soft MoE +13 %, experts-choice
++6 % at the median, up to +30 % in the first round). The table
 also shows the step's parameter update alone (clipping, optimizer step, balancing update, zero_grad),
 which grows with a model's total parameters where the forward and backward grow with the active ones.
 
@@ -269,15 +272,15 @@ def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
     return StepTiming(seconds=end - start, update_seconds=end - update_start), loss.detach()
 
 
-def time_models(candidates: list[Candidate], rounds: int) -> dict[str, StepTiming]:
-    """Each candidate's median step time (and median update time), measured in interleaved rounds after
-    one warm-up step each."""
-    for c in candidates:
-        train_step(c)
+def time_models(candidates: list[Candidate], rounds: int, steps: int = 1, warmup: int = 1) -> dict[str, StepTiming]:
+    """Each candidate's median step time (and median update time) over ``rounds x steps`` timed steps:
+    in each round, every candidate in turn takes ``warmup`` untimed steps, then ``steps`` timed ones."""
     timings: dict[str, list[StepTiming]] = {c.name: [] for c in candidates}
     for _ in range(rounds):
         for c in candidates:
-            timings[c.name].append(train_step(c)[0])
+            for _ in range(warmup):
+                train_step(c)
+            timings[c.name].extend(train_step(c)[0] for _ in range(steps))
     return {
         name: StepTiming(
             seconds=statistics.median(t.seconds for t in ts),
@@ -418,7 +421,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 if value is not None:
                     candidate.name = f"{model} {sweep[0].rsplit('.', 1)[-1]}={value}"
                 candidates.append(candidate)
-        times = time_models(candidates, args.rounds)
+        times = time_models(candidates, args.rounds, args.steps, args.warmup)
         what = f", width {variant[0].split('=')[1]}" if variant else ""
         extras = f", overrides: {' '.join(args.override)}" if args.override else ""
         title = f"{group}: experiment={experiment}{what}, {_describe(candidates[0])}{extras}"
@@ -437,7 +440,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vit-width", type=int, nargs="+", help="model.embed_dim of the ViTs, one table each")
     parser.add_argument("--batch-size", type=int, help="default: the data config's batch size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (median reported)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per table (median reported)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps in a row per model and round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per model before its timed ones")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script")
     parser.add_argument("--json", type=Path, help="also write the tables here (for plot_results.py --step-times)")
     parser.add_argument(
@@ -446,10 +451,12 @@ def main(argv: list[str] | None = None) -> None:
     add_allocator_argument(parser)
     args = parser.parse_args(argv)
     apply_allocator(args)
-    for name in ("rounds", "batch_size"):
+    for name in ("rounds", "steps", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={value} must be positive")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup={args.warmup} must be 0 or more")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)  # fail now, not after the timing
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -459,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}; one training step "
-        f"(forward, backward, clip, AdamW step), median of {args.rounds} interleaved rounds"
+        f"(forward, backward, clip, AdamW step), median of {args.rounds} interleaved rounds x {args.steps} steps "
+        f"after {args.warmup} warm-up step(s) each"
     )
     tables = [table for group in args.groups for table in run_group(group, args)]
     if args.json:
@@ -469,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
             "argv": sys.argv[1:] if argv is None else list(argv),
             "device": args.device,
             "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
             "allocator": active_allocator(),
             "machine": machine,
             "tables": tables,

@@ -2,6 +2,7 @@
 prints one table per group with a row per model against the dense baseline."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -122,6 +123,25 @@ def test_sweep_times_each_value_of_a_setting_against_one_dense_baseline(capsys):
     assert flops[1] > flops[0]
 
 
+def test_time_models_times_consecutive_steps_after_warm_up(monkeypatch):
+    """Each round gives every model its warm-up steps, then its timed steps, in a row; a model's time is
+    the median over its timed steps of all rounds, the warm-up steps left out."""
+    calls = []
+
+    # Step i of a model takes i seconds (its update: a tenth of that): warm-up steps are the small ones.
+    def fake_step(c):
+        calls.append(c.name)
+        i = calls.count(c.name)
+        return bench.StepTiming(seconds=float(i), update_seconds=i / 10), None
+
+    monkeypatch.setattr(bench, "train_step", fake_step)
+    a, b = (types.SimpleNamespace(name=name) for name in "ab")
+    times = bench.time_models([a, b], rounds=2, steps=3, warmup=2)
+    assert "".join(calls) == "aaaaabbbbb" * 2
+    # a's timed steps: 3, 4, 5 (round 1) and 8, 9, 10 (round 2): median 6.5.
+    assert times == {name: bench.StepTiming(seconds=6.5, update_seconds=0.65) for name in "ab"}
+
+
 def test_models_and_sweep_reject_bad_values():
     with pytest.raises(SystemExit, match="not a MoE model of group 'vit'"):
         bench.group_models("vit", ["dense_vit"])
@@ -129,6 +149,10 @@ def test_models_and_sweep_reject_bad_values():
     with pytest.raises(SystemExit, match="write key=value1,value2"):
         bench.parse_sweep("model.moe_kwargs.slots_per_expert")
     assert bench.parse_sweep("a.b=1, 2") == ("a.b", ["1", "2"])
+    with pytest.raises(SystemExit, match="--steps=0 must be positive"):
+        bench.main(["--quick", "--steps", "0", "--allocator", "system"])
+    with pytest.raises(SystemExit, match="--warmup=-1 must be 0 or more"):
+        bench.main(["--quick", "--warmup", "-1", "--allocator", "system"])
 
 
 def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
@@ -142,6 +166,7 @@ def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
     (printed,) = _tables(capsys.readouterr().out).values()
     record = json.loads(out.read_text())
     assert record["kind"] == STEP_TIMES_KIND and record["rounds"] == 1
+    assert record["steps"] == 3 and record["warmup"] == 1  # the defaults
     (table,) = record["tables"]
     assert table["title"].startswith("scaling: experiment=results/scaling")
     rows = table["rows"]
