@@ -272,7 +272,7 @@ def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
     return StepTiming(seconds=end - start, update_seconds=end - update_start), loss.detach()
 
 
-def time_models(candidates: list[Candidate], rounds: int, steps: int = 1, warmup: int = 1) -> dict[str, StepTiming]:
+def time_models(candidates: list[Candidate], rounds: int, steps: int = 3, warmup: int = 1) -> dict[str, StepTiming]:
     """Each candidate's median step time (and median update time) over ``rounds x steps`` timed steps:
     in each round, every candidate in turn takes ``warmup`` untimed steps, then ``steps`` timed ones."""
     timings: dict[str, list[StepTiming]] = {c.name: [] for c in candidates}
