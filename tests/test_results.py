@@ -231,6 +231,17 @@ def test_the_scaling_sweep_keeps_slots_and_capacity_fixed(num_experts, tmp_path)
                 assert layer.capacity_factor == layer.eval_capacity_factor == 1.0
 
 
+def test_the_scaling_sweeps_dense_reference_trains_the_dense_twin_on_the_same_budget(tmp_path):
+    # python scripts/train.py -m experiment=results/scaling model=dense_vit seed=0,1,2 hydra.sweeper.params=null
+    moe = _sweep("scaling", tmp_path, "model=results/scaling_soft_moe")
+    dense = _sweep("scaling", tmp_path, "model=dense_vit", "hydra.sweeper.params=null")
+    assert dense.hydra.sweeper.params is None, "only the command line's seeds are swept"
+    assert model_family(instantiate(dense.model)) == "dense"
+    assert dense.model.embed_dim == moe.model.embed_dim and dense.model.depth == moe.model.depth
+    for key in ("task_name", "data", "trainer", "task", "hydra.sweep.dir"):
+        assert OmegaConf.select(dense, key) == OmegaConf.select(moe, key), f"{key}: the same as the MoE runs"
+
+
 def test_the_language_sweep_compares_models_at_equal_forward_flops(tmp_path):
     params = _params(_sweep("language", tmp_path))
     flops = {}
@@ -614,6 +625,38 @@ def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path
     plot_scaling(partial, tmp_path / "partial.png")
     (_, ylabel, _), _ = drawn["partial.png"]
     assert "as recorded" in ylabel
+
+
+def test_the_dense_runs_of_the_scaling_sweep_are_a_reference_line(tmp_path, monkeypatch):
+    import moekit.results as results
+
+    drawn = {}
+
+    def keep(fig, out, **_):  # each panel's horizontal lines and shaded bands instead of a file
+        drawn[out.name] = [
+            (
+                [(list(line.get_ydata()), line.get_label()) for line in ax.lines if line.get_linestyle() == "--"],
+                [(patch.get_y(), patch.get_y() + patch.get_height()) for patch in ax.patches],
+                [list(c.lines[0].get_xdata()) for c in ax.containers],
+            )
+            for ax in fig.axes
+        ]
+        results._pyplot().close(fig)
+        return out
+
+    monkeypatch.setattr(results, "_save", keep)
+    dense = [
+        _record("results_scaling", "dense", seed, ["model=dense_vit"], acc=acc, step=step)
+        for seed, (acc, step) in enumerate(((0.70, 0.3), (0.76, 0.5), (0.73, 0.4)))
+    ]
+    plot_scaling(_results(SCALING + dense), tmp_path / "scaling.png")
+    (step_lines, step_band, step_points), (acc_lines, acc_band, acc_points) = drawn["scaling.png"]
+    assert step_lines == [([400.0, 400.0], "dense")]  # the median step, ms
+    assert step_band == [(300.0, 500.0)]  # min-max over the seeds
+    assert acc_lines[0][0] == pytest.approx([73.0, 73.0]) and acc_lines[0][1] == "dense"  # the mean accuracy, %
+    assert acc_band == [pytest.approx((70.0, 76.0))]
+    assert all(0 not in xs for xs in step_points + acc_points), "no dense point on the log2 experts axis"
+    assert sorted(x for xs in acc_points for x in xs) == [8, 8, 64, 64, 256, 256]
 
 
 def test_step_time_files_that_cannot_be_used_say_why(tmp_path):

@@ -754,18 +754,28 @@ def plot_pareto(results: Sequence[RunResult], out: Path) -> Path:
 def plot_scaling(results: Sequence[RunResult], out: Path) -> Path:
     """Training step time (left) and test accuracy (right) against the number of experts (log2
     axis), one line per router; writes a PNG to ``out``. The step time is the benchmarked one when
-    every run has it (:func:`attach_step_times`), else each run's recorded mean batch time."""
+    every run has it (:func:`attach_step_times`), else each run's recorded mean batch time. Dense runs
+    of the sweep (no experts) are the reference: a dashed horizontal line at their median step time and
+    mean accuracy, shaded from their min to their max over the seeds."""
     plt = _pyplot()
     groups = group_results(results)
+    moe_groups = [g for g in groups if all(run.num_experts > 0 for run in g.runs)]
+    dense_groups = [g for g in groups if g not in moe_groups]
     metric = _primary_metric(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     if all(run.bench_step_seconds is not None for run in results):
         step, step_label = (lambda r: r.bench_step_seconds), "training step (ms, benchmarked)"
     else:
         step, step_label = (lambda r: r.batch_seconds), "training step (ms, as recorded, data loading included)"
-    _series(axes[0], groups, lambda r: r.num_experts, step, 1e3, y_median=True)
+
+    def accuracy(run: RunResult) -> float | None:
+        return run.test.get(metric.key)
+
+    _series(axes[0], moe_groups, lambda r: r.num_experts, step, 1e3, y_median=True)
+    _series(axes[1], moe_groups, lambda r: r.num_experts, accuracy, metric.scale)
+    for ax, y, scale, median in ((axes[0], step, 1e3, True), (axes[1], accuracy, metric.scale, False)):
+        _reference_lines(ax, dense_groups, y, scale, median)
     axes[0].set_ylabel(step_label)
-    _series(axes[1], groups, lambda r: r.num_experts, lambda r: r.test.get(metric.key), metric.scale)
     axes[1].set_ylabel(metric.label)
     for ax in axes:
         _log_x(ax, base=2)
@@ -774,6 +784,19 @@ def plot_scaling(results: Sequence[RunResult], out: Path) -> Path:
     axes[0].legend()
     fig.suptitle("Scaling experts: median step time and mean accuracy over seeds, bars = min-max")
     return _save(fig, out)
+
+
+def _reference_lines(
+    ax, groups: Sequence[Group], y: Callable[[RunResult], float | None], y_scale: float, y_median: bool
+) -> None:
+    """A dashed horizontal line per group at the mean (or median) of ``y`` over its runs, its min-max
+    range shaded."""
+    for group in groups:
+        stat = group.stat(y)
+        if stat is None:
+            continue
+        line = ax.axhline(stat.center(y_median) * y_scale, linestyle="--", color="0.35", label=group.family)
+        ax.axhspan(stat.low * y_scale, stat.high * y_scale, color=line.get_color(), alpha=0.12, linewidth=0)
 
 
 def plot_language(results: Sequence[RunResult], out: Path) -> Path:
