@@ -425,6 +425,12 @@ def test_group_results_averages_seeds_of_one_configuration():
     }
 
 
+def test_group_results_orders_numbers_by_value():
+    groups = group_results(_results(SCALING))  # lexically "256" < "64" < "8"
+    experts = [(g.family, dict(g.setting)["model.num_experts"]) for g in groups]
+    assert experts == [(f, e) for f in ("soft_moe", "top1") for e in ("8", "64", "256")]
+
+
 def test_group_results_keeps_tasks_apart():
     same_overrides = [_record(task, "soft_moe", 0, ["model.x=1"], acc=0.5) for task in ("results_a", "results_b")]
     assert len(group_results(_results(same_overrides))) == 2

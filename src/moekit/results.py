@@ -513,11 +513,25 @@ class Group:
 
 
 def group_results(results: Iterable[RunResult]) -> list[Group]:
-    """One :class:`Group` per configuration, in order of task, family and setting."""
+    """One :class:`Group` per configuration, in order of task, family and setting (numbers in a
+    setting by value: 8 experts before 16, width 64 before 128)."""
     buckets: dict[tuple, list[RunResult]] = {}
     for run in results:
         buckets.setdefault((run.task_name, run.family, run.setting), []).append(run)
-    return [Group(*key, runs=tuple(runs)) for key, runs in sorted(buckets.items(), key=lambda item: item[0])]
+    return [Group(*key, runs=tuple(runs)) for key, runs in sorted(buckets.items(), key=lambda item: _order(item[0]))]
+
+
+def _order(key: tuple[str, str, tuple[tuple[str, str], ...]]) -> tuple:
+    """The sort key of a (task, family, setting) triple: numeric values compare as numbers, before words."""
+    task, family, setting = key
+
+    def value(text: str) -> tuple[int, float, str]:
+        try:
+            return (0, float(text), "")
+        except ValueError:
+            return (1, 0.0, text)
+
+    return task, family, tuple((name, value(text)) for name, text in setting)
 
 
 def setting_label(group: Group, groups: Sequence[Group]) -> str:
