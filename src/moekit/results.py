@@ -809,8 +809,8 @@ def _reference_lines(
         stat = group.stat(y)
         if stat is None:
             continue
-        line = ax.axhline(stat.center(y_median) * y_scale, linestyle="--", color="0.35", label=group.family)
-        ax.axhspan(stat.low * y_scale, stat.high * y_scale, color=line.get_color(), alpha=0.12, linewidth=0)
+        ax.axhline(stat.center(y_median) * y_scale, linestyle="--", color="0.35", label=group.family)
+        ax.axhspan(stat.low * y_scale, stat.high * y_scale, color="0.35", alpha=0.12, linewidth=0)
 
 
 def plot_language(results: Sequence[RunResult], out: Path) -> Path:
