@@ -21,6 +21,7 @@ from moekit.results import (
     RESULTS_FILE,
     STEP_TIMES_KIND,
     RunResult,
+    archive_records,
     attach_step_times,
     figure_kind,
     group_results,
@@ -543,6 +544,66 @@ def test_plot_script_on_an_empty_folder_fails_with_one_line(tmp_path):
     run = run_script("plot_results.py", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 1
     assert "no results.json under" in run.stderr and "Traceback" not in run.stderr
+
+
+def _write_sweep(root: Path, records: list[dict]) -> list[Path]:
+    """Each record in its own run folder, named by its overrides as Hydra's sweep subdir names it,
+    beside a checkpoint that the archive must leave behind."""
+    files = []
+    for record in records:
+        folder = root / ",".join(record["overrides"])
+        (folder / "checkpoints").mkdir(parents=True)
+        (folder / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+        files.append(write_json_atomic(folder / RESULTS_FILE, record))
+    return files
+
+
+def test_archived_records_redraw_the_same_table_without_the_logs(tmp_path):
+    """The archive keeps every record, at its relative folder, and nothing else; the table drawn from
+    it equals the one drawn from the sweep folder; archiving again writes nothing."""
+    logs = tmp_path / "logs" / "results"
+    _write_sweep(logs / "scaling", SCALING)
+    archive = tmp_path / "docs" / "runs"
+    written = archive_records(logs, archive)
+    assert len(written) == len(SCALING)
+    assert sorted(p.relative_to(archive) for p in archive.rglob("*") if p.is_file()) == sorted(
+        p.relative_to(logs) for p in logs.rglob(RESULTS_FILE)
+    )
+    assert not list(archive.rglob("*.ckpt"))
+    assert markdown_table(load_results(archive)) == markdown_table(load_results(logs))
+    assert archive_records(logs, archive) == []
+
+
+def test_archiving_a_rerun_of_an_archived_seed_needs_replace(tmp_path):
+    """A second session's run of the same setting and seed (another machine, another draw) must not
+    overwrite the archived one silently: the error names the archived file; --replace keeps the new."""
+    logs, archive = tmp_path / "logs", tmp_path / "runs"
+    _write_sweep(logs, SCALING[:2])
+    archive_records(logs, archive)
+    rerun = logs / ",".join(SCALING[0]["overrides"]) / RESULTS_FILE
+    record = json.loads(rerun.read_text())
+    record["metrics"]["test"]["acc"] = 0.5
+    write_json_atomic(rerun, record)
+    archived = archive / rerun.relative_to(logs)
+    with pytest.raises(ValueError, match=f"{archived}.*already holds another run"):
+        archive_records(logs, archive)
+    assert json.loads(archived.read_text())["metrics"]["test"]["acc"] == 0.8
+    assert archive_records(logs, archive, replace=True) == [archived]
+    assert json.loads(archived.read_text())["metrics"]["test"]["acc"] == 0.5
+
+
+def test_archive_script_refuses_an_unreadable_record_and_writes_nothing(tmp_path):
+    logs, archive = tmp_path / "logs", tmp_path / "runs"
+    _write_sweep(logs, SCALING[:2])
+    (logs / "broken").mkdir()
+    (logs / "broken" / RESULTS_FILE).write_text("{not json")
+    run = run_script("archive_runs.py", str(logs), str(archive), cwd=tmp_path)
+    assert run.returncode == 1 and "broken/results.json" in run.stderr and "Traceback" not in run.stderr
+    assert not archive.exists()
+    (logs / "broken" / RESULTS_FILE).unlink()
+    run = run_script("archive_runs.py", str(logs), str(archive), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "2 record(s) archived" in run.stdout and len(list(archive.rglob(RESULTS_FILE))) == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ __all__ = [
     "build_run_record",
     "write_json_atomic",
     "load_results",
+    "archive_records",
     "StepTime",
     "step_time_key",
     "load_step_times",
@@ -373,6 +374,51 @@ def load_results(folder: str | os.PathLike) -> list[RunResult]:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{str(file)!r} is not a moekit run record ({type(err).__name__}: {err})") from None
     return results
+
+
+def archive_records(source: str | os.PathLike, dest: str | os.PathLike, *, replace: bool = False) -> list[Path]:
+    """Copy the record of every run under ``source`` to the same relative folder under ``dest``.
+
+    A sweep folder holds each run's checkpoints and TensorBoard events (megabytes) beside its
+    ``results.json`` (kilobytes); ``dest`` gets the records alone, so it can be committed with the
+    figures and :func:`load_results` / ``scripts/plot_results.py`` read it like the sweep folder.
+    ``logs/`` is not kept across machines: a figure whose records are only there cannot be redrawn
+    (or extended by another seed) later.
+
+    Args:
+        source: a sweep folder or ``logs/results``.
+        dest: the archive (``docs/figures/results/runs``).
+        replace: overwrite a record in ``dest`` that differs from the one in ``source`` (a rerun of
+            the same setting and seed); without it such a record is an error and nothing is written.
+
+    Returns:
+        The records written to ``dest`` (records already there and identical are left alone).
+
+    Raises:
+        FileNotFoundError: ``source`` holds no record.
+        ValueError: a record is unreadable, or differs from the one archived and ``replace`` is false.
+    """
+    source, dest = Path(source), Path(dest)
+    load_results(source)  # every record is readable, or the error names the one that is not
+    pending = []
+    for file in sorted(source.rglob(RESULTS_FILE)):
+        if dest.resolve() in file.resolve().parents:
+            continue  # the archive itself lies under source
+        record = json.loads(file.read_text())
+        target = dest / file.relative_to(source)
+        if target.exists():
+            if json.loads(target.read_text()) == record:
+                continue
+            if not replace:
+                raise ValueError(
+                    f"{str(target)!r} already holds another run of this setting and seed than {str(file)!r}; "
+                    "pass replace=True (archive_runs.py --replace) to keep the new one, or archive to another folder"
+                )
+        pending.append((target, record))
+    for target, record in pending:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(target, record)
+    return [target for target, _ in pending]
 
 
 # ---------------------------------------------------------------------------------------------
