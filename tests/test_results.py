@@ -460,6 +460,27 @@ def test_markdown_table_rows_read_mean_and_min_max():
         assert len(widths) == 1, "every row has as many cells as the header"
 
 
+def test_the_scaling_table_reads_slopes_per_doubling_and_differences_to_dense_of_the_same_seed():
+    """Seed 0 gains 3 points from 8 to 64 experts (3 doublings: +1.00 a doubling), seed 1 none (+0.00);
+    against the dense run of its own seed the four runs are 0, +3, 0, 0 points: mean +0.75, one above."""
+    records = [
+        _record("results_scaling", "dense", seed, ["model=dense_vit"], acc=acc) for seed, acc in ((0, 0.80), (1, 0.82))
+    ] + [
+        _record(
+            "results_scaling",
+            "soft_moe",
+            seed,
+            ["model=results/scaling_soft_moe", f"model.num_experts={e}"],
+            acc=acc,
+            experts=e,
+        )
+        for seed, e, acc in ((0, 8, 0.80), (0, 64, 0.83), (1, 8, 0.82), (1, 64, 0.82))
+    ]
+    table = markdown_table(_results(records))
+    assert "| soft_moe | 0,1 | +0.50 (+1.00, +0.00) | +0.75 (+0.00 to +3.00) | 1 of 4 |" in table
+    assert "| dense |" not in table.split("Trends against the number of experts:")[1]
+
+
 def test_figure_kind_of_each_sweep_task():
     assert [figure_kind(t) for t in ("results_pareto", "results_scaling", "results_language")] == [
         "pareto",

@@ -667,16 +667,53 @@ def _mean(stat: Stat | None) -> float | None:
     return None if stat is None else stat.mean
 
 
+def _slope(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of y against x through ``(x, y)`` points (at least two distinct x)."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+
+
+def _scaling_trends(groups: Sequence[Group]) -> list[str]:
+    """The reading of a scaling sweep, per router: the slope of the test metric against log2(experts)
+    fitted to each seed's runs, and each run's difference to the dense run of the same seed (paired:
+    the runs of one seed hold out the same validation images and train on the same batches)."""
+    metric = _metrics_of(run for g in groups for run in g.runs)[0]
+    runs = [run for g in groups for run in g.runs if run.test.get(metric.key) is not None]
+    dense = {run.seed: run.test[metric.key] for run in runs if run.num_experts == 0}
+    lines = [
+        f"| router | seeds | {metric.label} per doubling of experts: mean (per seed) | vs dense of the same seed: mean "
+        "(min to max) | above dense |",
+        "|---|---|---|---|---|",
+    ]
+    for family in dict.fromkeys(run.family for run in runs if run.num_experts > 0):
+        mine = [run for run in runs if run.family == family]
+        seeds = sorted({run.seed for run in mine}, key=lambda s: (s is None, s))
+        slopes = []
+        for seed in seeds:
+            points = [(math.log2(r.num_experts), r.test[metric.key] * metric.scale) for r in mine if r.seed == seed]
+            if len({x for x, _ in points}) > 1:
+                slopes.append(_slope(points))
+        diffs = [(r.test[metric.key] - dense[r.seed]) * metric.scale for r in mine if r.seed in dense]
+        slope = f"{sum(slopes) / len(slopes):+.2f} ({', '.join(f'{s:+.2f}' for s in slopes)})" if slopes else "-"
+        paired = f"{sum(diffs) / len(diffs):+.2f} ({min(diffs):+.2f} to {max(diffs):+.2f})" if diffs else "-"
+        above = f"{sum(d > 0 for d in diffs)} of {len(diffs)}" if diffs else "-"
+        lines.append(f"| {family} | {','.join(map(str, seeds))} | {slope} | {paired} | {above} |")
+    return lines
+
+
 def markdown_table(results: Sequence[RunResult]) -> str:
     """One markdown table per task (sweep): a row per configuration with its parameters, FLOPs,
     times and test metrics; a value over several seeds reads ``mean (min-max)``, a time ``median
-    (min-max)``."""
+    (min-max)``. A scaling sweep also gets its trends per router (:func:`_scaling_trends`)."""
     groups = group_results(results)
     out = []
     for task in dict.fromkeys(g.task_name for g in groups):
         task_groups = [g for g in groups if g.task_name == task]
         seeds = sum(len(g.runs) for g in task_groups)
         out += [f"#### {task} ({len(task_groups)} configurations, {seeds} runs)", "", *_task_table(task_groups), ""]
+        if figure_kind(task) == "scaling":
+            out += ["Trends against the number of experts:", "", *_scaling_trends(task_groups), ""]
     note = (
         "Values over several seeds: mean (min-max), times median (min-max): a run slowed by other work on the"
         " machine moves the mean, not the median. Training FLOPs = 3 x forward FLOPs x examples trained on."
