@@ -46,6 +46,22 @@ def report_missing_step_times(results: list[RunResult]) -> None:
         )
 
 
+def report_mixed_machines(results: list[RunResult]) -> None:
+    """Say which sweeps' runs come from more than one machine (CPU model, threads, GPU) and draw a time
+    axis from the times they recorded: those times are not comparable."""
+    machines: dict[str, set[str]] = {}
+    for run in results:
+        if run.machine and run.bench_step_seconds is None:
+            machines.setdefault(run.task_name, set()).add(run.machine)
+    for task, names in sorted(machines.items()):
+        if len(names) > 1:
+            print(
+                f"note: the runs of {task} ran on {len(names)} machines ({'; '.join(sorted(names))}): the times "
+                "they recorded are not comparable; give --step-times from one benchmark of their models",
+                file=sys.stderr,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a sweep folder (logs/results/<name>) or any folder of runs")
@@ -63,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.step_times:
         report_missing_step_times(results)
+    report_mixed_machines(results)
     out = args.out or args.folder / "figures"
     table = markdown_table(results)
     print(table)

@@ -27,6 +27,7 @@ from moekit.results import (
     group_results,
     load_results,
     load_step_times,
+    machine_label,
     markdown_table,
     model_family,
     plot_ablations,
@@ -479,6 +480,28 @@ def test_the_scaling_table_reads_slopes_per_doubling_and_differences_to_dense_of
     table = markdown_table(_results(records))
     assert "| soft_moe | 0,1 | +0.50 (+1.00, +0.00) | +0.75 (+0.00 to +3.00) | 1 of 4 |" in table
     assert "| dense |" not in table.split("Trends against the number of experts:")[1]
+
+
+def test_the_table_says_which_machines_a_sweeps_runs_ran_on_and_the_plot_script_warns_when_they_differ(tmp_path):
+    """Seeds from two sessions on two CPUs: the table names both machines with their run counts, and the
+    plot script says the recorded times of that sweep cannot be compared (none for a one-machine sweep)."""
+    xeon = {"cpu": "Intel Xeon", "torch_threads": 2, "gpu": None}
+    epyc = {"cpu": "AMD EPYC", "torch_threads": 1, "gpu": None}
+    records = [dict(r, machine=xeon if r["seed"] == 0 else epyc) for r in SCALING] + [
+        dict(r, machine=epyc) for r in LANGUAGE
+    ]
+    table = markdown_table(_results(records))
+    assert "Ran on: Intel Xeon, 2 torch threads (6 runs); AMD EPYC, 1 torch thread (6 runs)" in table
+    assert "Ran on: AMD EPYC, 1 torch thread (9 runs)" in table
+    for i, record in enumerate(records):
+        (tmp_path / "runs" / f"run{i}").mkdir(parents=True)
+        write_json_atomic(tmp_path / "runs" / f"run{i}" / RESULTS_FILE, record)
+    plot = run_script("plot_results.py", str(tmp_path / "runs"), cwd=tmp_path)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert "note: the runs of results_scaling ran on 2 machines (AMD EPYC, 1 torch thread; Intel Xeon" in plot.stderr
+    assert "results_language ran on" not in plot.stderr
+    gpu = machine_label({"cpu": "AMD EPYC", "torch_threads": 16, "gpu": "NVIDIA H100", "gpu_count": 1})
+    assert gpu == "AMD EPYC, 16 torch threads, NVIDIA H100 x1"
 
 
 def test_figure_kind_of_each_sweep_task():

@@ -23,6 +23,7 @@ import platform
 import statistics
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +40,7 @@ __all__ = [
     "Stat",
     "Group",
     "machine_info",
+    "machine_label",
     "model_family",
     "build_run_record",
     "write_json_atomic",
@@ -94,6 +96,17 @@ def machine_info() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
+
+
+def machine_label(machine: Mapping[str, Any]) -> str:
+    """``"AMD EPYC, 1 torch thread"`` (``, NVIDIA H100 x1`` with a GPU) from :func:`machine_info`'s dict:
+    what decides a run's speed, and its float rounding (one machine and thread count repeats a seeded
+    run bit for bit; another gives another draw)."""
+    threads = machine.get("torch_threads")
+    label = f"{machine.get('cpu', 'unknown CPU')}, {threads} torch thread{'s' if threads != 1 else ''}"
+    if machine.get("gpu"):
+        label += f", {machine['gpu']} x{machine.get('gpu_count', 1)}"
+    return label
 
 
 def _git_commit(directory: Path) -> str | None:
@@ -290,6 +303,7 @@ class RunResult:
             examples of that step (:func:`attach_step_times`), or None.
         val, test: the final validation metrics and the test metrics (``acc``, ``acc_top5`` or
             ``ppl``, ``bpb``, ...).
+        machine: what it ran on (:func:`machine_label`), None for a record without it.
     """
 
     path: Path
@@ -311,6 +325,7 @@ class RunResult:
     test: Mapping[str, float]
     bench_step_seconds: float | None = None
     bench_examples_per_step: int | None = None
+    machine: str | None = None
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], path: Path) -> RunResult:
@@ -337,6 +352,7 @@ class RunResult:
             throughput=training.get("mean_throughput"),
             examples_seen=training.get("examples_seen"),
             step_key=step_key,
+            machine=machine_label(record["machine"]) if record.get("machine") else None,
             val=dict(record["metrics"].get("val", {})),
             test=dict(record["metrics"].get("test", {})),
         )
@@ -711,7 +727,11 @@ def markdown_table(results: Sequence[RunResult]) -> str:
     for task in dict.fromkeys(g.task_name for g in groups):
         task_groups = [g for g in groups if g.task_name == task]
         seeds = sum(len(g.runs) for g in task_groups)
-        out += [f"#### {task} ({len(task_groups)} configurations, {seeds} runs)", "", *_task_table(task_groups), ""]
+        out += [f"#### {task} ({len(task_groups)} configurations, {seeds} runs)", ""]
+        machines = Counter(run.machine for g in task_groups for run in g.runs if run.machine)
+        if machines:
+            out += ["Ran on: " + "; ".join(f"{name} ({count} runs)" for name, count in machines.most_common()), ""]
+        out += [*_task_table(task_groups), ""]
         if figure_kind(task) == "scaling":
             out += ["Trends against the number of experts:", "", *_scaling_trends(task_groups), ""]
     note = (
