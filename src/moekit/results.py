@@ -427,8 +427,9 @@ def archive_records(source: str | os.PathLike, dest: str | os.PathLike, *, repla
                 continue
             if not replace:
                 raise ValueError(
-                    f"{str(target)!r} already holds another run of this setting and seed than {str(file)!r}; "
-                    "pass replace=True (archive_runs.py --replace) to keep the new one, or archive to another folder"
+                    f"{str(file)!r} differs from the record archived for its setting and seed, {str(target)!r} "
+                    "(a rerun); pass replace=True (archive_runs.py --replace) to keep the new one, or archive to "
+                    "another folder"
                 )
         pending.append((target, record))
     for target, record in pending:
