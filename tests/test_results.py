@@ -449,16 +449,16 @@ def test_setting_label_shows_only_what_varies_and_drops_the_results_folder():
 def test_markdown_table_rows_read_mean_and_min_max():
     table = markdown_table(_results(PARETO + LANGUAGE))
     rows = [line for line in table.splitlines() if line.startswith("| `")]
-    assert len(rows) == 4 + 3
+    assert len(rows) == 4 + 3 + 2, "7 configurations, then the 2 Soft MoE ones against dense of their width"
     assert "85.00 (80.00-90.00)" in table, "accuracy in % over the 3 seeds"
     assert "4.00 (3.00-5.00)" in table, "perplexity over the 3 seeds"
     assert "| 66 (65-70) |" in table, "fit time: the median of 65, 66 and 70 s (mean 67)"
     blocks = {block.split(" ", 1)[0]: block for block in table.split("#### ")[1:]}
     assert "test top-1 %" in blocks["results_pareto"] and "test ppl" not in blocks["results_pareto"]
     assert "test ppl" in blocks["results_language"] and "test top-1 %" not in blocks["results_language"]
-    for block in blocks.values():
-        widths = {line.count("|") for line in block.splitlines() if line.startswith("|")}
-        assert len(widths) == 1, "every row has as many cells as the header"
+    for table_text in table.split("\n\n"):
+        widths = {line.count("|") for line in table_text.splitlines() if line.startswith("|")}
+        assert len(widths) <= 1, "every row has as many cells as the header"
 
 
 def test_the_scaling_table_reads_slopes_per_doubling_and_differences_to_dense_of_the_same_seed():
@@ -480,6 +480,33 @@ def test_the_scaling_table_reads_slopes_per_doubling_and_differences_to_dense_of
     table = markdown_table(_results(records))
     assert "| soft_moe | 0,1 | +0.50 (+1.00, +0.00) | +0.75 (+0.00 to +3.00) | 1 of 4 |" in table
     assert "| dense |" not in table.split("Trends against the number of experts:")[1]
+
+
+def test_the_pareto_table_pairs_each_moe_with_the_dense_run_of_its_width_and_seed():
+    """Width 64: Soft MoE at 0.9x the dense FLOPs, fit times 110/100 and 180/200 s (ratios 1.1 and 0.9,
+    median 1.00x), accuracy +1.0 and -0.5 points against dense seed 0 and 1 (mean +0.25, one above).
+    Width 128 has no dense run, so its MoE gets no row rather than a comparison with another width."""
+    records = [
+        _record(
+            "results_pareto", "dense", seed, ["model=dense_vit", "model.embed_dim=64"], acc=acc, forward=10.0, seconds=s
+        )
+        for seed, acc, s in ((0, 0.80, 100.0), (1, 0.82, 200.0))
+    ] + [
+        _record(
+            "results_pareto",
+            "soft_moe",
+            seed,
+            ["model=soft_moe_vit", f"model.embed_dim={w}"],
+            acc=acc,
+            forward=9.0,
+            seconds=s,
+        )
+        for w, seed, acc, s in ((64, 0, 0.81, 110.0), (64, 1, 0.815, 180.0), (128, 0, 0.9, 50.0))
+    ]
+    pairs = markdown_table(_results(records)).split("Against the dense run of the same width and seed:")[1]
+    assert "| `model=soft_moe_vit,model.embed_dim=64` | 0,1 | 0.90x | 1.00x | +0.25 (+1.00, -0.50) | 1 of 2 |" in pairs
+    assert "embed_dim=128" not in pairs and "dense_vit" not in pairs
+    assert "Against the dense run" not in markdown_table(_results(records[2:])), "no dense run: no pairs"
 
 
 def test_the_table_says_which_machines_a_sweeps_runs_ran_on_and_the_plot_script_warns_when_they_differ(tmp_path):

@@ -719,10 +719,53 @@ def _scaling_trends(groups: Sequence[Group]) -> list[str]:
     return lines
 
 
+def _median_ratio(pairs: Sequence[tuple[RunResult, RunResult]], value: Callable[[RunResult], float | None]) -> str:
+    """``0.95x``: the median over ``(run, reference)`` pairs of ``value(run) / value(reference)``."""
+    ratios = [value(r) / value(d) for r, d in pairs if value(r) is not None and value(d)]
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+
+
+def _pareto_pairs(groups: Sequence[Group]) -> list[str]:
+    """The reading of a Pareto sweep: each MoE configuration against the dense run of the same setting
+    but the model (its width) and the same seed (paired: one seed's runs see the same batches). FLOPs
+    and fit time as ratios to that dense run (the median over the seeds), the test metric as
+    differences, seed by seed."""
+    metric = _metrics_of(run for g in groups for run in g.runs)[0]
+
+    def without_model(group: Group) -> tuple[tuple[str, str], ...]:
+        return tuple((k, v) for k, v in group.setting if k != "model")
+
+    dense = {(without_model(g), run.seed): run for g in groups if g.family == "dense" for run in g.runs}
+    lines = [
+        f"| setting | seeds | FLOPs / example vs dense | fit time vs dense | {metric.label} vs dense: mean (per seed) "
+        "| above dense |",
+        "|---|---|---|---|---|---|",
+    ]
+    for group in groups:
+        pairs = [(run, dense.get((without_model(group), run.seed))) for run in group.runs]
+        pairs = sorted(((r, d) for r, d in pairs if d is not None), key=lambda p: (p[0].seed is None, p[0].seed))
+        if group.family == "dense" or not pairs:
+            continue
+        diffs = [
+            (r.test[metric.key] - d.test[metric.key]) * metric.scale
+            for r, d in pairs
+            if metric.key in r.test and metric.key in d.test
+        ]
+        paired = f"{sum(diffs) / len(diffs):+.2f} ({', '.join(f'{x:+.2f}' for x in diffs)})" if diffs else "-"
+        above = f"{sum(x > 0 for x in diffs)} of {len(diffs)}" if diffs else "-"
+        lines.append(
+            f"| `{setting_label(group, groups)}` | {','.join(str(r.seed) for r, _ in pairs)} "
+            f"| {_median_ratio(pairs, lambda r: r.forward_flops)} | {_median_ratio(pairs, lambda r: r.fit_seconds)} "
+            f"| {paired} | {above} |"
+        )
+    return lines
+
+
 def markdown_table(results: Sequence[RunResult]) -> str:
     """One markdown table per task (sweep): a row per configuration with its parameters, FLOPs,
     times and test metrics; a value over several seeds reads ``mean (min-max)``, a time ``median
-    (min-max)``. A scaling sweep also gets its trends per router (:func:`_scaling_trends`)."""
+    (min-max)``. A scaling sweep also gets its trends per router (:func:`_scaling_trends`), a Pareto
+    sweep its MoEs against the dense run of their width (:func:`_pareto_pairs`)."""
     groups = group_results(results)
     out = []
     for task in dict.fromkeys(g.task_name for g in groups):
@@ -735,6 +778,8 @@ def markdown_table(results: Sequence[RunResult]) -> str:
         out += [*_task_table(task_groups), ""]
         if figure_kind(task) == "scaling":
             out += ["Trends against the number of experts:", "", *_scaling_trends(task_groups), ""]
+        if figure_kind(task) == "pareto" and any(g.family == "dense" for g in task_groups):
+            out += ["Against the dense run of the same width and seed:", "", *_pareto_pairs(task_groups), ""]
     note = (
         "Values over several seeds: mean (min-max), times median (min-max): a run slowed by other work on the"
         " machine moves the mean, not the median. Training FLOPs = 3 x forward FLOPs x examples trained on."
