@@ -8,7 +8,10 @@ Reads every ``results.json`` under the folder (each finished run of ``scripts/tr
 averages the runs that differ only in their seed (the mean, times the median; error bars and table
 ranges are min-max), draws the figure of each results sweep found (``pareto.png``, ``scaling.png``,
 ``language.png``, ``ablations.png``; see ``configs/experiment/results/``), and prints a markdown
-table, also written as ``results.md`` beside the figures. The logic is in :mod:`moekit.results`.
+table, also written as ``results.md`` beside the figures. A folder that already holds figures keeps those
+of the sweeps not drawn now, and ``results.md`` keeps their sections (the script names them): one sweep
+can be redrawn from its archived records beside sweeps whose records are gone. The logic is in
+:mod:`moekit.results`.
 
 ``--step-times`` takes files of ``scripts/bench_models.py --json``: each run then gets its model's
 benchmarked step time, and the time axes use it (steps x step time) instead of the times the runs
@@ -30,6 +33,7 @@ from moekit.results import (
     load_results,
     load_step_times,
     markdown_table,
+    merge_markdown_tables,
     plot_all,
 )
 
@@ -84,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(results)
     print(table)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(table)
+    table_file = out / "results.md"
+    if table_file.exists():  # like the figures of sweeps not drawn now, their sections stay
+        table, kept = merge_markdown_tables(table_file.read_text(), table)
+        if kept:
+            print(f"kept from the existing {table_file}: the sections of {', '.join(kept)}", file=sys.stderr)
+    table_file.write_text(table)
     for figure in plot_all(results, out):
         print(f"wrote {figure}")
     print(f"wrote {out / 'results.md'} ({len(results)} runs)")

@@ -29,6 +29,7 @@ from moekit.results import (
     load_step_times,
     machine_label,
     markdown_table,
+    merge_markdown_tables,
     model_family,
     plot_ablations,
     plot_all,
@@ -643,6 +644,39 @@ def test_archived_records_redraw_the_same_table_without_the_logs(tmp_path):
     assert not list(archive.rglob("*.ckpt"))
     assert markdown_table(load_results(archive)) == markdown_table(load_results(logs))
     assert archive_records(logs, archive) == []
+
+
+def test_merging_tables_replaces_the_sections_of_the_sweeps_drawn_and_keeps_the_others():
+    """A results.md of the language and Pareto sweeps, then the Pareto sweep redrawn from its width-64 runs
+    alone: the merge holds the new Pareto section in the old one's place, the language section as it was,
+    and one closing note; merging a table with itself gives it back."""
+    both = markdown_table(_results(LANGUAGE + PARETO))
+    assert merge_markdown_tables(both, both) == (both, [])
+    width_64 = [r for r in PARETO if "model.embed_dim=64" in r["overrides"]]
+    redrawn = markdown_table(_results(width_64))
+    merged, kept = merge_markdown_tables(both, redrawn)
+    assert kept == ["results_language"]
+    language, pareto = merged.split("#### ")[1:]
+    assert both.split("#### ")[1] == language, "the kept section is unchanged, in its place"
+    assert redrawn.startswith("#### " + pareto), "the Pareto section is the redrawn one, note and all"
+    assert "embed_dim=128" in both and "embed_dim=128" not in merged
+    assert merged.count("Values over several seeds") == 1 and "bench step ms" not in merged
+    benched = merge_markdown_tables(merged, redrawn.replace("| step ms |", "| step ms | bench step ms |"))[0]
+    assert benched.endswith("timed by scripts/bench_models.py.\n"), "a bench column gets the note of its column"
+
+
+def test_plot_script_redraws_one_sweep_beside_the_sections_of_the_others(tmp_path):
+    """Drawing the scaling sweep into a folder whose results.md also holds the language sweep (records not at
+    hand) keeps the language section and figure, says so, and replaces the scaling section."""
+    out = tmp_path / "figures"
+    for name, records in (("language", LANGUAGE), ("scaling", SCALING)):
+        _write_sweep(tmp_path / "runs" / name, records)
+        plot = run_script("plot_results.py", str(tmp_path / "runs" / name), "--out", str(out), cwd=tmp_path)
+        assert plot.returncode == 0, plot.stderr[-3000:]
+    assert "kept from the existing" in plot.stderr and "results_language" in plot.stderr
+    table = (out / "results.md").read_text()
+    assert table == markdown_table(_results(LANGUAGE)).rsplit("\n\n", 1)[0] + "\n\n" + markdown_table(_results(SCALING))
+    assert {p.name for p in out.glob("*.png")} == {"language.png", "scaling.png"}
 
 
 def test_archiving_a_rerun_of_an_archived_seed_needs_replace(tmp_path):

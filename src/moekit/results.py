@@ -54,6 +54,7 @@ __all__ = [
     "group_results",
     "figure_kind",
     "markdown_table",
+    "merge_markdown_tables",
     "plot_pareto",
     "plot_scaling",
     "plot_language",
@@ -780,17 +781,56 @@ def markdown_table(results: Sequence[RunResult]) -> str:
             out += ["Trends against the number of experts:", "", *_scaling_trends(task_groups), ""]
         if figure_kind(task) == "pareto" and any(g.family == "dense" for g in task_groups):
             out += ["Against the dense run of the same width and seed:", "", *_pareto_pairs(task_groups), ""]
+    out.append(_table_note(benched=any(run.bench_step_seconds is not None for run in results)))
+    return "\n".join(out) + "\n"
+
+
+_NOTE_START = "Values over several seeds:"
+_BENCH_COLUMN = "| bench step ms |"
+
+
+def _table_note(benched: bool) -> str:
+    """The closing paragraph of :func:`markdown_table`: how to read its cells."""
     note = (
-        "Values over several seeds: mean (min-max), times median (min-max): a run slowed by other work on the"
+        f"{_NOTE_START} mean (min-max), times median (min-max): a run slowed by other work on the"
         " machine moves the mean, not the median. Training FLOPs = 3 x forward FLOPs x examples trained on."
     )
-    if any(run.bench_step_seconds is not None for run in results):
+    if benched:
         note += (
             " Step ms: the run's own mean batch time (data loading included); bench step ms: its model's training"
             " step timed by scripts/bench_models.py."
         )
-    out.append(note)
-    return "\n".join(out) + "\n"
+    return note
+
+
+def _task_sections(table: str) -> dict[str, str]:
+    """The per-task sections of a :func:`markdown_table` text, by task name, in order, without the
+    closing note."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in table.splitlines():
+        if line.startswith("#### "):
+            current = sections.setdefault(line.split()[1], [])
+        elif line.startswith(_NOTE_START):
+            current = None
+        if current is not None:
+            current.append(line)
+    return {task: "\n".join(lines).rstrip("\n") + "\n" for task, lines in sections.items()}
+
+
+def merge_markdown_tables(existing: str, new: str) -> tuple[str, list[str]]:
+    """``existing`` (an earlier ``results.md``) with the task sections of ``new`` put in place of its
+    sections of the same tasks (new tasks go last), and the names of the tasks kept from ``existing``.
+
+    A figure folder keeps the figures of the sweeps that a later drawing did not include; this keeps
+    their tables alike, so one sweep can be redrawn from its records while another's section (drawn
+    from records that are no longer at hand) stays."""
+    sections = _task_sections(existing)
+    drawn = _task_sections(new)
+    kept = [task for task in sections if task not in drawn]
+    sections.update(drawn)
+    body = "\n".join(sections.values())
+    return body + "\n" + _table_note(benched=_BENCH_COLUMN in body) + "\n", kept
 
 
 # ---------------------------------------------------------------------------------------------
