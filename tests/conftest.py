@@ -61,7 +61,7 @@ def reference_soft_moe(layer, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(outputs)
 
 
-def reference_token_choice(layer, x: torch.Tensor, expert_ids, gates, keep) -> torch.Tensor:
+def reference_tokens_choice(layer, x: torch.Tensor, expert_ids, gates, keep) -> torch.Tensor:
     """Output of a tokens-choice layer token by token: sum of kept gated expert outputs."""
     flat = x.reshape(-1, x.shape[-1])
     rows = []

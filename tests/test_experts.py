@@ -99,9 +99,17 @@ def test_expert_bank_init_modes():
     for p in (shared.fc1_weight, shared.fc1_bias, shared.fc2_weight, shared.fc2_bias):
         assert torch.equal(p, p[:1].expand_as(p)), "all experts start from one draw"
     assert not torch.equal(shared.fc1_weight[0], torch.zeros_like(shared.fc1_weight[0]))
-    normal = ExpertBank(4, 6, 8, init_std=0.02)
+    normal = ExpertBank(64, 32, 64, init="shared")
+    normal.init_normal_(0.02, 0.005, truncate=True)
     assert normal.fc1_weight.abs().max() <= 0.04 + 1e-7 and torch.all(normal.fc1_bias == 0)
-    assert 0.005 < normal.fc1_weight.std() < 0.03
+    assert normal.fc2_weight.abs().max() <= 0.01 + 1e-7 and torch.all(normal.fc2_bias == 0)
+    assert torch.equal(normal.fc1_weight, normal.fc1_weight[:1].expand_as(normal.fc1_weight)), "init mode kept"
+    # a normal cut at two std has std 0.88 sigma
+    assert normal.fc1_weight[0].std().item() == pytest.approx(0.02 * 0.88, rel=0.05)
+    gpt2 = ExpertBank(8, 64, 64)
+    gpt2.init_normal_(0.02)
+    assert gpt2.fc1_weight.abs().max() > 0.04, "not truncated"
+    assert gpt2.fc1_weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
 @pytest.mark.parametrize(

@@ -20,68 +20,46 @@ from moekit.models import (
     lm_summary,
     sample_next_token,
 )
-from moekit.moe import ExpertBank, HashMoE, MoELayer, collect_moe_outputs, moe_layers
+from moekit.moe import ExpertBank, HashMoE, MoELayer, collect_moe_outputs, get_moe_layer, moe_layers, require_causal
+from moekit.recipes import list_recipes
 
 VOCAB = 50
 TINY_TRANSFORMER = dict(vocab_size=VOCAB, max_seq_len=24, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 TINY_LSTM = dict(vocab_size=VOCAB, dim=32, expert_hidden=32, dropout=0.0)
-POSITION_CAPACITY = dict(capacity_factor=1.0, capacity_scope="position")
+POSITION = dict(capacity_scope="position")
 
-# Every router the LMs offer: name -> TransformerLM keywords.
+# Every recipe the LMs accept (those with a capacity over the batch, with capacity_scope: position), small:
+# name -> the moe argument.
 TRANSFORMER_ROUTERS = {
-    "switch_top1_capacity": dict(num_experts=4, moe_kwargs=dict(top_k=1, **POSITION_CAPACITY)),
-    "mixtral_top2_swiglu_dropless": dict(gated=True, num_experts=4, moe_kwargs=dict(top_k=2, normalize_gates=True)),
-    "noisy_top_k": dict(
-        num_experts=4,
-        moe_kwargs=dict(
-            top_k=2,
-            noisy_gating=True,
-            normalize_gates=True,
-            importance_loss_weight=0.1,
-            load_loss_weight=0.1,
-            **POSITION_CAPACITY,
-        ),
+    "switch_position_capacity": dict(recipe="switch", num_experts=4, **POSITION),
+    "top2_position_capacity": dict(recipe="top2", num_experts=4, **POSITION),
+    "vmoe_position_capacity": dict(recipe="vmoe", num_experts=4, **POSITION),
+    "mixtral": dict(recipe="mixtral", num_experts=4),
+    "noisy_top_k_position_capacity": dict(recipe="noisy_top_k", num_experts=4, top_k=2, capacity_factor=1.0, **POSITION),
+    "deepseek": dict(recipe="deepseek", num_experts=8, top_k=4),
+    "deepseek_position_capacity": dict(recipe="deepseek", num_experts=4, top_k=2, capacity_factor=1.25, **POSITION),
+    "hash": "hash",
+    "hierarchical_position_capacity": dict(
+        recipe="hierarchical", num_experts=4, num_groups=2, top_k_groups=1, capacity_factor=1.0, **POSITION
     ),
-    "deepseek_shared_fine_grained": dict(
-        num_experts=8, moe_kwargs=dict(top_k=4, num_shared_experts=1, expert_hidden_features=16)
-    ),
-    "sigmoid_loss_free": dict(
-        num_experts=4,
-        moe_kwargs=dict(
-            top_k=2,
-            score_func="sigmoid",
-            normalize_gates=True,
-            bias_update_rate=1e-2,
-            capacity_factor=1.25,
-            capacity_scope="position",
-        ),
-    ),
-    "hash": dict(moe_layer="hash", num_experts=4),
-    "hierarchical": dict(
-        moe_layer="hierarchical",
-        num_experts=None,
-        moe_kwargs=dict(num_groups=2, experts_per_group=2, top_k_groups=1, top_k=2, **POSITION_CAPACITY),
-    ),
-    "dense_moe": dict(moe_layer="dense", num_experts=3),
-    "dense_model": dict(moe_layer=None),
+    "dense_moe": dict(recipe="dense_moe", num_experts=3),
+    "dense_model": None,
 }
 
-# The routers of the LSTM-MoE LM (num_experts / top_k are its own arguments).
+# The recipes of the LSTM-MoE LM (the paper's noisy top-k and hierarchical MoE, and the other per-token ones).
 LSTM_ROUTERS = {
-    "noisy_top_k_capacity": dict(num_experts=4, top_k=2, moe_kwargs=POSITION_CAPACITY),
-    "switch_top1_capacity": dict(num_experts=4, top_k=1, moe_kwargs=dict(noisy_gating=False, **POSITION_CAPACITY)),
-    "sigmoid_loss_free": dict(
-        num_experts=4,
-        top_k=2,
-        moe_kwargs=dict(noisy_gating=False, score_func="sigmoid", bias_update_rate=1e-2),
-    ),
-    "deepseek_shared_fine_grained": dict(
-        num_experts=8, top_k=2, moe_kwargs=dict(num_shared_experts=1, noisy_gating=False)
-    ),
-    "hierarchical": dict(moe_layer="hierarchical", num_experts=4, top_k=2, moe_kwargs=POSITION_CAPACITY),
-    "hash": dict(moe_layer="hash", num_experts=4),
-    "dense_moe": dict(moe_layer="dense", num_experts=3),
+    "noisy_top_k_position_capacity": dict(recipe="noisy_top_k", num_experts=4, top_k=2, capacity_factor=1.0, **POSITION),
+    "switch_position_capacity": dict(recipe="switch", num_experts=4, **POSITION),
+    "deepseek": dict(recipe="deepseek", num_experts=4, top_k=2),
+    "hierarchical_position_capacity": dict(recipe="hierarchical", num_experts=4, capacity_factor=1.0, **POSITION),
+    "hash": dict(recipe="hash", num_experts=4),
+    "dense_moe": dict(recipe="dense_moe", num_experts=3),
 }
+
+
+def test_the_routers_cover_every_recipe():
+    covered = {spec if isinstance(spec, str) else spec["recipe"] for spec in TRANSFORMER_ROUTERS.values() if spec}
+    assert covered == set(list_recipes()) - {"soft_moe", "experts_choice", "base"}, "all but the token-mixing ones"
 
 
 def randomize_routers(model: nn.Module, std: float = 1.0) -> nn.Module:
@@ -98,9 +76,10 @@ def randomize_routers(model: nn.Module, std: float = 1.0) -> nn.Module:
 
 def build(kind: str, router: str, **overrides) -> nn.Module:
     if kind == "transformer":
-        model = TransformerLM(**{**TINY_TRANSFORMER, **TRANSFORMER_ROUTERS[router], "moe_blocks": "all", **overrides})
+        moe = TRANSFORMER_ROUTERS[router]
+        model = TransformerLM(**{**TINY_TRANSFORMER, "moe": moe, "moe_blocks": "all", **overrides})
     else:
-        model = LSTMMoELM(**{**TINY_LSTM, **LSTM_ROUTERS[router], **overrides})
+        model = LSTMMoELM(**{**TINY_LSTM, "moe": LSTM_ROUTERS[router], **overrides})
     return randomize_routers(model)
 
 
@@ -153,29 +132,38 @@ def test_lstm_moe_lm_is_causal(router, training):
 def test_the_causality_check_catches_a_capacity_over_the_batch():
     """The check has teeth: with the capacity over all tokens of the batch (what require_causal
     refuses), later tokens take earlier tokens' expert slots."""
-    model = build("transformer", "switch_top1_capacity").train()
+    model = build("transformer", "switch_position_capacity").train()
     for _, layer in moe_layers(model):
-        layer.capacity_scope = "batch"  # bypass the construction-time refusal
+        layer.capacity.capacity_scope = "batch"  # bypass the construction-time refusal
     with pytest.raises(AssertionError):
         assert_causal(model)
 
 
 @pytest.mark.parametrize(
-    "moe_layer, moe_kwargs, layer_type",
+    "moe, fix",
     [
-        ("soft_moe", dict(slots_per_expert=1), "SoftMoE"),
-        ("experts_choice", dict(capacity_factor=1.0), "ExpertsChoiceMoE"),
-        ("base", {}, "BaseMoE"),
-        ("top_k", dict(top_k=1, capacity_factor=1.25), "TopKMoE"),
+        ("soft_moe", "use a per-token router: moe=mixtral"),
+        ("experts_choice", "use a per-token router"),
+        ("base", "use a per-token router"),
+        ("switch", "set moe.capacity_scope=position"),
+        (dict(recipe="mixtral", eval_capacity_factor=2.0), "set moe.capacity_scope=position"),
     ],
 )
-def test_non_causal_routers_are_refused(moe_layer, moe_kwargs, layer_type):
-    with pytest.raises(ValueError, match=rf"MoE layer 'blocks.1.mlp' \({layer_type}\) is not causal") as err:
-        TransformerLM(**TINY_TRANSFORMER, moe_layer=moe_layer, num_experts=4, moe_kwargs=moe_kwargs)
-    assert "capacity_scope='position'" in str(err.value), "the message names the fix"
-    lstm_kwargs = {k: v for k, v in moe_kwargs.items() if k != "top_k"}
-    with pytest.raises(ValueError, match=rf"MoE layer 'moe' \({layer_type}\) is not causal"):
-        LSTMMoELM(**TINY_LSTM, moe_layer=moe_layer, num_experts=4, top_k=1, moe_kwargs=lstm_kwargs)
+def test_token_mixing_recipes_are_refused(moe, fix):
+    with pytest.raises(ValueError, match=r"routes a token by looking at the other tokens of the batch") as err:
+        TransformerLM(**TINY_TRANSFORMER, moe=moe)
+    assert fix in str(err.value), "the message names the fix"
+    with pytest.raises(ValueError, match=r"so the LSTM MoE LM \(causal\) would see the future"):
+        LSTMMoELM(**TINY_LSTM, moe=moe)
+
+
+@pytest.mark.parametrize("layer", ["soft_moe", "experts_choice", "base"])
+def test_require_causal_also_refuses_a_token_mixing_layer(layer):
+    """Defence in depth: a model that got a token-mixing layer past the recipe check is refused too."""
+    model = TransformerLM(**TINY_TRANSFORMER, moe="mixtral")
+    model.blocks[1].mlp = get_moe_layer(layer)(32, 64, num_experts=4, **({"num_tokens": 8} if layer == "soft_moe" else {}))
+    with pytest.raises(ValueError, match=r"MoE layer 'blocks.1.mlp' \(\w+\) is not causal"):
+        require_causal(model)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,19 +180,19 @@ def decode_in_pieces(model: nn.Module, input_ids: torch.Tensor, prefill: int, ch
 
 
 @pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
-@pytest.mark.parametrize("router", ["mixtral_top2_swiglu_dropless", "switch_top1_capacity", "hash"])
+@pytest.mark.parametrize("router", ["mixtral", "switch_position_capacity", "hash"])
 @torch.no_grad()
 def test_kv_cache_decoding_equals_the_full_forward(router, pos_embedding):
     model = build("transformer", router, pos_embedding=pos_embedding).eval()
     input_ids = torch.randint(VOCAB, (4, 16))
     full = model(input_ids)
-    if router == "switch_top1_capacity":  # capacity 1 per expert per position for 4 sequences: drops
+    if router == "switch_position_capacity":  # capacity 1 per expert per position for 4 sequences: drops
         dropped = [s["dropped_fraction"] for s in collect_moe_outputs(model).stats.values()]
         assert max(dropped) > 0, "the capacity binds, so the test compares dropping too"
     torch.testing.assert_close(decode_in_pieces(model, input_ids, prefill=5, chunk=4), full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("router", ["noisy_top_k_capacity", "hierarchical"])
+@pytest.mark.parametrize("router", ["noisy_top_k_position_capacity", "hierarchical_position_capacity"])
 @torch.no_grad()
 def test_lstm_state_carrying_equals_the_full_forward(router):
     model = build("lstm", router, num_lstm_layers_before=2).eval()
@@ -232,19 +220,20 @@ def cv_squared(values: torch.Tensor) -> torch.Tensor:
 def test_lstm_moe_lm_defaults_follow_the_paper():
     model = LSTMMoELM(vocab_size=VOCAB)
     router = model.moe.router
-    assert router.noisy_gating and router.normalize_gates and router.top_k == 4 and model.moe.num_experts == 16
-    assert router.loss_weights["importance"] == router.loss_weights["load"] == 0.1
+    cfg = router.config
+    assert cfg.noisy_gating and cfg.normalize_gates and router.top_k == 4 and model.moe.num_experts == 32
+    assert cfg.importance_loss_weight == cfg.load_loss_weight == 0.1
     assert model.moe.experts.hidden_features == 1024 and isinstance(model.moe.experts.act, nn.ReLU)
     assert not router.weight.any() and not router.noise_weight.any(), "W_g and W_noise start at zero"
-    hierarchical = LSTMMoELM(
-        vocab_size=VOCAB, dim=8, expert_hidden=8, moe_layer="hierarchical", num_experts=256, top_k=4
-    )
+    hierarchical = LSTMMoELM(vocab_size=VOCAB, dim=8, expert_hidden=8, moe=dict(recipe="hierarchical", num_experts=256))
     hierarchical = hierarchical.moe.router
-    assert (hierarchical.num_groups, hierarchical.top_k_groups, hierarchical.top_k) == (16, 2, 2), "k = 2 per level"
+    assert (hierarchical.num_groups, hierarchical.top_k_groups, hierarchical.top_k_per_group) == (16, 2, 2)
+    assert not hierarchical.primary_weight.any(), "the hierarchical gates start at zero too"
 
 
 def test_lstm_moe_lm_importance_and_load_losses_match_the_paper():
-    model = randomize_routers(LSTMMoELM(vocab_size=VOCAB, dim=16, expert_hidden=16, num_experts=4, top_k=2)).train()
+    moe = dict(recipe="noisy_top_k", num_experts=4, top_k=2)
+    model = randomize_routers(LSTMMoELM(vocab_size=VOCAB, dim=16, expert_hidden=16, moe=moe)).train()
     router = model.moe.router
     seen = {}
     model.moe.register_forward_pre_hook(lambda module, args: seen.update(x=args[0].detach()))
@@ -280,7 +269,7 @@ def test_lstm_moe_lm_importance_and_load_losses_match_the_paper():
 
 def test_lstm_moe_lm_architecture_residuals_and_sigmoid():
     """logits = head(m + lstm2(m)), m = h + sigmoid(moe(h)), h = e + lstm1(e), e = embedding(ids)."""
-    model = randomize_routers(LSTMMoELM(**TINY_LSTM, num_experts=4, top_k=2)).eval()
+    model = randomize_routers(LSTMMoELM(**TINY_LSTM, moe=dict(recipe="noisy_top_k", num_experts=4, top_k=2))).eval()
     input_ids = torch.randint(VOCAB, (2, 6))
     with torch.no_grad():
         e = model.embedding(input_ids)
@@ -301,7 +290,7 @@ def argmax_rollout(model: nn.Module, prompt: torch.Tensor, steps: int) -> torch.
     return tokens
 
 
-@pytest.mark.parametrize("kind, router", [("transformer", "switch_top1_capacity"), ("lstm", "noisy_top_k_capacity")])
+@pytest.mark.parametrize("kind, router", [("transformer", "switch_position_capacity"), ("lstm", "noisy_top_k_position_capacity")])
 def test_greedy_generation_is_the_argmax_rollout_with_and_without_cache(kind, router):
     # Untied embeddings: a random tied model mostly repeats its last token, whatever the context.
     model = build(kind, router, tie_embeddings=False).eval()
@@ -321,7 +310,7 @@ def test_greedy_generation_is_the_argmax_rollout_with_and_without_cache(kind, ro
 
 
 def test_sampled_generation_is_reproducible_and_the_same_with_and_without_cache():
-    model = build("transformer", "mixtral_top2_swiglu_dropless", tie_embeddings=False)
+    model = build("transformer", "mixtral", tie_embeddings=False)
     prompt = torch.randint(VOCAB, (2, 3))
 
     def sample(use_cache: bool) -> torch.Tensor:
@@ -370,23 +359,23 @@ def test_sampling_follows_the_distribution():
 # Construction, initialisation, summary
 # ------------------------------------------------------------------------------------------------
 def test_transformer_lm_structure():
-    model = TransformerLM(**{**TINY_TRANSFORMER, "depth": 4}, num_experts=4, moe_blocks="every_2")
+    model = TransformerLM(**{**TINY_TRANSFORMER, "depth": 4}, moe=dict(recipe="mixtral", num_experts=4), moe_blocks="every_2")
     assert model.moe_block_indices == (1, 3)
     assert [isinstance(b.mlp, MoELayer) for b in model.blocks] == [False, True, False, True]
     assert model.head.weight is model.token_embedding.weight
     bank = model.blocks[1].mlp.experts
     assert (bank.in_features, bank.hidden_features, bank.num_experts) == (32, 64, 4), "the dense MLP's sizes"
-    dense = TransformerLM(**TINY_TRANSFORMER, moe_layer=None, gated=True, norm="rmsnorm", tie_embeddings=False)
+    dense = TransformerLM(**TINY_TRANSFORMER, moe=None, gated=True, norm="rmsnorm", tie_embeddings=False)
     assert dense.moe_block_indices == () and not list(moe_layers(dense))
     assert isinstance(dense.norm, nn.RMSNorm) and dense.head.weight is not dense.token_embedding.weight
-    hashed = TransformerLM(**TINY_TRANSFORMER, moe_layer="hash", num_experts=4)
+    hashed = TransformerLM(**TINY_TRANSFORMER, moe=dict(recipe="hash", num_experts=4))
     assert isinstance(hashed.blocks[1].mlp, HashMoE) and hashed.blocks[1].mlp.router.vocab_size == VOCAB
 
 
 def test_gpt2_initialisation_and_experts_like_the_dense_mlp():
     depth, dim = 4, 64
-    model = TransformerLM(vocab_size=VOCAB, dim=dim, depth=depth, num_heads=2, num_experts=8, moe_blocks="all")
-    dense = TransformerLM(vocab_size=VOCAB, dim=dim, depth=depth, num_heads=2, moe_layer=None)
+    model = TransformerLM(vocab_size=VOCAB, dim=dim, depth=depth, num_heads=2, moe="mixtral", moe_blocks="all")
+    dense = TransformerLM(vocab_size=VOCAB, dim=dim, depth=depth, num_heads=2, moe=None)
     residual_std = 0.02 / math.sqrt(2 * depth)
     bank: ExpertBank = model.blocks[0].mlp.experts
     assert bank.fc1_weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -400,15 +389,15 @@ def test_gpt2_initialisation_and_experts_like_the_dense_mlp():
 
 def test_lm_summary_dense_twin_matches_top1_and_twice_wide_twin_matches_top2():
     common = dict(vocab_size=VOCAB, max_seq_len=16, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
-    dense = lm_summary(TransformerLM(**common, moe_layer=None), seq_len=16)
-    top1 = lm_summary(TransformerLM(**common, num_experts=4, moe_blocks="all", moe_kwargs=dict(top_k=1)), seq_len=16)
+    dense = lm_summary(TransformerLM(**common, moe=None), seq_len=16)
+    top1 = lm_summary(TransformerLM(**common, moe=dict(recipe="mixtral", num_experts=4, top_k=1)), seq_len=16)
     router_flops = 2 * 32 * 4
     assert top1.flops_per_token == dense.flops_per_token + 2 * router_flops
     assert top1.active_params_per_token == dense.total_params + 2 * 4 * 32, "plus the router weights"
     assert dense.active_params_per_token == dense.total_params and dense.expert_params == 0
 
-    wide = lm_summary(TransformerLM(**{**common, "mlp_ratio": 4.0}, moe_layer=None), seq_len=16)
-    top2 = lm_summary(TransformerLM(**common, num_experts=4, moe_blocks="all", moe_kwargs=dict(top_k=2)), seq_len=16)
+    wide = lm_summary(TransformerLM(**{**common, "mlp_ratio": 4.0}, moe=None), seq_len=16)
+    top2 = lm_summary(TransformerLM(**common, moe=dict(recipe="mixtral", num_experts=4)), seq_len=16)
     combine_flops = 2 * 2 * 32  # the gate-weighted sum of the two expert outputs (a bmm)
     assert top2.flops_per_token == wide.flops_per_token + 2 * (router_flops + combine_flops)
     assert top2.active_params_per_token == wide.total_params + 2 * 4 * 32
@@ -418,7 +407,7 @@ def test_lm_summary_dense_twin_matches_top1_and_twice_wide_twin_matches_top2():
 
 
 def test_lm_summary_counts_the_lstm_and_the_experts():
-    model = LSTMMoELM(vocab_size=VOCAB, dim=16, expert_hidden=24, num_experts=4, top_k=2)
+    model = LSTMMoELM(vocab_size=VOCAB, dim=16, expert_hidden=24, moe=dict(recipe="noisy_top_k", num_experts=4, top_k=2))
     summary = lm_summary(model, seq_len=8)
     lstm = 2 * 2 * 4 * 16 * (16 + 16)
     experts = 2 * (2 * 16 * 24 + 2 * 24 * 16)
@@ -468,16 +457,16 @@ def test_bad_generate_arguments(kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(moe_layer="nope"), r"unknown MoE layer 'nope'; registered layers: \['base', 'dense'"),
+        (dict(moe="nope"), r"unknown MoE recipe 'nope'; recipes: base, deepseek, dense_moe"),
+        (dict(moe=dict(layer="nope")), r"unknown MoE layer 'nope'; registered layers: \['base', 'dense_moe'"),
         (dict(num_heads=3), "dim=32 is not divisible by num_heads=3"),
         (dict(dim=24, num_heads=8), "rotary positions need an even head size"),
         (dict(pos_embedding="alibi"), "pos_embedding='alibi'; allowed: 'rope', 'learned'"),
         (dict(norm="batchnorm"), "norm='batchnorm'"),
         (dict(moe_blocks="every_3_last_5"), "asks for 5 MoE blocks but a TransformerLM of depth=2 has only 1"),
         (dict(moe_blocks=[]), "an MoE TransformerLM needs at least one MoE block"),
-        (dict(moe_kwargs=dict(in_features=8)), r"moe_kwargs sets \['in_features'\], which the builder takes from"),
-        (dict(moe_kwargs=dict(gated=True)), r"set those as TransformerLM keywords"),
-        (dict(moe_layer=None, moe_kwargs=dict(top_k=1)), "moe_layer=None builds a dense model"),
+        (dict(moe=dict(recipe="mixtral", in_features=8)), r"recipe 'mixtral' sets \['in_features'\], which TopKMoE"),
+        (dict(moe=dict(recipe="mixtral", slots_per_expert=2)), r"sets \['slots_per_expert'\], which TopKMoE does not"),
         (dict(dropout=1.0), r"dropout=1.0 must lie in \[0, 1\)"),
     ],
 )
@@ -494,12 +483,12 @@ def test_bad_lm_inputs():
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match=r"the cache holds 2 sequences but input_ids has batch 3"):
         model(torch.zeros(3, 4, dtype=torch.long), cache=model.init_cache(2))
-    lstm = LSTMMoELM(**TINY_LSTM, num_experts=4, top_k=2)
+    lstm = LSTMMoELM(**TINY_LSTM, moe=dict(recipe="noisy_top_k", num_experts=4, top_k=2))
     with pytest.raises(ValueError, match=r"the cache holds 2 sequences but input_ids has batch 3"):
         lstm(torch.zeros(3, 4, dtype=torch.long), cache=lstm.init_cache(2))
-    with pytest.raises(ValueError, match="unknown MoE layer 'nope'"):
-        LSTMMoELM(**TINY_LSTM, moe_layer="nope")
-    with pytest.raises(ValueError, match="moe_kwargs sets top_k; pass it as the top_k argument"):
-        LSTMMoELM(**TINY_LSTM, moe_kwargs=dict(top_k=2))
+    with pytest.raises(ValueError, match="unknown MoE recipe 'nope'"):
+        LSTMMoELM(**TINY_LSTM, moe="nope")
+    with pytest.raises(ValueError, match="the LSTM MoE LM needs an MoE recipe"):
+        LSTMMoELM(**TINY_LSTM, moe=None)
     with pytest.raises(ValueError, match="num_groups=3 must divide num_experts=16"):
-        LSTMMoELM(**TINY_LSTM, moe_layer="hierarchical", moe_kwargs=dict(num_groups=3))
+        LSTMMoELM(**TINY_LSTM, moe=dict(recipe="hierarchical", num_experts=16, num_groups=3))

@@ -13,6 +13,8 @@ from moekit.moe.losses import (
     router_z_loss,
     smooth_load,
     switch_load_balancing_loss,
+    vmoe_load_loss,
+    vmoe_load_probabilities,
 )
 
 GATES = torch.tensor([[0.25, 0.5, 0.0, 0.25], [0.7, 0.1, 0.1, 0.1], [0.3, 0.4, 0.2, 0.1]])
@@ -60,6 +62,25 @@ def test_load_probabilities_hand_computed():
     torch.testing.assert_close(probs, expected)
     torch.testing.assert_close(smooth_load(clean, noisy, std, 1), expected.sum(0))
     torch.testing.assert_close(load_loss(clean, noisy, std, 1), cv_squared(expected.sum(0)))
+
+
+def test_vmoe_load_probabilities_hand_computed():
+    # V-MoE, appendix A.2: one threshold per token, the k-th largest noisy logit over all experts
+    clean = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.4, -1.0]])
+    noisy = torch.tensor([[1.2, 0.3, 0.1], [0.1, 0.9, -0.5]])
+    std = torch.full((2, 3), 0.25)
+    phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))  # noqa: E731
+    # k = 2: thresholds 0.3 (token 0) and 0.1 (token 1); P = 1 - Phi((threshold - clean) / std)
+    expected = torch.tensor(
+        [
+            [1 - phi((0.3 - 1.0) / 0.25), 1 - phi((0.3 - 0.0) / 0.25), 1 - phi((0.3 - 0.5) / 0.25)],
+            [1 - phi((0.1 - 0.2) / 0.25), 1 - phi((0.1 - 0.4) / 0.25), 1 - phi((0.1 + 1.0) / 0.25)],
+        ]
+    )
+    torch.testing.assert_close(vmoe_load_probabilities(clean, noisy, std, k=2), expected)
+    torch.testing.assert_close(vmoe_load_loss(clean, noisy, std, 2), cv_squared(expected.sum(0)))
+    # Shazeer's estimator differs: an expert inside the top-k is measured against the (k+1)-th logit
+    assert not torch.allclose(load_probabilities(clean, noisy, std, 2), expected)
 
 
 def test_smooth_load_matches_monte_carlo_selection_frequency():

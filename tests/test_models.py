@@ -19,7 +19,6 @@ from moekit.models import (
 )
 from moekit.moe import (
     ExpertsChoiceMoE,
-    HierarchicalMoE,
     MoELayer,
     SoftMoE,
     TopKMoE,
@@ -86,10 +85,8 @@ def test_resolve_moe_blocks_errors(moe_blocks, depth, message):
 # ------------------------------------------------------------------------------------------------
 def test_create_moe_vit_replaces_the_mlp_of_the_chosen_blocks():
     model = create_moe_vit(
-        moe_layer="top_k",
+        moe=dict(recipe="switch", num_experts=4, top_k=2),
         moe_blocks="every_2",
-        num_experts=4,
-        moe_kwargs=dict(top_k=2, switch_loss_weight=0.01),
         mlp_ratio=2.0,
         act_layer="relu",
         proj_bias=False,
@@ -100,6 +97,7 @@ def test_create_moe_vit_replaces_the_mlp_of_the_chosen_blocks():
     assert all(isinstance(model.blocks[i].mlp, Mlp) for i in (0, 2))
     layer = model.blocks[3].mlp
     assert isinstance(layer, TopKMoE) and layer.num_experts == 4 and layer.top_k == 2
+    assert (layer.capacity_factor, layer.eval_capacity_factor) == (1.25, 2.0), "the rest of the switch recipe"
     bank = layer.experts
     assert (bank.in_features, bank.hidden_features, bank.out_features) == (32, 64, 32), "the Block's Mlp sizes"
     assert isinstance(bank.act, nn.ReLU) and bank.fc1_bias is None and bank.fc2_bias is None
@@ -116,22 +114,30 @@ def test_create_moe_vit_replaces_the_mlp_of_the_chosen_blocks():
 
 
 def test_create_moe_vit_passes_the_token_count_to_soft_moe():
-    model = create_moe_vit(moe_layer="soft_moe", num_experts=4, moe_kwargs=dict(capacity_factor=1.0), **TINY)
+    model = create_moe_vit(moe=dict(recipe="soft_moe", num_experts=4, capacity_factor=1.0), **TINY)
     assert model.blocks[-1].mlp.slots_per_expert == round((16 + 1) / 4), "16 patches + the class token"
 
 
-def test_create_moe_vit_layers_sized_without_num_experts():
-    model = create_moe_vit(
-        moe_layer="hierarchical", num_experts=None, moe_kwargs=dict(num_groups=2, experts_per_group=2), **TINY
-    )
-    assert isinstance(model.blocks[-1].mlp, HierarchicalMoE) and model.blocks[-1].mlp.num_experts == 4
+def test_create_moe_vit_granularity_divides_the_mlp_hidden_size():
+    model = create_moe_vit(moe="deepseek", **TINY)  # MLP hidden 128, granularity 9
+    layer = model.blocks[-1].mlp
+    assert layer.experts.hidden_features == round(128 / 9) == layer.shared_experts.hidden_features
     assert model(torch.randn(2, 3, 16, 16)).shape == (2, 5)
+
+
+def test_create_moe_vit_without_moe_is_timms_vit():
+    torch.manual_seed(0)
+    ours = create_moe_vit(moe=None, **TINY)
+    torch.manual_seed(0)
+    timms = VisionTransformer(**TINY)
+    assert ours.moe_block_indices == () and moe_block_indices(ours) == ()
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), timms.state_dict().values()))
 
 
 def test_create_moe_vit_fix_init_scales_the_experts_like_the_dense_fc2():
     def build(fix_init):
         torch.manual_seed(0)
-        return create_moe_vit(moe_blocks=[0, 2], num_experts=2, fix_init=fix_init, **TINY)
+        return create_moe_vit(moe=dict(recipe="soft_moe", num_experts=2), moe_blocks=[0, 2], fix_init=fix_init, **TINY)
 
     plain, fixed = build(False), build(True)
     for i in (0, 2):
@@ -143,16 +149,19 @@ def test_create_moe_vit_fix_init_scales_the_experts_like_the_dense_fc2():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(moe_layer="sofmoe"), r"unknown MoE layer 'sofmoe'; registered layers: \['base', 'dense'"),
-        (dict(moe_layer="hash"), "routes by token id"),
+        (dict(moe="sofmoe"), r"unknown MoE recipe 'sofmoe'; recipes: base, deepseek, dense_moe"),
+        (dict(moe="hash"), "recipe 'hash' routes each token by its token id, and a ViT has no token ids"),
+        (dict(moe=dict(layer="sofmoe")), r"unknown MoE layer 'sofmoe'; registered layers: \['base', 'dense_moe'"),
+        (dict(moe=dict(num_experts=4)), "names no layer; give a recipe name or a mapping with 'layer'"),
         (dict(moe_blocks="middle"), "moe_blocks='middle' is not a placement"),
         (dict(img_size=30), r"img_size=30 is not divisible by patch_size=4 \(30 % 4 = 2\)"),
         (dict(img_size=(16, 18)), r"img_size=\(16, 18\) is not divisible by patch_size=4"),
-        (dict(moe_kwargs=dict(in_features=8)), r"moe_kwargs sets \['in_features'\], which the builder takes"),
-        (dict(moe_kwargs=dict(num_experts=8)), "pass it as the num_experts argument"),
-        (dict(moe_kwargs=dict(top_k=2)), r"moe_kwargs keys \['top_k'\] are not keywords of SoftMoE"),
-        (dict(moe_layer="hierarchical"), "has no num_experts keyword; pass num_experts=None"),
+        (dict(moe=dict(recipe="soft_moe", in_features=8)), r"recipe 'soft_moe' sets \['in_features'\], which SoftMoE"),
+        (dict(moe=dict(recipe="soft_moe", top_k=2)), r"sets \['top_k'\], which SoftMoE does not take; its settings: "),
+        (dict(moe=dict(recipe="switch", top_k=200)), r"recipe 'switch': TopKMoE: top_k=200 must be an int in \[1, 128\]"),
+        (dict(moe=dict(recipe="deepseek", granularity=0)), r"granularity=0 must be a positive number"),
         (dict(scale_mlp_norm=True), "scale_mlp_norm=True"),
+        (dict(embed_dimm=16), r"embed_dimm is not a VisionTransformer keyword; did you mean embed_dim\?"),
     ],
 )
 def test_create_moe_vit_errors(kwargs, message):
@@ -163,7 +172,7 @@ def test_create_moe_vit_errors(kwargs, message):
 # ------------------------------------------------------------------------------------------------
 # timm registration
 # ------------------------------------------------------------------------------------------------
-SMALL_OVERRIDES = dict(depth=4, embed_dim=64, num_heads=2, img_size=32, num_experts=4)
+SMALL_OVERRIDES = dict(depth=4, embed_dim=64, num_heads=2, img_size=32, moe={"num_experts": 4})
 
 
 @pytest.mark.parametrize(
@@ -226,19 +235,20 @@ def test_default_configs_of_the_imagenet_models():
 
     vmoe = timm.create_model("vmoe_vit_small_patch16_224", device="meta")
     assert vmoe.moe_block_indices == (3, 5, 7, 9, 11) and vmoe.global_pool == "token"
-    router = vmoe.blocks[3].mlp
-    assert (router.num_experts, router.top_k, router.capacity_factor, router.batch_priority) == (32, 2, 1.05, True)
+    layer = vmoe.blocks[3].mlp
+    assert (layer.num_experts, layer.top_k, layer.capacity_factor, layer.capacity.batch_priority) == (32, 2, 1.05, False)
+    assert layer.router.config.noise_std == 1.0 and layer.router.config.importance_over == "probs"
+    assert layer.experts.init == "shared"
 
     ec = timm.create_model("ec_moe_vit_small_patch16_224", device="meta")
     assert ec.moe_block_indices == (6, 7, 8, 9, 10, 11)
-    assert (ec.blocks[6].mlp.num_experts, ec.blocks[6].mlp.capacity_factor) == (32, 1.0)
+    assert (ec.blocks[6].mlp.num_experts, ec.blocks[6].mlp.capacity_factor) == (64, 2.0)
 
 
-def test_create_model_overrides_merge_into_the_moe_defaults():
+def test_create_model_overrides_change_or_replace_the_recipe():
     model = timm.create_model(
         "soft_moe_vit_tiny_patch4_28",
-        num_experts=4,
-        moe_kwargs=dict(slots_per_expert=3),
+        moe=dict(num_experts=4, capacity_factor=None, slots_per_expert=3),
         moe_blocks=[0, -1],
         mlp_ratio=2.0,
         drop_path_rate=0.1,
@@ -247,11 +257,16 @@ def test_create_model_overrides_merge_into_the_moe_defaults():
     layer = model.blocks[0].mlp
     assert (layer.num_experts, layer.slots_per_expert, layer.experts.hidden_features) == (4, 3, 256)
     assert isinstance(model.blocks[5].drop_path2, nn.Module) and model.blocks[5].drop_path2.drop_prob > 0
-    noisy = timm.create_model("top2_moe_vit_tiny_patch4_28", moe_kwargs=dict(capacity_factor=None))
-    assert noisy.blocks[3].mlp.capacity_factor is None and noisy.blocks[3].mlp.router.normalize_gates
-    # another layer type starts from that layer's own defaults (Soft MoE's slots do not carry over)
-    switched = timm.create_model("soft_moe_vit_tiny_patch4_28", moe_layer="top_k", moe_kwargs=dict(top_k=1))
+    dropless = timm.create_model("top2_moe_vit_tiny_patch4_28", moe=dict(capacity_factor=None, eval_capacity_factor=None))
+    assert dropless.blocks[3].mlp.capacity_factor is None and dropless.blocks[3].mlp.router.config.normalize_gates
+    # another recipe replaces the model's (Soft MoE's slots do not carry over)
+    switched = timm.create_model("soft_moe_vit_tiny_patch4_28", moe="switch")
     assert isinstance(switched.blocks[3].mlp, TopKMoE) and switched.blocks[3].mlp.top_k == 1
+    assert switched.blocks[3].mlp.num_experts == 128, "the recipe's own expert count"
+    dense = timm.create_model("soft_moe_vit_tiny_patch4_28", moe="none")  # timm drops None-valued overrides
+    assert dense.moe_block_indices == () and moe_block_indices(dense) == ()
+    with pytest.raises(ValueError, match="changes settings of a dense model; name a recipe"):
+        timm.create_model("vit_tiny_patch4_28", moe=dict(num_experts=4))
 
 
 def test_features_only():
@@ -304,7 +319,7 @@ def test_summary_of_soft_moe_counts_slots_not_tokens():
 
 
 def test_summary_of_dropless_top2_doubles_the_expert_flops():
-    model = timm.create_model("top2_moe_vit_tiny_patch4_28", moe_kwargs=dict(capacity_factor=None))
+    model = timm.create_model("top2_moe_vit_tiny_patch4_28", moe=dict(capacity_factor=None, eval_capacity_factor=None))
     summary = model_summary(model, (1, 28, 28))
     router, combine = 2 * N * D * 8, 2 * N * 2 * D  # logits for 8 experts; gate-weighted sum of 2 outputs
     assert [s.flops_per_image for s in summary.moe_layers] == [2 * dense_mlp_flops() + router + combine] * 3
@@ -318,7 +333,7 @@ def test_summary_of_dropless_top2_doubles_the_expert_flops():
 # Sparse upcycling
 # ------------------------------------------------------------------------------------------------
 def dropless_top2():
-    return timm.create_model("top2_moe_vit_tiny_patch4_28", moe_kwargs=dict(normalize_gates=True, capacity_factor=None))
+    return timm.create_model("top2_moe_vit_tiny_patch4_28", moe=dict(capacity_factor=None, eval_capacity_factor=None))
 
 
 @pytest.mark.parametrize(
@@ -381,7 +396,7 @@ def test_upcycling_errors_list_the_offending_keys_and_write_nothing():
 @pytest.mark.parametrize(
     "name, overrides, input_shape",
     [
-        ("soft_moe_vit_tiny_patch4_28", dict(num_experts=4, depth=3), (3, 1, 28, 28)),
+        ("soft_moe_vit_tiny_patch4_28", dict(moe=dict(num_experts=4), depth=3), (3, 1, 28, 28)),
         (
             "vmoe_vit_small_patch16_224",
             dict(SMALL_OVERRIDES, depth=2, moe_blocks="last_1", num_classes=7),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from conftest import reference_expert, reference_token_choice
+from conftest import reference_expert, reference_tokens_choice
 from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE
 from moekit.moe.assignment import balanced_assignment, balanced_capacities
 from moekit.moe.losses import cv_squared, load_probabilities, smooth_load
@@ -74,16 +74,16 @@ def test_base_layer_balanced_in_training_greedy_at_inference():
     x = torch.randn(2, 12, 8)
     flat = x.reshape(-1, 8)
     layer.train()
-    routing = layer.route(flat, None)
+    routing = layer.router(flat, None)
     assert torch.bincount(routing.expert_ids[:, 0], minlength=4).tolist() == [6, 6, 6, 6]
     scores = flat @ layer.router.weight.t()
     torch.testing.assert_close(routing.gates[:, 0], torch.sigmoid(scores.gather(1, routing.expert_ids)[:, 0]))
     plan = layer.plan(routing, x.shape[0], x.shape[1])
-    ref = reference_token_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
+    ref = reference_tokens_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
     assert layer.stats["load_cv"] == 0
     layer.eval()
-    assert torch.equal(layer.route(flat, None).expert_ids[:, 0], scores.argmax(-1))
+    assert torch.equal(layer.router(flat, None).expert_ids[:, 0], scores.argmax(-1))
     assert not layer.causal_safe
 
 
@@ -111,26 +111,35 @@ def test_hash_routing_is_fixed_balanced_and_needs_ids():
 
 # ----------------------------------------------------------------------------- hierarchical
 def test_hierarchical_routing_structure_and_output():
-    layer = HierarchicalMoE(8, 16, num_groups=3, experts_per_group=4, top_k_groups=2, top_k=2).eval()
+    layer = HierarchicalMoE(8, 16, num_experts=12, num_groups=3, top_k_groups=2, top_k=2).eval()
     x = torch.randn(2, 6, 8)
     flat = x.reshape(-1, 8)
-    routing = layer.route(flat, None)
+    routing = layer.router(flat, None)
     assert routing.expert_ids.shape == (12, 4)
     groups = routing.expert_ids // 4
     for row in groups.tolist():
         assert len(set(row)) == 2 and sorted(row).count(row[0]) == 2, "2 experts in each of 2 groups"
     torch.testing.assert_close(routing.gates.sum(-1), torch.ones(12))  # product of two softmaxes over top-k
     plan = layer.plan(routing, x.shape[0], x.shape[1])
-    ref = reference_token_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
+    ref = reference_tokens_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_hierarchical_groups_default_to_a_balanced_divisor():
+    assert HierarchicalMoE(8, 16, num_experts=64, top_k_groups=2, top_k=2).router.num_groups == 8
+    assert HierarchicalMoE(8, 16, num_experts=16, top_k=2).router.experts_per_group == 4
+    with pytest.raises(ValueError, match="num_groups=3 must divide num_experts=16"):
+        HierarchicalMoE(8, 16, num_experts=16, num_groups=3)
+    with pytest.raises(ValueError, match=r"top_k \(experts per chosen group\)=3 must be an int in \[1, 2\]"):
+        HierarchicalMoE(8, 16, num_experts=8, num_groups=4, top_k=3)
 
 
 def test_hierarchical_losses_follow_appendix_b():
     layer = HierarchicalMoE(
         8,
         16,
+        num_experts=6,
         num_groups=2,
-        experts_per_group=3,
         top_k_groups=1,
         top_k=2,
         importance_loss_weight=1.0,
@@ -141,7 +150,7 @@ def test_hierarchical_losses_follow_appendix_b():
             p.normal_(0, 0.3)
     flat = torch.randn(40, 8)
     torch.manual_seed(5)
-    routing = layer.route(flat, None)
+    routing = layer.router(flat, None)
     # Recompute with the same noise draws: importance over the flat [groups * experts] gates.
     dense = torch.zeros(40, 6).scatter(1, routing.expert_ids, routing.gates)
     torch.testing.assert_close(routing.aux_losses["importance"], cv_squared(dense.sum(0)))

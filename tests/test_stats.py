@@ -4,15 +4,15 @@ import math
 
 import torch
 
-from moekit.moe.stats import entropy, experts_choice_stats, soft_moe_stats, token_choice_stats
+from moekit.moe.stats import entropy, experts_choice_stats, soft_moe_stats, tokens_choice_stats
 
 
-def test_token_choice_stats_hand_computed():
+def test_tokens_choice_stats_hand_computed():
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.25, 0.75, 0.0]])
     gates = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.75, 0.25]])
     keep = torch.tensor([[True, True], [True, False], [False, False]])
     kept_counts = torch.tensor([2, 1, 0, 0])  # expert 0 twice, expert 1 once
-    stats = token_choice_stats(probs, kept_counts, gates, keep)
+    stats = tokens_choice_stats(probs, kept_counts, gates, keep)
     torch.testing.assert_close(stats["expert_load"], torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]))
     counts = torch.tensor([2.0, 1.0, 0.0, 0.0])
     torch.testing.assert_close(stats["load_cv"], counts.std(unbiased=False) / counts.mean())

@@ -17,6 +17,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from moekit.configs import check_composed
+
 __all__ = ["RunDirCheck", "run_script", "user_message"]
 
 # The "pkg.module.ErrorClass: " that starts the last line of a formatted traceback.
@@ -84,6 +86,11 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
 
     @hydra.main(version_base="1.3", config_path=str(config_dir.resolve()), config_name=config_name)
     def main(cfg: DictConfig) -> Any:
+        try:  # before torch is imported: a config that cannot run fails in a fraction of a second
+            check_composed(cfg, HydraConfig.get().overrides.task)
+        except ValueError as err:
+            logging.getLogger("moekit").error("%s", err)
+            sys.exit(1)
         function = _resolve(fn)
         from moekit.run import USER_ERRORS
 

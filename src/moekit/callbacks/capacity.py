@@ -193,7 +193,7 @@ class CapacityTuner(Callback):
             raise ValueError(
                 "CapacityTuner: the model has no capacity-limited MoE layer "
                 f"(MoE layers found: {found or 'none'}). It tunes tokens-choice layers with a capacity_factor "
-                "(e.g. model.moe_kwargs.capacity_factor=1.25 with moe_layer=top_k) and experts-choice layers; "
+                "(e.g. moe=switch, or moe.capacity_factor=1.25 with moe=mixtral) and experts-choice layers; "
                 "remove the callback for dropless, Soft MoE or dense models."
             )
         if self.eval_capacity_factor is not None:

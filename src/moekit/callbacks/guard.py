@@ -79,7 +79,7 @@ class BadStep:
         data = "check the data and its transforms for NaN/inf (corrupt files, a normalisation dividing by a zero std)"
         model = (
             "lower the learning rate (task.optimizer.lr) or lengthen its warmup, enable the router z-loss "
-            "(model.moe_kwargs.z_loss_weight=1e-3, for routers that have it), keep gradient clipping on "
+            "(moe.z_loss_weight=1e-3, for routers that have it), keep gradient clipping on "
             "(trainer.gradient_clip_val=1.0), or train in float32 (trainer.precision=32-true) to rule out overflow"
         )
         return f"{data}; {model}" if self.batch_finite is False else f"{model}; {data}"

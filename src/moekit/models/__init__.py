@@ -21,10 +21,12 @@ from torch import nn
 from . import registry
 from .export import export_safetensors
 from .generate import generate, sample_next_token
-from .lm import LMCache, LSTMCache, LSTMMoELM, TransformerLM
+from .lstm_lm import LSTMCache, LSTMMoELM
+from .placement import MoEBlocks, resolve_moe_blocks
 from .summary import LMSummary, ModelSummary, MoELayerSummary, lm_summary, model_summary
+from .transformer_lm import LMCache, TransformerLM
 from .upcycle import upcycle_vit
-from .vit import EXPERT_INIT_STD, MoEBlocks, create_moe_vit, resolve_moe_blocks
+from .vit import EXPERT_INIT_STD, create_moe_vit
 
 
 def create_model(model_name: str, **kwargs) -> nn.Module:

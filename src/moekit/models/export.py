@@ -6,8 +6,8 @@ Round trip::
     same = timm.create_model("soft_moe_vit_tiny_patch4_28", pretrained=True,
                              pretrained_cfg_overlay=dict(file="soft_moe_tiny.safetensors"), **same_overrides)
 
-``same_overrides`` are the architecture overrides ``model`` was created with (``depth``, ``num_experts``,
-``moe_kwargs``, ...); the file holds weights only.
+``same_overrides`` are the architecture overrides ``model`` was created with (``depth``, ``moe``,
+``moe_blocks``, ...); the file holds weights only.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .lm import check_seq_len
+from .lm_common import check_seq_len
 
 __all__ = ["sample_next_token", "generate"]
 

@@ -1,5 +1,5 @@
-"""Where MoE layers go in a stack of blocks, and the keywords they are built with: shared by the MoE
-ViTs (:mod:`moekit.models.vit`) and the language models (:mod:`moekit.models.lm`).
+"""Where MoE layers go in a stack of blocks: shared by the MoE ViTs (:mod:`moekit.models.vit`) and the
+Transformer LM (:mod:`moekit.models.transformer_lm`).
 
 Placement (``moe_blocks``), for a model of ``depth`` blocks numbered ``0 .. depth - 1``:
 
@@ -15,33 +15,12 @@ Placement (``moe_blocks``), for a model of ``depth`` blocks numbered ``0 .. dept
 
 from __future__ import annotations
 
-import inspect
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-__all__ = ["MoEBlocks", "EXPERT_INIT_STD", "MLP_KEYWORDS", "resolve_moe_blocks", "moe_layer_kwargs"]
+__all__ = ["MoEBlocks", "resolve_moe_blocks"]
 
 MoEBlocks = str | Sequence[int]
-
-EXPERT_INIT_STD = 0.02
-"""Std of the truncated normal for expert weights: timm's ViT initialisation of its ``nn.Linear`` layers."""
-
-MLP_KEYWORDS = frozenset(
-    (
-        "in_features",
-        "hidden_features",
-        "out_features",
-        "act_layer",
-        "norm_layer",
-        "bias",
-        "drop",
-        "use_conv",
-        "device",
-        "dtype",
-    )
-)
-"""The timm ``Mlp`` keywords: a model builder derives them from its own settings."""
 
 _PLACEMENT_FORMS = (
     "'second_half', 'all', 'every_<k>', 'last_<n>', 'every_<k>_last_<n>' (k, n >= 1) or a sequence of block indices"
@@ -98,60 +77,3 @@ def resolve_moe_blocks(moe_blocks: MoEBlocks, depth: int, *, model_name: str = "
             f"moe_blocks={moe_blocks!r} selects no block; an MoE {model_name} needs at least one MoE block"
         )
     return tuple(sorted(indices))
-
-
-_VIT_SOURCES = "embed_dim, mlp_ratio, act_layer, proj_bias, proj_drop_rate, device, dtype"
-
-
-def moe_layer_kwargs(
-    layer_cls: type,
-    moe_layer: str,
-    num_experts: int | None,
-    moe_kwargs: Mapping[str, Any] | None,
-    *,
-    model_name: str = "ViT",
-    derived_keywords: frozenset[str] = MLP_KEYWORDS,
-    derived_from: str = _VIT_SOURCES,
-    expert_init_std: float | None = EXPERT_INIT_STD,
-) -> dict[str, Any]:
-    """The MoE keywords for ``layer_cls``: ``moe_kwargs`` checked against its signature, plus
-    ``num_experts`` and the default ``expert_init_std``.
-
-    Args:
-        layer_cls: the MoE layer class (``get_moe_layer(moe_layer)``).
-        moe_layer: its registry name, for error messages.
-        num_experts: experts per layer; None keeps the layer's default (and is required for layers
-            without a ``num_experts`` keyword, such as ``"hierarchical"``).
-        moe_kwargs: the user's further layer keywords.
-        model_name: the model in error messages.
-        derived_keywords: keywords the model sets itself (``moe_kwargs`` may not set them).
-        derived_from: the model keywords they come from, for the error message.
-        expert_init_std: default of the layer's ``expert_init_std`` (when it has one).
-    """
-    accepted = inspect.signature(layer_cls).parameters
-    kwargs = dict(moe_kwargs or {})
-    derived = sorted(derived_keywords & kwargs.keys())
-    if derived:
-        raise ValueError(
-            f"moe_kwargs sets {derived}, which the builder takes from the {model_name} ({derived_from}); "
-            f"set those as {model_name} keywords"
-        )
-    if "num_experts" in kwargs:
-        raise ValueError("moe_kwargs sets num_experts; pass it as the num_experts argument instead")
-    unknown = sorted(kwargs.keys() - accepted.keys())
-    if unknown:
-        allowed = sorted(accepted.keys() - derived_keywords - {"num_experts"})
-        raise ValueError(
-            f"moe_kwargs keys {unknown} are not keywords of {layer_cls.__name__} (moe_layer={moe_layer!r}); "
-            f"allowed: {allowed}"
-        )
-    if num_experts is not None:
-        if "num_experts" not in accepted:
-            raise ValueError(
-                f"moe_layer={moe_layer!r} ({layer_cls.__name__}) has no num_experts keyword; pass num_experts=None "
-                "and size it through moe_kwargs"
-            )
-        kwargs["num_experts"] = num_experts
-    if "expert_init_std" in accepted:
-        kwargs.setdefault("expert_init_std", expert_init_std)
-    return kwargs

@@ -220,11 +220,11 @@ def lm_summary(model: nn.Module, seq_len: int, batch_size: int = 2) -> LMSummary
     counted through their recurrent matmuls (``2 * 4 * hidden * (input + hidden)`` per token).
 
     Comparing dense and MoE models at equal cost: a top-1 MoE layer applies one expert per token, so
-    ``TransformerLM(moe_layer=None)`` with the same ``dim``, ``depth`` and ``mlp_ratio`` (the dense
+    ``TransformerLM(moe=None)`` with the same ``dim``, ``depth`` and ``mlp_ratio`` (the dense
     twin) has the same feed-forward FLOPs per token, up to the router's ``2 * dim * num_experts``.
-    For top-``k`` (dropless) the twin needs ``k`` times the hidden size: ``mlp_ratio * k`` (or keep
-    ``mlp_ratio`` and give the experts ``expert_hidden_features = hidden / k``, DeepSeek's
-    fine-grained experts). The active parameters per token then match as well.
+    For top-``k`` (dropless) the twin needs ``k`` times the hidden size: ``mlp_ratio * k`` (or give the
+    recipe ``granularity = k``: experts of ``hidden / k``, DeepSeek's fine-grained experts). The active
+    parameters per token then match as well.
     """
     vocab_size = getattr(model, "vocab_size", None)
     if not isinstance(vocab_size, int):

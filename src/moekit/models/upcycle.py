@@ -116,7 +116,5 @@ def upcycle_vit(
 
     moe_model.load_state_dict({k: source[k] for k in target if moe_prefix(k) is None}, strict=False)
     for prefix, mlp in dense_mlps.items():
-        layer = layers[prefix]
-        load = getattr(layer, "load_dense_mlp", layer.experts.load_dense_mlp)
-        load(mlp, noise_std)
+        layers[prefix].experts.load_dense_mlp(mlp, noise_std)
     return moe_model

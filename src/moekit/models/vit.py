@@ -1,8 +1,8 @@
 """Mixture-of-Experts Vision Transformers on top of timm's ``VisionTransformer``.
 
 :func:`create_moe_vit` builds an ordinary timm ``VisionTransformer`` and replaces ``blocks[i].mlp`` of
-the chosen blocks with an MoE layer of :mod:`moekit.moe`, constructed with the ``Mlp`` keywords the
-block used (``in_features=embed_dim``, ``hidden_features=int(embed_dim * mlp_ratio)``, ``act_layer``,
+the chosen blocks with the MoE layer of a recipe (:mod:`moekit.recipes`), sized by the ``Mlp`` keywords
+the block used (``in_features=embed_dim``, ``hidden_features=int(embed_dim * mlp_ratio)``, ``act_layer``,
 ``bias=proj_bias``, ``drop=proj_drop_rate``). Everything else - patch embedding, attention, pooling,
 head, timm's forward, ``forward_features``, ``forward_intermediates`` - is timm's own.
 
@@ -12,21 +12,25 @@ Placement (``moe_blocks``): see :func:`~moekit.models.placement.resolve_moe_bloc
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from timm.layers import get_act_layer, to_2tuple
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from moekit.moe import ExpertBank, HashMoE, get_moe_layer
+from moekit.moe import ExpertBank, build_moe_layer
+from moekit.recipes import check_fits, resolve_recipe
 
-from .placement import EXPERT_INIT_STD, MoEBlocks, moe_layer_kwargs, resolve_moe_blocks
+from .placement import MoEBlocks, resolve_moe_blocks
 
-__all__ = ["MoEBlocks", "EXPERT_INIT_STD", "resolve_moe_blocks", "create_moe_vit"]
+__all__ = ["EXPERT_INIT_STD", "create_moe_vit"]
+
+EXPERT_INIT_STD = 0.02
+"""Std of the truncated normal the experts start from: timm's ViT initialisation of its ``nn.Linear`` layers."""
 
 _VIT_DEFAULTS: dict[str, Any] = {name: p.default for name, p in inspect.signature(VisionTransformer).parameters.items()}
 
@@ -42,59 +46,54 @@ def _check_patch_grid(img_size, patch_size) -> None:
 
 def create_moe_vit(
     *,
-    moe_layer: str = "soft_moe",
+    moe: str | Mapping[str, Any] | None = "soft_moe",
     moe_blocks: MoEBlocks = "second_half",
-    num_experts: int | None = 8,
-    moe_kwargs: Mapping[str, Any] | None = None,
     **vit_kwargs: Any,
 ) -> VisionTransformer:
-    """Build a timm ``VisionTransformer`` whose ``moe_blocks`` use an MoE layer as their MLP.
+    """Build a timm ``VisionTransformer`` whose ``moe_blocks`` use the MoE layer of ``moe`` as their MLP.
 
     Args:
-        moe_layer: registry name of the MoE layer (:func:`moekit.moe.list_moe_layers`), e.g.
-            ``"soft_moe"``, ``"top_k"``, ``"experts_choice"``. ``"hash"`` is rejected: it routes by token
-            id, which a ViT block does not pass to its MLP.
+        moe: the MoE recipe: a name of :func:`moekit.recipes.list_recipes` (``"soft_moe"``, ``"switch"``, ...),
+            a recipe mapping (``{"recipe": "switch", "num_experts": 8}``, or one with ``layer`` and the layer's
+            settings), or None for the dense ViT. Soft MoE's ``num_tokens`` is the ViT's sequence length
+            (patches + prefix tokens). Hash routing is refused: ViT blocks pass no token ids.
         moe_blocks: which blocks get the MoE layer, see :func:`resolve_moe_blocks`.
-        num_experts: experts per MoE layer; None keeps the layer's default, and is required for layers
-            sized otherwise (``"hierarchical"``: ``moe_kwargs`` ``num_groups`` / ``experts_per_group``).
-        moe_kwargs: further keywords of the MoE layer (``slots_per_expert``, ``top_k``,
-            ``capacity_factor``, ...). ``expert_init_std`` defaults to :data:`EXPERT_INIT_STD`, the
-            std timm gives the dense MLP weights; Soft MoE's ``num_tokens`` defaults to the ViT's
-            sequence length (patches + prefix tokens), so ``capacity_factor`` works without it.
         **vit_kwargs: ``timm.models.vision_transformer.VisionTransformer`` keywords (``img_size``,
             ``patch_size``, ``embed_dim``, ``depth``, ...).
 
     Returns:
         The ``VisionTransformer``, mapping images ``[B, in_chans, H, W]`` to logits ``[B, num_classes]``,
-        with ``moe_block_indices``: the sorted indices of its MoE blocks.
+        with ``moe_block_indices``: the sorted indices of its MoE blocks. Experts start from the truncated
+        normal of :data:`EXPERT_INIT_STD`, as timm's MLPs (``fix_init`` rescales their fc2 as timm's).
 
     Raises:
-        ValueError: unknown ``moe_layer`` or placement, bad ``moe_kwargs``, ``img_size`` not divisible
-            by ``patch_size``, or a ViT option MoE experts cannot follow (``scale_mlp_norm=True``).
+        ValueError: an unknown recipe or placement, a recipe setting its layer does not take, ``img_size``
+            not divisible by ``patch_size``, or a ViT option MoE experts cannot follow (``scale_mlp_norm``).
     """
-    layer_cls = get_moe_layer(moe_layer)
-    if issubclass(layer_cls, HashMoE):
-        raise ValueError(
-            f"moe_layer={moe_layer!r} routes by token id, which ViT blocks do not pass to their MLP; "
-            "use a router that reads the tokens (e.g. 'top_k', 'soft_moe', 'experts_choice')"
-        )
+    spec = resolve_recipe(moe)
+    for key in vit_kwargs:
+        if key not in _VIT_DEFAULTS:
+            close = difflib.get_close_matches(key, list(_VIT_DEFAULTS), n=1)
+            hint = f"did you mean {close[0]}?" if close else "see timm's VisionTransformer for its keywords"
+            raise ValueError(f"{key} is not a VisionTransformer keyword; {hint}")
     settings = {**_VIT_DEFAULTS, **vit_kwargs}
-    block_ids = resolve_moe_blocks(moe_blocks, settings["depth"])
     if not settings["dynamic_img_pad"]:
         _check_patch_grid(settings["img_size"], settings["patch_size"])
+    model = VisionTransformer(**vit_kwargs)
+    model.moe_block_indices = ()
+    if spec is None:
+        return model
+    check_fits(spec, model="a ViT", causal=False, token_ids=False)
+    block_ids = resolve_moe_blocks(moe_blocks, settings["depth"])
     if settings["scale_mlp_norm"]:
         raise ValueError("scale_mlp_norm=True puts a norm inside the MLP, which MoE experts lack; leave it False")
-    layer_kwargs = moe_layer_kwargs(layer_cls, moe_layer, num_experts, moe_kwargs)
-
-    model = VisionTransformer(**vit_kwargs)
-    if "num_tokens" in inspect.signature(layer_cls).parameters:
-        layer_kwargs.setdefault("num_tokens", model.patch_embed.num_patches + model.num_prefix_tokens)
-    mlp_kwargs = dict(
+    mlp = dict(
         in_features=model.embed_dim,
         hidden_features=int(model.embed_dim * settings["mlp_ratio"]),
         act_layer=get_act_layer(settings["act_layer"]) or nn.GELU,
         bias=settings["proj_bias"],
         drop=settings["proj_drop_rate"],
+        model_settings={"num_tokens": model.patch_embed.num_patches + model.num_prefix_tokens},
         device=settings["device"],
         dtype=settings["dtype"],
     )
@@ -102,11 +101,11 @@ def create_moe_vit(
         block = model.blocks[i]
         if not hasattr(block, "mlp"):
             raise ValueError(f"block_fn {type(block).__name__} has no 'mlp' submodule to replace in block {i}")
-        block.mlp = layer_cls(**mlp_kwargs, **layer_kwargs)
-        if settings["fix_init"]:  # timm scaled the dense fc2 it replaced by this factor
-            for bank in block.mlp.modules():
-                if isinstance(bank, ExpertBank):
-                    with torch.no_grad():
-                        bank.fc2_weight.div_(math.sqrt(2.0 * (i + 1)))
+        block.mlp = build_moe_layer(spec, **mlp)
+        # timm's fix_init divides the fc2 it would have drawn by sqrt(2 * (i + 1)); the experts follow it.
+        out_std = EXPERT_INIT_STD / math.sqrt(2.0 * (i + 1)) if settings["fix_init"] else EXPERT_INIT_STD
+        for bank in block.mlp.modules():
+            if isinstance(bank, ExpertBank):
+                bank.init_normal_(EXPERT_INIT_STD, out_std, truncate=True)
     model.moe_block_indices = block_ids
     return model

@@ -1,26 +1,29 @@
 """The MoE layer library.
 
-Layers (all drop-in replacements for ``timm.layers.Mlp``; registry names in brackets):
+Layers (all built from the timm ``Mlp`` keywords plus their settings; registry names in brackets):
 
 * :class:`SoftMoE` [``soft_moe``] - Soft MoE (Puigcerver et al.).
-* :class:`TopKMoE` [``top_k``] - tokens-choice top-k: Switch, GShard/Mixtral, noisy top-k, capacity,
+* :class:`TopKMoE` [``top_k``] - tokens-choice top-k: Switch, GShard/Mixtral, noisy top-k, V-MoE, capacity,
   Batch Prioritized Routing, shared + fine-grained experts, loss-free balancing.
 * :class:`ExpertsChoiceMoE` [``experts_choice``] - experts choose their top-C tokens.
 * :class:`BaseMoE` [``base``] - BASE layers' balanced assignment.
-* :class:`HashMoE` [``hash``] - fixed token-id hashing.
-* :class:`DenseMoE` [``dense``] - every expert on every token, softmax-gated.
+* :class:`HashMoE` [``hash``] - fixed token-id hashing (needs ``token_ids``: language models).
+* :class:`DenseMoE` [``dense_moe``] - every expert on every token, softmax-gated.
 * :class:`HierarchicalMoE` [``hierarchical``] - Shazeer's two-level gating.
 
-Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`, dispatch in
-:mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`.
+The papers' settings are recipes (:mod:`moekit.recipes`); :func:`build_moe_layer` builds a recipe's layer
+in place of an MLP.
+
+Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`, capacity in
+:mod:`moekit.moe.capacity`, dispatch in :mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`.
 
 Training-loop helpers: :func:`collect_moe_outputs` (aux losses + statistics of the latest forward),
 :func:`update_balancing_biases` (loss-free balancing, once per optimizer step; :func:`discard_balancing_updates`
-for a skipped step),
-:func:`require_causal` (reject token-mixing routers in causal models).
+for a skipped step), :func:`require_causal` (reject token-mixing routers in causal models).
 """
 
 from .base import (
+    MlpSpec,
     MoELayer,
     MoEOutputs,
     collect_moe_outputs,
@@ -32,13 +35,16 @@ from .base import (
     require_causal,
     update_balancing_biases,
 )
-from .dense import DenseMoE
-from .experts import ExpertBank, grouped_linear
+from .build import build_moe_layer, expert_hidden_features
+from .capacity import Capacity
+from .dense_moe import DenseMoE
+from .experts import ExpertBank, ExpertsConfig, grouped_linear
 from .experts_choice import ExpertsChoiceMoE
 from .soft_moe import SoftMoE
-from .token_choice import BaseMoE, HashMoE, HierarchicalMoE, TokenChoiceMoE, TopKMoE
+from .tokens_choice import BaseMoE, HashMoE, HierarchicalMoE, SharedExperts, TokensChoiceMoE, TopKMoE
 
 __all__ = [
+    "MlpSpec",
     "MoELayer",
     "MoEOutputs",
     "collect_moe_outputs",
@@ -49,10 +55,15 @@ __all__ = [
     "register_moe_layer",
     "require_causal",
     "update_balancing_biases",
+    "build_moe_layer",
+    "expert_hidden_features",
+    "Capacity",
     "ExpertBank",
+    "ExpertsConfig",
     "grouped_linear",
     "SoftMoE",
-    "TokenChoiceMoE",
+    "TokensChoiceMoE",
+    "SharedExperts",
     "TopKMoE",
     "HashMoE",
     "BaseMoE",

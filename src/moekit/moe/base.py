@@ -1,9 +1,11 @@
 """The base class of every MoE layer, the timm ``Mlp`` keyword contract, and the helpers that gather
 auxiliary losses and routing statistics from a whole model.
 
-Every layer maps ``[batch, tokens, dim] -> [batch, tokens, out_dim]`` and accepts the constructor
-keywords of ``timm.layers.Mlp`` so that ``timm.models.vision_transformer.Block(mlp_layer=...)`` can
-build it. After each forward a layer holds:
+Every layer maps ``[batch, tokens, dim] -> [batch, tokens, out_dim]`` and has one constructor, defined
+here: the keywords of ``timm.layers.Mlp`` (so that ``timm.models.vision_transformer.Block(mlp_layer=...)``
+can build it) plus the layer's settings as keywords (``num_experts=8, top_k=2, ...``), which fill the
+small config dataclasses its pieces are built from (:attr:`MoELayer.configs`). After each forward a layer
+holds:
 
 * ``aux_losses``: ``{name: weighted scalar}`` - the terms to add to the training loss (only the losses
   whose weight is non-zero appear);
@@ -22,8 +24,10 @@ build it. After each forward a layer holds:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +35,7 @@ from torch import Tensor, nn
 __all__ = [
     "MoELayer",
     "MlpSpec",
+    "split_settings",
     "MoEOutputs",
     "collect_moe_outputs",
     "moe_layers",
@@ -101,54 +106,78 @@ class MlpSpec:
                 raise ValueError(f"{layer_name}: drop={drop!r} must lie in [0, 1)")
         return cls(in_features, hidden, out, act_layer, bias_pair, drop_pair)
 
-    def expert_bank(
-        self,
-        num_experts: int,
-        hidden_features: int | None = None,
-        *,
-        gated: bool = False,
-        init: str = "independent",
-        init_std: float | None = None,
-        kernel: str = "auto",
-        device=None,
-        dtype=None,
-    ):
-        """An :class:`~moekit.moe.experts.ExpertBank` of ``num_experts`` MLPs with these sizes,
-        activation, biases and dropout (``hidden_features`` overrides the hidden size)."""
-        from .experts import ExpertBank
 
-        return ExpertBank(
-            num_experts,
-            self.in_features,
-            hidden_features or self.hidden_features,
-            self.out_features,
-            act_layer=self.act_layer,
-            gated=gated,
-            bias=self.bias,
-            drop=self.drop,
-            init=init,
-            init_std=init_std,
-            kernel=kernel,
-            device=device,
-            dtype=dtype,
-        )
+def split_settings(owner: str, settings: Mapping[str, Any], configs: Sequence[type]) -> list[Any]:
+    """Fill each config dataclass of ``configs`` with the ``settings`` named like its fields (a setting
+    named in several configs fills each); an unknown setting is a ``ValueError`` listing the allowed ones."""
+    fields = [{f.name for f in dataclasses.fields(config)} for config in configs]
+    allowed = set().union(*fields)
+    unknown = sorted(set(settings) - allowed)
+    if unknown:
+        raise ValueError(f"{owner}: unknown setting(s) {unknown}; allowed: {sorted(allowed)}")
+    try:
+        return [config(**{k: v for k, v in settings.items() if k in names}) for config, names in zip(configs, fields)]
+    except ValueError as err:
+        raise ValueError(f"{owner}: {err}") from None
 
 
 class MoELayer(nn.Module):
-    """Base of all MoE layers: holds the latest ``aux_losses`` and ``stats`` and the causality flag.
+    """Base of all MoE layers: the constructor, the latest ``aux_losses`` and ``stats``, the causality flag.
 
-    Subclasses implement ``forward(x: [batch, tokens, dim], ...) -> [batch, tokens, out_dim]`` and
-    call :meth:`_record` once per forward.
+    ``Layer(in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, norm_layer=None,
+    bias=True, drop=0., use_conv=False, *, compute_stats=True, device=None, dtype=None, **settings)``:
+    the timm ``Mlp`` keywords size the experts (``hidden_features`` is each expert's hidden size), and the
+    settings fill the layer's :attr:`configs` (see each layer's docstring), over its :attr:`defaults`.
+    Subclasses implement :meth:`build` (make the router and experts from the configs) and
+    ``forward(x: [batch, tokens, dim], ...) -> [batch, tokens, out_dim]``, which calls :meth:`_record`.
     """
 
-    def __init__(self, compute_stats: bool = True) -> None:
+    configs: ClassVar[tuple[type, ...]] = ()
+    """The config dataclasses the settings fill, in the order :meth:`build` takes them."""
+    defaults: ClassVar[dict[str, Any]] = {}
+    """Settings of this layer that differ from its configs' field defaults."""
+    registry_name: ClassVar[str]
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
+        act_layer: ActLayer = nn.GELU,
+        norm_layer=None,
+        bias=True,
+        drop=0.0,
+        use_conv: bool = False,
+        *,
+        compute_stats: bool = True,
+        device=None,
+        dtype=None,
+        **settings: Any,
+    ) -> None:
         super().__init__()
+        name = type(self).__name__
+        mlp = MlpSpec.from_mlp_kwargs(
+            in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv, name
+        )
+        configs = split_settings(name, {**self.defaults, **settings}, self.configs)
+        self.in_features = mlp.in_features
+        self.out_features = mlp.out_features
         self.compute_stats = compute_stats
         self.aux_losses: dict[str, Tensor] = {}
         self.forward_tokens = 0
         self.router_logit_checksum: Tensor | None = None
         self._stats_fn: Callable[[], dict[str, Tensor]] | None = None
         self._stats: dict[str, Tensor] = {}
+        self.build(mlp, *configs, device=device, dtype=dtype)
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The names of the settings the layer takes besides the timm ``Mlp`` keywords."""
+        return sorted({f.name for config in cls.configs for f in dataclasses.fields(config)})
+
+    def build(self, mlp: MlpSpec, *configs: Any, device=None, dtype=None) -> None:
+        """Create the layer's modules from the normalised ``Mlp`` keywords and its filled :attr:`configs`."""
+        raise NotImplementedError
 
     @property
     def causal_safe(self) -> bool:
@@ -198,11 +227,12 @@ class MoELayer(nn.Module):
         self._stats_fn = stats if self.compute_stats else None
         self._stats = {}
 
-    @staticmethod
-    def _check_input(x: Tensor, dim: int, layer_name: str) -> None:
+    def _check_input(self, x: Tensor) -> None:
+        dim = self.in_features
         if x.dim() != 3 or x.shape[-1] != dim:
             raise ValueError(
-                f"{layer_name}: input of shape {tuple(x.shape)} - expected [batch, tokens, {dim}] (in_features={dim})"
+                f"{type(self).__name__}: input of shape {tuple(x.shape)} - expected [batch, tokens, {dim}] "
+                f"(in_features={dim})"
             )
 
     def balancing_step(self) -> None:

@@ -3,8 +3,9 @@ permutation of token copies into expert-sorted rows and back.
 
 Each of ``N`` tokens chose ``k`` experts: ``expert_ids [N, k]``. Assignment ``a = n * k + j`` is the
 ``j``-th choice of token ``n``. :func:`plan_dispatch` decides which assignments an expert keeps when
-its capacity ``C`` is exceeded and orders the kept ones by expert; :func:`dispatch` gathers their
-token rows; :func:`combine` puts expert outputs back and sums each token's gated copies.
+its capacity ``C`` (:func:`moekit.moe.capacity.tokens_choice_capacity`) is exceeded and orders the kept
+ones by expert; :func:`dispatch` gathers their token rows; :func:`combine` puts expert outputs back and
+sums each token's gated copies.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DispatchPlan", "expert_capacity", "plan_dispatch", "dispatch", "combine"]
+__all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine"]
 
 
 @dataclass
@@ -34,10 +35,10 @@ class DispatchPlan:
     top_k: int
 
 
-def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """``C = ceil(k * tokens * capacity_factor / experts)``: the assignments one expert may process."""
-    # Round before ceil so that e.g. 2 * 6 * 1.1 / 4 = 3.3000000000000003 does not become 4 + float noise.
-    return max(1, int(-(-round(top_k * num_tokens * capacity_factor / num_experts, 9) // 1)))
+def priority_order(priority: Tensor) -> Tensor:
+    """Batch Prioritized Routing (Riquelme et al. 2021): the order in which tokens claim expert capacity,
+    highest ``priority`` (the top router score) first, ties by index. ``[N] -> [N]`` token indices."""
+    return torch.sort(priority, descending=True, stable=True).indices
 
 
 def _keep_within_capacity(
@@ -60,7 +61,7 @@ def _keep_within_capacity(
     if priority is None:
         token_order = torch.arange(num_tokens, device=expert_ids.device)
     else:
-        token_order = torch.sort(priority, descending=True, stable=True).indices
+        token_order = priority_order(priority)
     queue = expert_ids.index_select(0, token_order).t().reshape(-1)  # [k * N], choice-major
     sorted_experts, perm = torch.sort(queue, stable=True)
     counts = torch.bincount(queue, minlength=num_experts)
@@ -84,7 +85,8 @@ def plan_dispatch(
     Args:
         expert_ids: ``[N, k]`` chosen experts per token.
         num_experts: ``E``.
-        capacity: assignments per expert (see :func:`expert_capacity`), or None for dropless.
+        capacity: assignments per expert (see :func:`~moekit.moe.capacity.tokens_choice_capacity`), or None
+            for dropless.
         priority: ``[N]`` token priority for Batch Prioritized Routing (higher is served first), or
             None to serve tokens in index order. Ignored when ``capacity`` is None.
         group_ids: ``[N]`` long in ``[0, num_groups)``: apply ``capacity`` to each group of tokens

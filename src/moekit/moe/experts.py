@@ -28,7 +28,8 @@ and exchanges rows with the other ranks (:func:`moekit.moe.all_to_all.expert_par
 from __future__ import annotations
 
 import math
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,10 @@ from torch import Tensor, nn
 
 from .all_to_all import expert_parallel_apply
 
-__all__ = ["ExpertBank", "grouped_linear", "AUTO_KERNELS", "Kernel"]
+if TYPE_CHECKING:
+    from .base import MlpSpec
+
+__all__ = ["ExpertBank", "ExpertsConfig", "grouped_linear", "AUTO_KERNELS", "Kernel"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
@@ -197,9 +201,8 @@ class ExpertBank(nn.Module):
         bias: bias of (fc1, fc2), one bool for both.
         drop: dropout after the activation and after fc2, one float for both.
         init: ``"independent"`` (each expert its own draw) or ``"shared"`` (all experts start as copies
-            of one draw, as vmoe can). For sparse upcycling from a dense MLP see :meth:`load_dense_mlp`.
-        init_std: ``None`` for ``nn.Linear``'s default per expert, or the std of a truncated normal for
-            weights with zero biases (timm's ViT initialisation uses 0.02).
+            of one draw, as V-MoE). The draw is ``nn.Linear``'s default; models redraw with
+            :meth:`init_normal_`. For sparse upcycling from a dense MLP see :meth:`load_dense_mlp`.
         kernel: ``"auto" | "loop" | "bmm" | "grouped_mm"``, see :func:`grouped_linear`.
     """
 
@@ -214,7 +217,6 @@ class ExpertBank(nn.Module):
         bias: bool | tuple[bool, bool] = True,
         drop: float | tuple[float, float] = 0.0,
         init: Literal["independent", "shared"] = "independent",
-        init_std: float | None = None,
         kernel: Kernel = "auto",
         device=None,
         dtype=None,
@@ -235,7 +237,6 @@ class ExpertBank(nn.Module):
         self.out_features = out_features
         self.gated = gated
         self.init = init
-        self.init_std = init_std
         self.kernel = kernel
         self.ep_group = None  # expert-parallel process group once sharded (see shard_)
         self.expert_offset = 0  # global index of the first expert held here
@@ -251,24 +252,41 @@ class ExpertBank(nn.Module):
         self.drop2 = nn.Dropout(drop2)
         self.reset_parameters()
 
+    def _pairs(self):
+        return ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias))
+
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        count = 1 if self.init == "shared" else self.num_experts
-        for weight, bias in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
-            fan_in = weight.shape[1]
-            if self.init_std is None:  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-                bound = 1.0 / math.sqrt(fan_in)
-                weight[:count].uniform_(-bound, bound)
-                if bias is not None:
-                    bias[:count].uniform_(-bound, bound)
-            else:
-                nn.init.trunc_normal_(weight[:count], std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
-                if bias is not None:
-                    bias[:count].zero_()
-            if count == 1:
+    def _share_first(self) -> None:
+        """With ``init="shared"``, make every expert a copy of expert 0."""
+        if self.init == "shared":
+            for weight, bias in self._pairs():
                 weight.copy_(weight[:1].expand_as(weight))
                 if bias is not None:
                     bias.copy_(bias[:1].expand_as(bias))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default draw, ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, for every expert (or one)."""
+        for weight, bias in self._pairs():
+            bound = 1.0 / math.sqrt(weight.shape[1])
+            weight.uniform_(-bound, bound)
+            if bias is not None:
+                bias.uniform_(-bound, bound)
+        self._share_first()
+
+    @torch.no_grad()
+    def init_normal_(self, std: float, out_std: float | None = None, *, truncate: bool = False) -> None:
+        """Redraw the weights from ``N(0, std)`` (fc2 from ``N(0, out_std)``, default ``std``), zero the
+        biases, keep the ``init`` mode. ``truncate`` cuts the normal at two std (timm's ViT initialisation);
+        without it this is GPT-2's."""
+        for (weight, bias), s in zip(self._pairs(), (std, std if out_std is None else out_std)):
+            if truncate:
+                nn.init.trunc_normal_(weight, std=s, a=-2 * s, b=2 * s)
+            else:
+                weight.normal_(0.0, s)
+            if bias is not None:
+                bias.zero_()
+        self._share_first()
 
     @torch.no_grad()
     def load_dense_mlp(self, mlp: nn.Module, noise_std: float = 0.0) -> None:
@@ -387,4 +405,38 @@ class ExpertBank(nn.Module):
                 if self.ep_group is not None
                 else ""
             )
+        )
+
+
+@dataclass(kw_only=True)
+class ExpertsConfig:
+    """The routed experts of an MoE layer: how many, their form and first draw, the kernel that runs them.
+    Their sizes, activation, biases and dropout come from the timm ``Mlp`` keywords of the layer."""
+
+    num_experts: int = 8
+    gated: bool = False
+    expert_init: Literal["independent", "shared"] = "independent"
+    kernel: Kernel = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ValueError(f"num_experts={self.num_experts!r} must be a positive int")
+
+    def build(self, mlp: MlpSpec, *, num_experts: int | None = None, hidden_features: int | None = None,
+              device=None, dtype=None) -> ExpertBank:
+        """An :class:`ExpertBank` of ``num_experts`` (default: this config's) MLPs shaped by ``mlp``
+        (``hidden_features`` overrides its hidden size)."""
+        return ExpertBank(
+            self.num_experts if num_experts is None else num_experts,
+            mlp.in_features,
+            hidden_features or mlp.hidden_features,
+            mlp.out_features,
+            act_layer=mlp.act_layer,
+            gated=self.gated,
+            bias=mlp.bias,
+            drop=mlp.drop,
+            init=self.expert_init,
+            kernel=self.kernel,
+            device=device,
+            dtype=dtype,
         )

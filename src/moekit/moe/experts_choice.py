@@ -1,7 +1,8 @@
 """Experts-choice routing (Zhou et al. 2022, "Mixture-of-Experts with Expert Choice Routing").
 
 Router probabilities ``P = softmax(x W^T)`` over experts, ``[N, E]``. Instead of tokens picking
-experts, each expert picks the ``C = round(N * capacity_factor / E)`` tokens with the highest ``P[:, e]``:
+experts, each expert picks the ``C = R(N * capacity_factor / E)`` tokens with the highest ``P[:, e]``
+(:mod:`moekit.moe.capacity`):
 every expert processes exactly ``C`` tokens (perfect load balance by construction), a token may be
 picked by several experts or by none (it then passes through on the residual). The output of token
 ``n`` is ``sum over experts e that picked n of P[n, e] * expert_e(x_n)``.
@@ -11,11 +12,15 @@ Which tokens an expert picks depends on all tokens of the forward, so the layer 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import MlpSpec, MoELayer, register_moe_layer
-from .experts import Kernel
+from .capacity import check_factor, experts_choice_capacity
+from .experts import ExpertsConfig
 from .losses import router_z_loss
 from .routers import logit_checksum, router_logits, router_weight
 from .stats import experts_choice_stats
@@ -25,78 +30,51 @@ __all__ = ["ExpertsChoiceMoE"]
 
 @register_moe_layer("experts_choice")
 class ExpertsChoiceMoE(MoELayer):
-    """Experts-choice MoE, a drop-in replacement for timm's ``Mlp``.
+    """Experts-choice MoE, a drop-in replacement for timm's ``Mlp``. Settings: :class:`ExpertsChoiceMoE.Config`
+    and :class:`~moekit.moe.experts.ExpertsConfig` (``num_experts`` ``E``)."""
 
-    Args:
-        num_experts: ``E``.
+    @dataclass(kw_only=True)
+    class Config:
+        """Attributes:
         capacity_factor: ``c``, the average number of experts per token; each expert takes
-            ``C = round(tokens * c / E)`` tokens of the forward (all ``batch * tokens`` together).
+            ``C = R(tokens * c / E)`` tokens of the forward (all ``batch * tokens`` together;
+            :func:`~moekit.moe.capacity.experts_choice_capacity`).
         eval_capacity_factor: the same in eval mode (``"same"``: ``capacity_factor``).
         z_loss_weight: ST-MoE router z-loss weight (0 = off).
-        Other keywords as :class:`~moekit.moe.token_choice.TokenChoiceMoE` and timm ``Mlp``.
-    """
+        """
 
-    def __init__(
-        self,
-        in_features: int,
-        hidden_features: int | None = None,
-        out_features: int | None = None,
-        act_layer=nn.GELU,
-        norm_layer=None,
-        bias=True,
-        drop=0.0,
-        use_conv: bool = False,
-        *,
-        num_experts: int = 8,
-        capacity_factor: float = 1.0,
-        eval_capacity_factor="same",
-        z_loss_weight: float = 0.0,
-        expert_hidden_features: int | None = None,
-        gated: bool = False,
-        expert_init: str = "independent",
-        expert_init_std: float | None = None,
-        kernel: Kernel = "auto",
-        compute_stats: bool = True,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__(compute_stats)
-        spec = MlpSpec.from_mlp_kwargs(
-            in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv, "ExpertsChoiceMoE"
-        )
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"ExpertsChoiceMoE: num_experts={num_experts!r} must be a positive int")
-        eval_capacity_factor = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
-        for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
-            if not (isinstance(value, (int, float)) and 0 < value <= num_experts):
+        capacity_factor: float = 1.0
+        eval_capacity_factor: float | Literal["same"] = "same"
+        z_loss_weight: float = 0.0
+
+        def __post_init__(self) -> None:
+            if self.eval_capacity_factor == "same":
+                self.eval_capacity_factor = self.capacity_factor
+            check_factor(self.capacity_factor, "capacity_factor")
+            check_factor(self.eval_capacity_factor, "eval_capacity_factor")
+            if not self.z_loss_weight >= 0:
+                raise ValueError(f"z_loss_weight={self.z_loss_weight!r} must be >= 0")
+
+    configs = (Config, ExpertsConfig)
+
+    def build(self, mlp: MlpSpec, config: Config, experts: ExpertsConfig, *, device=None, dtype=None) -> None:
+        self.num_experts = experts.num_experts
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            if getattr(config, name) > self.num_experts:
                 raise ValueError(
-                    f"ExpertsChoiceMoE: {name}={value!r} must be in (0, num_experts={num_experts}] "
+                    f"ExpertsChoiceMoE: {name}={getattr(config, name)!r} must be at most num_experts={self.num_experts} "
                     "(the average number of experts per token)"
                 )
-        if z_loss_weight < 0:
-            raise ValueError(f"ExpertsChoiceMoE: z_loss_weight={z_loss_weight!r} must be >= 0")
-        self.in_features = spec.in_features
-        self.out_features = spec.out_features
-        self.num_experts = num_experts
-        self.capacity_factor = float(capacity_factor)
-        self.eval_capacity_factor = float(eval_capacity_factor)
-        self.z_loss_weight = z_loss_weight
-        self.router_weight = router_weight(num_experts, spec.in_features, device, dtype)
-        self.experts = spec.expert_bank(
-            num_experts,
-            expert_hidden_features,
-            gated=gated,
-            init=expert_init,
-            init_std=expert_init_std,
-            kernel=kernel,
-            device=device,
-            dtype=dtype,
-        )
+        self.capacity_factor = float(config.capacity_factor)
+        self.eval_capacity_factor = float(config.eval_capacity_factor)
+        self.z_loss_weight = config.z_loss_weight
+        self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
+        self.experts = experts.build(mlp, device=device, dtype=dtype)
 
     def tokens_per_expert(self, num_tokens: int) -> int:
-        """``C = round(num_tokens * capacity_factor / E)`` for the current mode, at least 1."""
+        """``C`` for the current mode."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        return min(num_tokens, max(1, round(num_tokens * factor / self.num_experts)))
+        return experts_choice_capacity(num_tokens, self.num_experts, factor)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Route ``x: [N, d]``. Returns ``(token_idx [E, C], gates [E, C], probs [N, E], logits [N, E])``:
@@ -108,7 +86,7 @@ class ExpertsChoiceMoE(MoELayer):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
-        self._check_input(x, self.in_features, "ExpertsChoiceMoE")
+        self._check_input(x)
         batch, tokens, dim = x.shape
         x_flat = x.reshape(batch * tokens, dim)
         token_idx, gates, probs, logits = self.route(x_flat)

@@ -16,6 +16,8 @@ __all__ = [
     "load_loss",
     "load_probabilities",
     "smooth_load",
+    "vmoe_load_probabilities",
+    "vmoe_load_loss",
     "router_z_loss",
 ]
 
@@ -89,6 +91,28 @@ def smooth_load(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor, k
 def load_loss(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor, k: int) -> Tensor:
     """Shazeer et al. 2017 load loss ``CV(Load)^2`` from :func:`smooth_load`."""
     return cv_squared(smooth_load(clean_logits, noisy_logits, noise_std, k))
+
+
+def vmoe_load_probabilities(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor, k: int) -> Tensor:
+    """V-MoE (Riquelme et al. 2021, appendix A.2) ``P(x, i) = 1 - Phi((threshold_k(x) - clean_i) / noise_std)``:
+    the probability that expert ``i``'s logit, with its noise drawn again, clears ``threshold_k(x)``, the
+    ``k``-th largest noisy logit of ``x`` over all experts (Shazeer's :func:`load_probabilities` leaves expert
+    ``i`` out of the threshold instead).
+
+    Args:
+        clean_logits, noisy_logits, noise_std: ``[N, E]``.
+        k: experts per token.
+
+    Returns:
+        ``[N, E]``.
+    """
+    threshold = noisy_logits.topk(k, dim=-1).values[:, k - 1 : k]
+    return torch.special.ndtr((clean_logits - threshold) / noise_std)
+
+
+def vmoe_load_loss(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor, k: int) -> Tensor:
+    """V-MoE load loss ``CV(Load)^2`` with ``Load_i = sum_x P(x, i)`` of :func:`vmoe_load_probabilities`."""
+    return cv_squared(vmoe_load_probabilities(clean_logits, noisy_logits, noise_std, k).sum(dim=0))
 
 
 def router_z_loss(logits: Tensor) -> Tensor:

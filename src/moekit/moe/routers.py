@@ -1,14 +1,15 @@
 """Routers for tokens-choice layers: each maps tokens ``x: [N, d]`` to ``k`` experts per token.
 
-All routers compute in float32, also under autocast. Each returns a :class:`Routing`; the layers in
-:mod:`moekit.moe.token_choice` turn it into capacity, dispatch and combine.
+Each router is built from its own small config dataclass (``TopKRouter.Config``, ...), whose fields are
+settings of the layers in :mod:`moekit.moe.tokens_choice`. All routers compute in float32, also under
+autocast. Each returns a :class:`Routing`; the layers turn it into capacity, dispatch and combine.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,12 @@ from .losses import (
     router_z_loss,
     smooth_load,
     switch_load_balancing_loss,
+    vmoe_load_loss,
 )
 
 __all__ = [
     "Routing",
+    "Router",
     "TopKRouter",
     "HashRouter",
     "BalancedRouter",
@@ -92,22 +95,51 @@ def logit_checksum(*logits: Tensor) -> Tensor:
     return total
 
 
-def _check_k(num_experts: int, top_k: int, name: str) -> None:
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{name}: num_experts={num_experts!r} must be a positive int")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"{name}: top_k={top_k!r} must be an int in [1, num_experts={num_experts}]")
+def _check_k(num_experts: int, top_k: int, what: str = "top_k") -> None:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r} must be a positive int")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{what}={top_k!r} must be an int in [1, {num_experts}]")
 
 
-class TopKRouter(nn.Module):
+def _check_weights(**weights: float) -> None:
+    for name, value in weights.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns it off)")
+
+
+class Router(nn.Module):
+    """Base of the tokens-choice routers: ``forward(x [N, d], token_ids [N] or None) -> Routing``.
+
+    Attributes:
+        num_experts: ``E``; top_k: experts per token ``k``.
+        needs_token_ids: the router reads token ids (hash routing), not the tokens.
+    """
+
+    needs_token_ids: ClassVar[bool] = False
+    num_experts: int
+    top_k: int
+
+    def balancing_step(self) -> None:
+        """Called once per optimizer step; routers with state updated outside autograd override it."""
+
+    def discard_balancing_step(self) -> None:
+        """Called instead of :meth:`balancing_step` when the optimizer step was skipped."""
+
+
+class TopKRouter(Router):
     """Tokens-choice top-k gating.
 
     ``scores = softmax(x W_g^T)`` over experts (or ``sigmoid``, DeepSeek-V3), the ``k`` best experts
     are chosen, and their scores are the gates; ``normalize_gates`` divides them by their sum
     (GShard/Mixtral top-2). ``k = 1`` without normalisation is the Switch router.
 
-    Noisy top-k gating (Shazeer et al. 2017, ``noisy_gating=True``): in training the logits are
-    ``H = x W_g + eps * softplus(x W_noise)`` with ``eps ~ N(0, 1)``; ``W_noise`` starts at zero.
+    Noise on the logits in training, for exploration and the load loss (one kind at a time):
+
+    * learned (Shazeer et al. 2017, ``noisy_gating=True``): ``H = x W_g + eps * softplus(x W_noise)``,
+      ``eps ~ N(0, 1)``; ``W_noise`` starts at zero;
+    * fixed (V-MoE, ``noise_std > 0``): ``H = x W_g + eps * noise_std / E``; choice and gates come from
+      ``softmax(H)``.
 
     Loss-free balancing (Wang et al. 2024, DeepSeek-V3; ``bias_update_rate > 0``): a per-expert bias
     ``b`` is added to the scores for the *choice* of experts only (gates use the unbiased scores).
@@ -115,107 +147,126 @@ class TopKRouter(nn.Module):
     ``b_i += rate * sign(mean load - load_i)`` and is called once per optimizer step.
 
     Auxiliary losses, each on when its weight is non-zero: ``switch`` (Fedus et al.), ``importance``
-    and ``load`` (Shazeer et al.; ``load`` needs noisy gating), ``z`` (ST-MoE router z-loss).
+    (``CV^2`` of the summed gates: over the sparse gates, Shazeer's, or with ``importance_over="probs"``
+    over the clean softmax of all experts, V-MoE's), ``load`` (needs noise: Shazeer's estimator with
+    learned noise, V-MoE's with fixed noise; :mod:`moekit.moe.losses`), ``z`` (ST-MoE router z-loss).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        num_experts: int,
-        top_k: int = 1,
-        score_func: Literal["softmax", "sigmoid"] = "softmax",
-        normalize_gates: bool = False,
-        noisy_gating: bool = False,
-        bias_update_rate: float = 0.0,
-        switch_loss_weight: float = 0.0,
-        importance_loss_weight: float = 0.0,
-        load_loss_weight: float = 0.0,
-        z_loss_weight: float = 0.0,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__()
-        _check_k(num_experts, top_k, "TopKRouter")
-        if score_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"TopKRouter: score_func={score_func!r}; allowed: 'softmax', 'sigmoid'")
-        for name, value in (
-            ("bias_update_rate", bias_update_rate),
-            ("switch_loss_weight", switch_loss_weight),
-            ("importance_loss_weight", importance_loss_weight),
-            ("load_loss_weight", load_loss_weight),
-            ("z_loss_weight", z_loss_weight),
-        ):
-            if value < 0:
-                raise ValueError(f"TopKRouter: {name}={value!r} must be >= 0 (0 turns it off)")
-        if load_loss_weight > 0 and not noisy_gating:
-            raise ValueError(
-                f"TopKRouter: load_loss_weight={load_loss_weight} needs noisy_gating=True (Shazeer's load estimator "
-                "is defined through the gating noise); use importance_loss_weight or switch_loss_weight instead"
+    @dataclass(kw_only=True)
+    class Config:
+        num_experts: int = 8
+        top_k: int = 2
+        score_func: Literal["softmax", "sigmoid"] = "softmax"
+        normalize_gates: bool = False
+        noisy_gating: bool = False
+        noise_std: float = 0.0
+        importance_over: Literal["gates", "probs"] = "gates"
+        bias_update_rate: float = 0.0
+        switch_loss_weight: float = 0.0
+        importance_loss_weight: float = 0.0
+        load_loss_weight: float = 0.0
+        z_loss_weight: float = 0.0
+
+        def __post_init__(self) -> None:
+            _check_k(self.num_experts, self.top_k)
+            if self.score_func not in ("softmax", "sigmoid"):
+                raise ValueError(f"score_func={self.score_func!r}; allowed: 'softmax', 'sigmoid'")
+            if self.importance_over not in ("gates", "probs"):
+                raise ValueError(f"importance_over={self.importance_over!r}; allowed: 'gates', 'probs'")
+            _check_weights(
+                noise_std=self.noise_std,
+                bias_update_rate=self.bias_update_rate,
+                switch_loss_weight=self.switch_loss_weight,
+                importance_loss_weight=self.importance_loss_weight,
+                load_loss_weight=self.load_loss_weight,
+                z_loss_weight=self.z_loss_weight,
             )
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.score_func = score_func
-        self.normalize_gates = normalize_gates
-        self.noisy_gating = noisy_gating
-        self.bias_update_rate = bias_update_rate
-        self.loss_weights = {
-            "switch": switch_loss_weight,
-            "importance": importance_loss_weight,
-            "load": load_loss_weight,
-            "z": z_loss_weight,
-        }
-        self.weight = router_weight(num_experts, in_features, device, dtype)
+            if self.noisy_gating and self.noise_std:
+                raise ValueError(
+                    "noisy_gating=True (learned noise, Shazeer) and noise_std={self.noise_std} (fixed noise, "
+                    "V-MoE) both set; choose one"
+                )
+            if self.load_loss_weight and not (self.noisy_gating or self.noise_std):
+                raise ValueError(
+                    f"load_loss_weight={self.load_loss_weight} needs noise on the logits (noisy_gating=True "
+                    "or noise_std > 0): the load estimator is defined through it; use importance_loss_weight or "
+                    "switch_loss_weight instead"
+                )
+
+    def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.weight = router_weight(config.num_experts, in_features, device, dtype)
         self.noise_weight = (
-            nn.Parameter(torch.zeros(num_experts, in_features, device=device, dtype=dtype)) if noisy_gating else None
+            nn.Parameter(torch.zeros(config.num_experts, in_features, device=device, dtype=dtype))
+            if config.noisy_gating
+            else None
         )
-        if bias_update_rate > 0:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
-            self.register_buffer("pending_counts", torch.zeros(num_experts, device=device))
+        if config.bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device))
+            self.register_buffer("pending_counts", torch.zeros(config.num_experts, device=device))
         else:
             self.expert_bias = None
             self.pending_counts = None
 
-    def forward(self, x: Tensor) -> Routing:
-        """``x: [N, d]`` -> :class:`Routing` with ``k`` experts per token."""
-        clean = router_logits(x, self.weight)
-        logits = clean
-        noise_std = None
-        if self.noisy_gating and self.training:
+    def _noisy_logits(self, clean: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(logits, noise_std)``: the logits with this router's noise in training (std per entry, or None)."""
+        cfg = self.config
+        if not self.training:
+            return clean, None
+        if cfg.noisy_gating:
             noise_std = F.softplus(router_logits(x, self.noise_weight))
-            logits = clean + torch.randn_like(clean) * noise_std
-        if self.score_func == "softmax":
-            scores = torch.softmax(logits, dim=-1)
-            probs = scores
+        elif cfg.noise_std:
+            noise_std = torch.full_like(clean, cfg.noise_std / self.num_experts)
         else:
-            scores = torch.sigmoid(logits)
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        choice_scores = scores if self.expert_bias is None else scores + self.expert_bias
-        expert_ids = choice_scores.topk(self.top_k, dim=-1).indices
-        gates = scores.gather(1, expert_ids)
-        if self.normalize_gates:
-            gates = gates / gates.sum(dim=-1, keepdim=True)
+            return clean, None
+        return clean + torch.randn_like(clean) * noise_std, noise_std
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        """``x: [N, d]`` -> :class:`Routing` with ``k`` experts per token."""
+        cfg = self.config
+        clean_NE = router_logits(x, self.weight)
+        logits_NE, noise_std = self._noisy_logits(clean_NE, x)
+        if cfg.score_func == "softmax":
+            scores_NE = torch.softmax(logits_NE, dim=-1)
+            probs_NE = scores_NE
+        else:
+            scores_NE = torch.sigmoid(logits_NE)
+            probs_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
+        choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias
+        expert_ids_NK = choice_NE.topk(self.top_k, dim=-1).indices
+        gates_NK = scores_NE.gather(1, expert_ids_NK)
+        if cfg.normalize_gates:
+            gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
         if self.pending_counts is not None and self.training:
             with torch.no_grad():
-                self.pending_counts += torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).float()
+                self.pending_counts += torch.bincount(expert_ids_NK.reshape(-1), minlength=self.num_experts).float()
 
-        w = self.loss_weights
         losses: dict[str, Tensor] = {}
-        if w["switch"]:
-            losses["switch"] = w["switch"] * switch_load_balancing_loss(probs, expert_ids, self.num_experts)
-        if w["importance"]:
-            dense_gates = torch.zeros_like(scores).scatter(1, expert_ids, gates)
-            losses["importance"] = w["importance"] * importance_loss(dense_gates)
-        if w["load"] and noise_std is not None:
-            losses["load"] = w["load"] * load_loss(clean, logits, noise_std, self.top_k)
-        if w["z"]:
-            losses["z"] = w["z"] * router_z_loss(logits)
+        if cfg.switch_loss_weight:
+            losses["switch"] = cfg.switch_loss_weight * switch_load_balancing_loss(
+                probs_NE, expert_ids_NK, self.num_experts
+            )
+        if cfg.importance_loss_weight:
+            if cfg.importance_over == "probs":
+                importance_of = torch.softmax(clean_NE, dim=-1)
+            else:
+                importance_of = torch.zeros_like(scores_NE).scatter(1, expert_ids_NK, gates_NK)
+            losses["importance"] = cfg.importance_loss_weight * importance_loss(importance_of)
+        if cfg.load_loss_weight and noise_std is not None:
+            load = load_loss if cfg.noisy_gating else vmoe_load_loss
+            losses["load"] = cfg.load_loss_weight * load(clean_NE, logits_NE, noise_std, self.top_k)
+        if cfg.z_loss_weight:
+            losses["z"] = cfg.z_loss_weight * router_z_loss(logits_NE)
         return Routing(
-            expert_ids,
-            gates,
-            probs,
-            priority=scores.max(dim=-1).values,
+            expert_ids_NK,
+            gates_NK,
+            probs_NE,
+            priority=scores_NE.max(dim=-1).values,
             aux_losses=losses,
-            logit_checksum=logit_checksum(logits),
+            logit_checksum=logit_checksum(logits_NE),
         )
 
     @torch.no_grad()
@@ -226,7 +277,7 @@ class TopKRouter(nn.Module):
         counts = self.pending_counts
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts)
-        self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+        self.expert_bias += self.config.bias_update_rate * torch.sign(counts.mean() - counts)
         counts.zero_()
 
     @torch.no_grad()
@@ -237,34 +288,58 @@ class TopKRouter(nn.Module):
             self.pending_counts.zero_()
 
 
-class HashRouter(nn.Module):
+class HashRouter(Router):
     """Hash routing (Roller et al. 2021): a fixed, balanced random map token id -> expert.
 
-    ``vocab_size`` ids are split into ``num_experts`` groups of (nearly) equal size by a seeded
-    permutation; a token goes to its id's expert with gate 1. No parameters are learned.
+    ``vocab_size`` ids are split into ``num_experts`` groups of (nearly) equal size by a permutation seeded
+    with ``hash_seed``; a token goes to its id's expert with gate 1. No parameters are learned.
     """
 
-    def __init__(self, num_experts: int, vocab_size: int, seed: int = 0, device=None) -> None:
+    needs_token_ids = True
+
+    @dataclass(kw_only=True)
+    class Config:
+        num_experts: int = 8
+        vocab_size: int | None = None
+        hash_seed: int = 0
+
+        def __post_init__(self) -> None:
+            _check_k(self.num_experts, 1)
+            if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+                raise ValueError(
+                    f"vocab_size={self.vocab_size!r} must be a positive int (the token vocabulary; "
+                    "the language models set it)"
+                )
+
+    def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
         super().__init__()
-        _check_k(num_experts, 1, "HashRouter")
-        if not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"HashRouter: vocab_size={vocab_size!r} must be a positive int")
-        self.num_experts = num_experts
-        self.vocab_size = vocab_size
-        generator = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(vocab_size, generator=generator)
-        table = torch.empty(vocab_size, dtype=torch.long)
-        table[perm] = torch.arange(vocab_size) % num_experts
+        self.num_experts = config.num_experts
+        self.top_k = 1
+        self.vocab_size = config.vocab_size
+        generator = torch.Generator().manual_seed(config.hash_seed)
+        perm = torch.randperm(config.vocab_size, generator=generator)
+        table = torch.empty(config.vocab_size, dtype=torch.long)
+        table[perm] = torch.arange(config.vocab_size) % config.num_experts
         self.register_buffer("expert_of_token", table.to(device))
 
-    def forward(self, token_ids: Tensor) -> Routing:
-        """``token_ids: [N]`` long -> :class:`Routing` with ``k = 1`` and gates 1."""
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        """``token_ids: [N]`` long -> :class:`Routing` with ``k = 1`` and gates 1 (``x`` is not read)."""
+        if token_ids is None:
+            raise ValueError(
+                "HashMoE needs the token ids: call it as layer(x, token_ids=ids) with ids of shape [batch, tokens] "
+                "(hash routing maps each token id to a fixed expert)"
+            )
+        if token_ids.numel() != x.shape[0]:
+            raise ValueError(
+                f"HashMoE: token_ids hold {token_ids.numel()} ids for {x.shape[0]} tokens; pass [batch, tokens] ids "
+                "matching x"
+            )
         expert_ids = self.expert_of_token.index_select(0, token_ids.reshape(-1)).unsqueeze(1)
         gates = torch.ones(expert_ids.shape, device=token_ids.device)
         return Routing(expert_ids, gates)
 
 
-class BalancedRouter(nn.Module):
+class BalancedRouter(Router):
     """BASE layer routing (Lewis et al. 2021).
 
     Affinities ``s = x W^T`` (one learned embedding per expert). In training, the assignment
@@ -273,13 +348,20 @@ class BalancedRouter(nn.Module):
     expert. The gate is ``sigmoid(s[n, a(n)])``, the paper's residual weighting.
     """
 
-    def __init__(self, in_features: int, num_experts: int, device=None, dtype=None):
-        super().__init__()
-        _check_k(num_experts, 1, "BalancedRouter")
-        self.num_experts = num_experts
-        self.weight = router_weight(num_experts, in_features, device, dtype)
+    @dataclass(kw_only=True)
+    class Config:
+        num_experts: int = 8
 
-    def forward(self, x: Tensor) -> Routing:
+        def __post_init__(self) -> None:
+            _check_k(self.num_experts, 1)
+
+    def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = 1
+        self.weight = router_weight(config.num_experts, in_features, device, dtype)
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
         scores = router_logits(x, self.weight)
         if self.training:
             caps = balanced_capacities(x.shape[0], self.num_experts, x.device)
@@ -295,50 +377,68 @@ class BalancedRouter(nn.Module):
         )
 
 
-class HierarchicalRouter(nn.Module):
+def _balanced_divisor(n: int) -> int:
+    """The largest divisor ``d`` of ``n`` with ``d * d <= n`` (16 -> 4, 8 -> 2, 256 -> 16)."""
+    return max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+
+
+class HierarchicalRouter(Router):
     """Two-level noisy top-k gating of Shazeer et al. 2017, appendix B.
 
-    A primary gate picks ``top_k_groups`` of ``num_groups`` groups; inside each chosen group ``i`` a
-    secondary gate picks ``top_k`` of its ``experts_per_group`` experts. Expert ``(i, j)`` has flat
-    index ``i * experts_per_group + j`` and gate ``G_primary(x)_i * G_i(x)_j``. Both levels use noisy
-    top-k gating with renormalised gates (Shazeer's ``softmax(KeepTopK(H))``).
+    The ``num_experts`` experts come in ``num_groups`` equal groups (None: the largest divisor of
+    ``num_experts`` not above its square root). A primary gate picks ``top_k_groups`` groups; inside each
+    chosen group ``i`` a secondary gate picks ``top_k`` of its experts, so a token uses
+    ``top_k_groups * top_k`` experts (:attr:`top_k`). Expert ``(i, j)`` has flat index
+    ``i * experts_per_group + j`` and gate ``G_primary(x)_i * G_i(x)_j``. Both levels use noisy top-k gating
+    with renormalised gates (Shazeer's ``softmax(KeepTopK(H))``).
 
     Losses (appendix B): ``importance`` is ``CV^2`` of ``Importance_H[i, j] = sum_x G_p(x)_i G_i(x)_j``,
     ``load`` is ``CV^2`` of ``Load_H[i, j] = Load_p(X)_i * Load_i(X^(i))_j / |X^(i)|``, ``X^(i)``
     being the tokens the primary gate sends to group ``i``.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        num_groups: int,
-        experts_per_group: int,
-        top_k_groups: int = 1,
-        top_k: int = 2,
-        noisy_gating: bool = True,
-        importance_loss_weight: float = 0.0,
-        load_loss_weight: float = 0.0,
-        device=None,
-        dtype=None,
-    ) -> None:
+    @dataclass(kw_only=True)
+    class Config:
+        num_experts: int = 16
+        num_groups: int | None = None
+        top_k_groups: int = 1
+        top_k: int = 2
+        noisy_gating: bool = True
+        importance_loss_weight: float = 0.0
+        load_loss_weight: float = 0.0
+
+        def __post_init__(self) -> None:
+            _check_k(self.num_experts, 1)
+            if self.num_groups is None:
+                self.num_groups = _balanced_divisor(self.num_experts)
+            if isinstance(self.num_groups, bool) or not isinstance(self.num_groups, int) or self.num_groups < 1 or (
+                self.num_experts % self.num_groups
+            ):
+                raise ValueError(
+                    f"num_groups={self.num_groups!r} must divide num_experts={self.num_experts} (the experts "
+                    "come in equal groups); null picks a divisor"
+                )
+            _check_k(self.num_groups, self.top_k_groups, "top_k_groups")
+            _check_k(self.num_experts // self.num_groups, self.top_k, "top_k (experts per chosen group)")
+            _check_weights(importance_loss_weight=self.importance_loss_weight, load_loss_weight=self.load_loss_weight)
+            if self.load_loss_weight and not self.noisy_gating:
+                raise ValueError(f"load_loss_weight={self.load_loss_weight} needs noisy_gating=True")
+
+    def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
         super().__init__()
-        _check_k(num_groups, top_k_groups, "HierarchicalRouter (groups)")
-        _check_k(experts_per_group, top_k, "HierarchicalRouter (experts per group)")
-        if load_loss_weight > 0 and not noisy_gating:
-            raise ValueError(f"HierarchicalRouter: load_loss_weight={load_loss_weight} needs noisy_gating=True")
-        self.num_groups = num_groups
-        self.experts_per_group = experts_per_group
-        self.top_k_groups = top_k_groups
-        self.top_k = top_k
-        self.noisy_gating = noisy_gating
-        self.importance_loss_weight = importance_loss_weight
-        self.load_loss_weight = load_loss_weight
+        self.config = config
+        self.num_experts = config.num_experts
+        self.num_groups = config.num_groups
+        self.experts_per_group = config.num_experts // config.num_groups
+        self.top_k_groups = config.top_k_groups
+        self.top_k_per_group = config.top_k
+        self.top_k = config.top_k_groups * config.top_k
         dd = {"device": device, "dtype": dtype}
-        self.primary_weight = router_weight(num_groups, in_features, **dd)
-        self.secondary_weight = router_weight(num_groups * experts_per_group, in_features, **dd)
-        if noisy_gating:
-            self.primary_noise = nn.Parameter(torch.zeros(num_groups, in_features, **dd))
-            self.secondary_noise = nn.Parameter(torch.zeros(num_groups * experts_per_group, in_features, **dd))
+        self.primary_weight = router_weight(self.num_groups, in_features, **dd)
+        self.secondary_weight = router_weight(self.num_experts, in_features, **dd)
+        if config.noisy_gating:
+            self.primary_noise = nn.Parameter(torch.zeros(self.num_groups, in_features, **dd))
+            self.secondary_noise = nn.Parameter(torch.zeros(self.num_experts, in_features, **dd))
         else:
             self.primary_noise = self.secondary_noise = None
 
@@ -354,16 +454,16 @@ class HierarchicalRouter(nn.Module):
         top = logits.topk(k, dim=-1)
         return top.indices, torch.softmax(top.values, dim=-1)
 
-    def forward(self, x: Tensor) -> Routing:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
         num_tokens = x.shape[0]
-        groups, per_group = self.num_groups, self.experts_per_group
+        groups, per_group, k = self.num_groups, self.experts_per_group, self.top_k_per_group
         p_clean, p_noisy, p_std = self._noisy(x, self.primary_weight, self.primary_noise)
         group_ids, group_gates = self._keep_top_k_softmax(p_noisy, self.top_k_groups)  # [N, kg]
         s_clean, s_noisy, s_std = self._noisy(x, self.secondary_weight, self.secondary_noise)
         s_noisy = s_noisy.view(num_tokens, groups, per_group)
-        local_ids, local_gates = self._keep_top_k_softmax(s_noisy, self.top_k)  # [N, G, k]
+        local_ids, local_gates = self._keep_top_k_softmax(s_noisy, k)  # [N, G, k]
         # Keep the secondary choices of the chosen groups only.
-        idx = group_ids.unsqueeze(-1).expand(-1, -1, self.top_k)
+        idx = group_ids.unsqueeze(-1).expand(-1, -1, k)
         chosen_local = local_ids.gather(1, idx)  # [N, kg, k]
         chosen_gates = local_gates.gather(1, idx) * group_gates.unsqueeze(-1)
         expert_ids = (group_ids.unsqueeze(-1) * per_group + chosen_local).reshape(num_tokens, -1)
@@ -371,21 +471,22 @@ class HierarchicalRouter(nn.Module):
         order = gates.argsort(dim=-1, descending=True)  # best first, as other routers
         expert_ids, gates = expert_ids.gather(1, order), gates.gather(1, order)
 
+        cfg = self.config
         losses: dict[str, Tensor] = {}
-        if self.importance_loss_weight:
-            dense = torch.zeros(num_tokens, groups * per_group, device=x.device).scatter(1, expert_ids, gates)
-            losses["importance"] = self.importance_loss_weight * importance_loss(dense)
-        if self.load_loss_weight and p_std is not None:
+        if cfg.importance_loss_weight:
+            dense = torch.zeros(num_tokens, self.num_experts, device=x.device).scatter(1, expert_ids, gates)
+            losses["importance"] = cfg.importance_loss_weight * importance_loss(dense)
+        if cfg.load_loss_weight and p_std is not None:
             load_primary = smooth_load(p_clean, p_noisy, p_std, self.top_k_groups)  # [G]
             in_group = torch.zeros(num_tokens, groups, device=x.device).scatter(1, group_ids, 1.0)  # X^(i) mask
             flat = (num_tokens * groups, per_group)  # every group's secondary gate as its own row
             per_token = load_probabilities(
-                s_clean.reshape(flat), s_noisy.reshape(flat), s_std.reshape(flat), self.top_k
+                s_clean.reshape(flat), s_noisy.reshape(flat), s_std.reshape(flat), k
             ).view(num_tokens, groups, per_group)
             load_secondary = (per_token * in_group.unsqueeze(-1)).sum(0)  # [G, per_group]
             group_size = in_group.sum(0).clamp_min(1.0)
             load_h = load_primary.unsqueeze(-1) * load_secondary / group_size.unsqueeze(-1)
-            losses["load"] = self.load_loss_weight * cv_squared(load_h.reshape(-1))
+            losses["load"] = cfg.load_loss_weight * cv_squared(load_h.reshape(-1))
         probs = torch.softmax(p_noisy, -1).repeat_interleave(per_group, dim=1) * torch.softmax(s_noisy, -1).reshape(
             num_tokens, -1
         )

@@ -3,8 +3,8 @@
 For one sequence ``X: [m, d]`` with ``n`` experts of ``p`` slots each (``S = n * p`` slots)::
 
     logits   = l2norm(X, over d) @ (scale * l2norm(Phi, over d))     # [m, S], Phi: [d, S], scale init 1
-    D        = softmax(logits, over tokens m)                        # dispatch: each column sums to 1
-    C        = softmax(logits, over slots S)                         # combine: each row sums to 1
+    D        = softmax(logits, over tokens m)                        # dispatch_weights: each column sums to 1
+    C        = softmax(logits, over slots S)                         # combine_weights: each row sums to 1
     X_slots  = D^T @ X                                               # [S, d], from the un-normalised X
     Y_slots  = expert_{floor(i / p)}(X_slots[i])  for every slot i   # [S, o]
     Y        = C @ Y_slots                                           # [m, o]
@@ -12,128 +12,115 @@ For one sequence ``X: [m, d]`` with ``n`` experts of ``p`` slots each (``S = n *
 Every token reaches every slot with a non-zero weight: nothing is dropped, and the layer is
 equivariant to permutations of the tokens. Logits and both softmaxes run in float32 under autocast;
 the three matmuls over tokens run in the compute dtype.
+
+Shapes: ``B`` batch, ``M`` tokens per sequence, ``S`` slots, ``D`` width, ``O`` output width.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
-from .experts import Kernel
+from .capacity import check_factor, soft_moe_slots
+from .experts import ExpertsConfig
 from .routers import logit_checksum, router_precision
 from .stats import soft_moe_stats
 
-__all__ = ["SoftMoE"]
+__all__ = ["SoftMoE", "dispatch_weights", "combine_weights"]
+
+
+def dispatch_weights(logits_BMS: Tensor, mask_BM: Tensor | None = None) -> Tensor:
+    """``D = softmax(logits)`` over the tokens of each sequence, per slot: a slot's input is the
+    ``D``-weighted average of the tokens. Padding tokens (``mask`` False) get weight 0; a fully padded
+    sequence still gives finite weights."""
+    if mask_BM is not None:
+        logits_BMS = logits_BMS.masked_fill(~mask_BM.unsqueeze(-1), torch.finfo(logits_BMS.dtype).min)
+    return torch.softmax(logits_BMS, dim=1)
+
+
+def combine_weights(logits_BMS: Tensor, mask_BM: Tensor | None = None) -> Tensor:
+    """``C = softmax(logits)`` over the slots, per token: a token's output is the ``C``-weighted average of
+    the slot outputs. Rows of padding tokens (``mask`` False) are 0."""
+    combine_BMS = torch.softmax(logits_BMS, dim=2)
+    return combine_BMS if mask_BM is None else combine_BMS * mask_BM.unsqueeze(-1)
 
 
 @register_moe_layer("soft_moe")
 class SoftMoE(MoELayer):
-    """Soft MoE layer, a drop-in replacement for timm's ``Mlp``.
-
-    Args:
-        in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv,
-            device, dtype: as timm ``Mlp``; ``hidden_features`` is each expert's hidden size.
-        num_experts: ``n``.
-        slots_per_expert: ``p``; give this or ``capacity_factor``.
-        capacity_factor: sets ``p = round(num_tokens * capacity_factor / num_experts)`` (the paper's
-            "capacity factor"; 1.0 gives as many slots as tokens). Needs ``num_tokens``.
-        num_tokens: tokens per sequence ``m`` the slot count is sized for (with ``capacity_factor``).
-        normalize: l2-normalise ``X`` and ``Phi`` with a learned scale (the paper's recipe for
-            large widths); False gives plain ``X @ Phi``.
-        noise_std: std of Gaussian noise added to the logits in training (0 = off).
-        gated: SwiGLU-style experts (see :class:`ExpertBank`).
-        expert_init, expert_init_std, kernel: passed to :class:`ExpertBank`.
-        compute_stats: record routing statistics each forward.
+    """Soft MoE layer, a drop-in replacement for timm's ``Mlp`` (``hidden_features``: each expert's hidden
+    size). Settings: :class:`SoftMoE.Config` and :class:`~moekit.moe.experts.ExpertsConfig`
+    (``num_experts`` ``n``, default 128).
 
     ``forward(x, padding_mask=None)``: ``x: [batch, tokens, in_features]``; ``padding_mask: [batch,
     tokens]`` bool, True for real tokens: padding tokens are left out of every slot and get zero output.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        hidden_features: int | None = None,
-        out_features: int | None = None,
-        act_layer=nn.GELU,
-        norm_layer=None,
-        bias=True,
-        drop=0.0,
-        use_conv: bool = False,
-        *,
-        num_experts: int = 128,
-        slots_per_expert: int | None = None,
-        capacity_factor: float | None = None,
-        num_tokens: int | None = None,
-        normalize: bool = True,
-        noise_std: float = 0.0,
-        gated: bool = False,
-        expert_init: str = "independent",
-        expert_init_std: float | None = None,
-        kernel: Kernel = "auto",
-        compute_stats: bool = True,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__(compute_stats)
-        spec = MlpSpec.from_mlp_kwargs(
-            in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv, "SoftMoE"
-        )
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"SoftMoE: num_experts={num_experts!r} must be a positive int")
-        self.slots_per_expert = self._resolve_slots(num_experts, slots_per_expert, capacity_factor, num_tokens)
-        if noise_std < 0:
-            raise ValueError(f"SoftMoE: noise_std={noise_std!r} must be >= 0")
-        self.in_features = spec.in_features
-        self.out_features = spec.out_features
-        self.num_experts = num_experts
-        self.num_slots = num_experts * self.slots_per_expert
-        self.normalize = normalize
-        self.noise_std = noise_std
+    @dataclass(kw_only=True)
+    class Config:
+        """Slots and logits of a Soft MoE layer.
+
+        Attributes:
+            slots_per_expert: ``p``; or give ``capacity_factor`` (neither: 1 slot per expert).
+            capacity_factor: slots per token: ``p = R(num_tokens * capacity_factor / n)``
+                (:func:`~moekit.moe.capacity.soft_moe_slots`); needs ``num_tokens``.
+            num_tokens: tokens per sequence ``m`` the slots are sized for (a ViT sets it).
+            normalize: l2-normalise ``X`` and ``Phi`` with a learned scale (the paper's recipe for large
+                widths); False gives plain ``X @ Phi``.
+            noise_std: std of Gaussian noise added to the logits in training (0 = off).
+        """
+
+        slots_per_expert: int | None = None
+        capacity_factor: float | None = None
+        num_tokens: int | None = None
+        normalize: bool = True
+        noise_std: float = 0.0
+
+        def __post_init__(self) -> None:
+            if self.slots_per_expert is not None and self.capacity_factor is not None:
+                raise ValueError(
+                    f"give slots_per_expert ({self.slots_per_expert}) or capacity_factor ({self.capacity_factor}), "
+                    "not both (set the other to null)"
+                )
+            check_factor(self.capacity_factor, "capacity_factor", optional=True)
+            if self.capacity_factor is not None and (
+                isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1
+            ):
+                raise ValueError(
+                    f"capacity_factor={self.capacity_factor} needs num_tokens (tokens per sequence), "
+                    f"got num_tokens={self.num_tokens!r}"
+                )
+            slots = self.slots_per_expert
+            if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+                raise ValueError(f"slots_per_expert={slots!r} must be a positive int")
+            if not self.noise_std >= 0:
+                raise ValueError(f"noise_std={self.noise_std!r} must be >= 0")
+
+        def slots(self, num_experts: int) -> int:
+            """Slots per expert ``p``."""
+            if self.capacity_factor is not None:
+                return soft_moe_slots(self.num_tokens, num_experts, self.capacity_factor)
+            return self.slots_per_expert or 1
+
+    configs = (Config, ExpertsConfig)
+    defaults = {"num_experts": 128}
+
+    def build(self, mlp: MlpSpec, config: Config, experts: ExpertsConfig, *, device=None, dtype=None) -> None:
+        self.num_experts = experts.num_experts
+        self.slots_per_expert = config.slots(self.num_experts)
+        self.num_slots = self.num_experts * self.slots_per_expert
+        self.normalize = config.normalize
+        self.noise_std = config.noise_std
         dd = {"device": device, "dtype": dtype}
         # Phi: one d-dimensional parameter vector per slot (LeCun-normal, as vmoe).
-        self.phi = nn.Parameter(torch.randn(spec.in_features, self.num_slots, **dd) / math.sqrt(spec.in_features))
+        self.phi = nn.Parameter(torch.randn(mlp.in_features, self.num_slots, **dd) / math.sqrt(mlp.in_features))
         # The learned scale of the normalised logits, shape [1] (FSDP shards no 0-d parameters).
-        self.scale = nn.Parameter(torch.ones(1, **dd)) if normalize else None
-        self.experts = spec.expert_bank(
-            num_experts,
-            gated=gated,
-            init=expert_init,
-            init_std=expert_init_std,
-            kernel=kernel,
-            **dd,
-        )
-
-    @staticmethod
-    def _resolve_slots(num_experts, slots_per_expert, capacity_factor, num_tokens) -> int:
-        if slots_per_expert is not None and capacity_factor is not None:
-            raise ValueError(
-                f"SoftMoE: give slots_per_expert ({slots_per_expert}) or capacity_factor ({capacity_factor}), not both"
-            )
-        if capacity_factor is not None:
-            if not capacity_factor > 0:
-                raise ValueError(f"SoftMoE: capacity_factor={capacity_factor!r} must be > 0")
-            if not isinstance(num_tokens, int) or num_tokens < 1:
-                raise ValueError(
-                    f"SoftMoE: capacity_factor={capacity_factor} needs num_tokens (tokens per sequence), "
-                    f"got num_tokens={num_tokens!r}"
-                )
-            slots = round(num_tokens * capacity_factor / num_experts)
-            if slots < 1:
-                raise ValueError(
-                    f"SoftMoE: capacity_factor={capacity_factor} with num_tokens={num_tokens} and "
-                    f"num_experts={num_experts} gives round({num_tokens}*{capacity_factor}/{num_experts}) = 0 slots "
-                    f"per expert; raise capacity_factor to at least {num_experts / (2 * num_tokens):.3g} "
-                    "or use fewer experts"
-                )
-            return slots
-        slots = 1 if slots_per_expert is None else slots_per_expert
-        if not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"SoftMoE: slots_per_expert={slots_per_expert!r} must be a positive int")
-        return slots
+        self.scale = nn.Parameter(torch.ones(1, **dd)) if config.normalize else None
+        self.experts = experts.build(mlp, device=device, dtype=dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         scale = state_dict.get(prefix + "scale")
@@ -141,69 +128,59 @@ class SoftMoE(MoELayer):
             state_dict[prefix + "scale"] = scale.reshape(1)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def compute_logits(self, x: Tensor) -> Tensor:
-        """``[B, M, d] -> [B, M, S]`` routing logits in float32 (noise not included)."""
-        with torch.autocast(x.device.type, enabled=False):
-            x = router_precision(x)
-            phi = self.phi.to(x.dtype)
+    def compute_logits(self, x_BMD: Tensor) -> Tensor:
+        """``[B, M, D] -> [B, M, S]`` routing logits in float32 (noise not included)."""
+        with torch.autocast(x_BMD.device.type, enabled=False):
+            x = router_precision(x_BMD)
+            phi_DS = self.phi.to(x.dtype)
             if self.normalize:
                 x = F.normalize(x, dim=-1)
-                phi = self.scale.to(x.dtype) * F.normalize(phi, dim=0)
-            return torch.matmul(x, phi)
+                phi_DS = self.scale.to(x.dtype) * F.normalize(phi_DS, dim=0)
+            return torch.matmul(x, phi_DS)
 
     def routing_weights(self, x: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Dispatch and combine weights ``D, C: [B, M, S]`` (float32) for ``x: [B, M, d]``.
-
-        ``D`` is a softmax over tokens (each slot's column sums to 1 over real tokens), ``C`` a softmax
-        over slots (each real token's row sums to 1; padding rows are 0). Noise is added in training.
-        """
+        """Dispatch and combine weights ``D, C: [B, M, S]`` (float32) for ``x: [B, M, D]``, noise included in
+        training (:func:`dispatch_weights`, :func:`combine_weights`)."""
         dispatch, combine, _ = self._routing(x, padding_mask)
         return dispatch, combine
 
     def _routing(self, x: Tensor, padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`routing_weights` and the :func:`logit_checksum` of the logits (before padding is masked)."""
         batch, tokens, _ = x.shape
-        logits = self.compute_logits(x)
+        logits_BMS = self.compute_logits(x)
         if self.training and self.noise_std > 0:
-            logits = logits + self.noise_std * torch.randn_like(logits)
-        checksum = logit_checksum(logits)
-        if padding_mask is not None:
-            if padding_mask.shape != (batch, tokens):
-                raise ValueError(
-                    f"SoftMoE: padding_mask of shape {tuple(padding_mask.shape)} - expected [batch, tokens] = "
-                    f"{[batch, tokens]} (bool, True for real tokens)"
-                )
-            # Padding tokens get no dispatch weight; a fully padded row still gives finite weights.
-            logits = logits.masked_fill(~padding_mask.unsqueeze(-1), torch.finfo(logits.dtype).min)
-        dispatch = torch.softmax(logits, dim=1)  # over tokens, per slot
-        combine = torch.softmax(logits, dim=2)  # over slots, per token
-        if padding_mask is not None:
-            combine = combine * padding_mask.unsqueeze(-1)
-        return dispatch, combine, checksum
+            logits_BMS = logits_BMS + self.noise_std * torch.randn_like(logits_BMS)
+        if padding_mask is not None and padding_mask.shape != (batch, tokens):
+            raise ValueError(
+                f"SoftMoE: padding_mask of shape {tuple(padding_mask.shape)} - expected [batch, tokens] = "
+                f"{[batch, tokens]} (bool, True for real tokens)"
+            )
+        checksum = logit_checksum(logits_BMS)
+        return dispatch_weights(logits_BMS, padding_mask), combine_weights(logits_BMS, padding_mask), checksum
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
-        self._check_input(x, self.in_features, "SoftMoE")
-        batch = x.shape[0]
-        dispatch, combine, checksum = self._routing(x, padding_mask)
+        self._check_input(x)
+        B, M, D = x.shape
+        dispatch_BMS, combine_BMS, checksum = self._routing(x, padding_mask)
 
         compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        slots = torch.bmm(dispatch.transpose(1, 2).to(compute_dtype), x.to(compute_dtype))  # [B, S, d]
-        # Slot i goes to expert i // p: regroup [B, n, p, d] -> [n, B * p, d] rows sorted by expert.
-        p = self.slots_per_expert
-        expert_in = slots.view(batch, self.num_experts, p, -1).transpose(0, 1).reshape(-1, slots.shape[-1])
-        expert_out = self.experts(expert_in, batch * p)
-        slot_out = expert_out.view(self.num_experts, batch, p, -1).transpose(0, 1).reshape(batch, self.num_slots, -1)
-        out = torch.bmm(combine.to(slot_out.dtype), slot_out)  # [B, M, o]
+        slots_BSD = torch.bmm(dispatch_BMS.transpose(1, 2).to(compute_dtype), x.to(compute_dtype))
+        # Slot i goes to expert i // p: regroup [B, n, p, D] -> [n, B * p, D] rows sorted by expert.
+        n, p = self.num_experts, self.slots_per_expert
+        expert_in = slots_BSD.view(B, n, p, D).transpose(0, 1).reshape(n * B * p, D)
+        expert_out = self.experts(expert_in, B * p)
+        slot_out_BSO = expert_out.view(n, B, p, -1).transpose(0, 1).reshape(B, self.num_slots, -1)
+        out_BMO = torch.bmm(combine_BMS.to(slot_out_BSO.dtype), slot_out_BSO)
 
-        dispatch, combine = dispatch.detach(), combine.detach()
+        dispatch_BMS, combine_BMS = dispatch_BMS.detach(), combine_BMS.detach()
         self._record(
             {},
-            lambda: soft_moe_stats(dispatch, combine, self.num_experts, padding_mask),
-            batch * x.shape[1],
+            lambda: soft_moe_stats(dispatch_BMS, combine_BMS, self.num_experts, padding_mask),
+            B * M,
             checksum,
         )
-        return out
+        return out_BMO
 
     def expert_rows_per_token(self, num_tokens: int) -> float:
         return self.num_slots / num_tokens

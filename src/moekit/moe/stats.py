@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["entropy", "token_choice_stats", "experts_choice_stats", "soft_moe_stats", "dense_mixture_stats"]
+__all__ = ["entropy", "tokens_choice_stats", "experts_choice_stats", "soft_moe_stats", "dense_mixture_stats"]
 
 
 def entropy(probs: Tensor, dim: int = -1) -> Tensor:
@@ -18,7 +18,7 @@ def entropy(probs: Tensor, dim: int = -1) -> Tensor:
 
 
 @torch.no_grad()
-def token_choice_stats(router_probs: Tensor, kept_counts: Tensor, gates: Tensor, keep: Tensor) -> dict[str, Tensor]:
+def tokens_choice_stats(router_probs: Tensor, kept_counts: Tensor, gates: Tensor, keep: Tensor) -> dict[str, Tensor]:
     """Statistics of tokens-choice routing.
 
     Args:

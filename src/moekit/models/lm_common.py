@@ -1,0 +1,55 @@
+"""What the language models share: their input checks, the sequence-length limit, and how an MoE layer
+that routes by token id (hash routing) is recognised and fed."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["check_seq_len", "check_input_ids", "check_positive_int", "check_dropout", "check_cache_batch",
+           "takes_token_ids", "INIT_STD"]
+
+INIT_STD = 0.02
+"""GPT-2's std for the weights of every linear and embedding layer."""
+
+
+def check_seq_len(length: int, max_seq_len: int | None) -> None:
+    """Raise ``ValueError`` when a sequence of ``length`` tokens does not fit ``max_seq_len``."""
+    if max_seq_len is not None and length > max_seq_len:
+        raise ValueError(
+            f"sequence length {length} exceeds max_seq_len={max_seq_len}; use shorter inputs or a model with "
+            f"max_seq_len >= {length}"
+        )
+
+
+def check_input_ids(input_ids: Tensor, name: str) -> None:
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"{name}: input_ids of shape {shape}; expected [batch, tokens] token ids")
+    if input_ids.dtype not in (torch.long, torch.int32):
+        raise ValueError(f"{name}: input_ids have dtype {input_ids.dtype}; expected torch.long token ids")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"{name}: input_ids hold no tokens (shape {tuple(input_ids.shape)}); pass at least one")
+
+
+def check_positive_int(value, name: str, owner: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
+
+
+def check_dropout(value, owner: str) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{owner}: dropout={value!r} must lie in [0, 1)")
+
+
+def check_cache_batch(cache, batch: int, name: str) -> None:
+    if cache.batch_size != batch:
+        raise ValueError(
+            f"{name}: the cache holds {cache.batch_size} sequences but input_ids has batch {batch}; "
+            f"make the cache with init_cache(batch_size={batch})"
+        )
+
+
+def takes_token_ids(layer: nn.Module) -> bool:
+    """Whether ``layer`` routes by token id (its router reads ids: hash routing) and must get them."""
+    return getattr(getattr(layer, "router", None), "needs_token_ids", False)

@@ -1,0 +1,97 @@
+"""How many rows each expert processes: tokens-choice capacity, experts-choice capacity and Soft MoE slots,
+side by side, with one rounding rule.
+
+A capacity factor ``c`` scales the rows an expert would get if the work were spread evenly:
+
+* tokens-choice: each expert keeps at most ``C = R(k * N * c / E)`` of the ``k * N`` assignments of ``N``
+  tokens that chose ``k`` experts each (Switch, GShard, V-MoE);
+* experts-choice: each expert takes its top ``C = R(N * c / E)`` tokens, at most ``N`` (Zhou et al.: ``c`` is
+  the average number of experts per token);
+* Soft MoE: each expert gets ``p = R(m * c / E)`` slots for sequences of ``m`` tokens (``c`` slots per token).
+
+``R`` is the one rounding rule: the nearest integer, halves rounded up, and at least 1 — after rounding the
+product to 9 decimals, so that float noise (``2 * 6 * 1.1 / 4 = 3.3000000000000003``) never decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "round_capacity",
+    "check_factor",
+    "tokens_choice_capacity",
+    "experts_choice_capacity",
+    "soft_moe_slots",
+    "Capacity",
+]
+
+CapacityScope = Literal["batch", "position"]
+
+
+def round_capacity(rows: float) -> int:
+    """``R(rows)``: the nearest integer (halves up), at least 1."""
+    return max(1, math.floor(round(rows, 9) + 0.5))
+
+
+def check_factor(value, name: str, *, optional: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a positive number (or None when ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        dropless = ", or null for no capacity limit (dropless)" if optional else ""
+        raise ValueError(f"{name}={value!r} must be a positive number{dropless}")
+
+
+def tokens_choice_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """``C = R(k * N * c / E)``: the assignments one expert keeps of ``N`` tokens choosing ``k`` experts."""
+    return round_capacity(top_k * num_tokens * capacity_factor / num_experts)
+
+
+def experts_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """``C = R(N * c / E)``, at most ``N``: the tokens one expert takes."""
+    return min(num_tokens, round_capacity(num_tokens * capacity_factor / num_experts))
+
+
+def soft_moe_slots(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """``p = R(m * c / E)``: the slots of one expert for sequences of ``m`` tokens."""
+    return round_capacity(num_tokens * capacity_factor / num_experts)
+
+
+@dataclass(kw_only=True)
+class Capacity:
+    """The capacity settings of a tokens-choice layer.
+
+    Attributes:
+        capacity_factor: ``c`` in training; None = dropless.
+        eval_capacity_factor: ``c`` in evaluation; ``"same"`` reuses ``capacity_factor``.
+        capacity_scope: ``"batch"``: one capacity over all ``batch * tokens`` tokens of the forward (vision);
+            ``"position"``: a capacity over the ``batch`` tokens at each sequence position, so whether a token
+            is dropped never depends on other positions (causal; cached decoding drops what the full forward
+            drops).
+        batch_priority: Batch Prioritized Routing (Riquelme et al. 2021): when capacity binds, the tokens with
+            the highest top router score are served first instead of the earliest ones.
+    """
+
+    capacity_factor: float | None = None
+    eval_capacity_factor: float | None | Literal["same"] = "same"
+    capacity_scope: CapacityScope = "batch"
+    batch_priority: bool = False
+
+    def __post_init__(self) -> None:
+        check_factor(self.capacity_factor, "capacity_factor", optional=True)
+        if self.eval_capacity_factor == "same":
+            self.eval_capacity_factor = self.capacity_factor
+        check_factor(self.eval_capacity_factor, "eval_capacity_factor", optional=True)
+        if self.capacity_scope not in ("batch", "position"):
+            raise ValueError(f"capacity_scope={self.capacity_scope!r}; allowed: 'batch', 'position'")
+
+    @property
+    def dropless(self) -> bool:
+        """No capacity limit in training nor in evaluation."""
+        return self.capacity_factor is None and self.eval_capacity_factor is None
+
+    def factor(self, training: bool) -> float | None:
+        return self.capacity_factor if training else self.eval_capacity_factor

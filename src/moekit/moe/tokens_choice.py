@@ -1,0 +1,216 @@
+"""Tokens-choice MoE layers: every token picks ``k`` experts.
+
+:class:`TokensChoiceMoE` holds what all of them share - the expert bank, optional always-on shared experts
+(DeepSeekMoE), expert capacity with Batch Prioritized Routing, dispatch and combine, statistics - and each
+subclass names its router:
+
+* :class:`TopKMoE` - softmax/sigmoid top-k: Switch (k=1), GShard/Mixtral (k=2, renormalised), Shazeer's
+  noisy top-k, V-MoE, DeepSeekMoE shared + fine-grained experts, loss-free balancing;
+* :class:`HashMoE` - fixed token-id hash routing;
+* :class:`BaseMoE` - BASE layers' balanced assignment;
+* :class:`HierarchicalMoE` - Shazeer's two-level gating.
+
+A token whose assignments are all dropped by capacity gets a zero output, so the block's residual
+connection passes it through unchanged.
+
+Shapes: ``B`` batch, ``T`` tokens per sequence, ``N = B * T`` tokens, ``D`` width, ``K`` experts per token,
+``E`` experts, ``O`` output width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .base import MlpSpec, MoELayer, register_moe_layer
+from .capacity import Capacity, tokens_choice_capacity
+from .dispatch import DispatchPlan, combine, dispatch, plan_dispatch
+from .experts import ExpertsConfig
+from .routers import BalancedRouter, HashRouter, HierarchicalRouter, Router, Routing, TopKRouter
+from .stats import tokens_choice_stats
+
+__all__ = ["TokensChoiceMoE", "SharedExperts", "TopKMoE", "HashMoE", "BaseMoE", "HierarchicalMoE"]
+
+
+@dataclass(kw_only=True)
+class SharedExperts:
+    """``num_shared_experts`` always-on experts of the routed experts' hidden size, applied to every token and
+    added to the routed output (DeepSeekMoE); computed as one dense MLP of ``num_shared_experts`` x that size."""
+
+    num_shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        value = self.num_shared_experts
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"num_shared_experts={value!r} must be an int >= 0")
+
+
+class TokensChoiceMoE(MoELayer):
+    """Base of the tokens-choice layers. A subclass sets :attr:`Router` and :attr:`configs`: its router's
+    ``Config``, :class:`~moekit.moe.experts.ExpertsConfig`, and, where it takes them,
+    :class:`~moekit.moe.capacity.Capacity` and :class:`SharedExperts`; their fields are its settings.
+
+    ``forward(x, token_ids=None)``: ``x: [batch, tokens, in_features]``; ``token_ids: [batch, tokens]`` are
+    read by routers that route by id (:class:`HashMoE`).
+    """
+
+    Router: ClassVar[type[Router]]
+
+    def build(self, mlp: MlpSpec, router: object, experts: ExpertsConfig, *extra: object, device=None, dtype=None):
+        options = {type(config): config for config in extra}
+        self.router = self.Router(mlp.in_features, router, device=device, dtype=dtype)
+        self.num_experts = self.router.num_experts
+        self.top_k = self.router.top_k
+        self.capacity = options.get(Capacity, Capacity())
+        self.experts = experts.build(mlp, num_experts=self.num_experts, device=device, dtype=dtype)
+        shared = options.get(SharedExperts, SharedExperts()).num_shared_experts
+        self.shared_experts = (
+            experts.build(mlp, num_experts=1, hidden_features=shared * mlp.hidden_features, device=device, dtype=dtype)
+            if shared
+            else None
+        )
+
+    # The capacity factors are attributes of the layer for the capacity tuner (moekit.callbacks.CapacityTuner).
+    @property
+    def capacity_factor(self) -> float | None:
+        return self.capacity.capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: float | None) -> None:
+        self.capacity.capacity_factor = value
+
+    @property
+    def eval_capacity_factor(self) -> float | None:
+        return self.capacity.eval_capacity_factor
+
+    @eval_capacity_factor.setter
+    def eval_capacity_factor(self, value: float | None) -> None:
+        self.capacity.eval_capacity_factor = value
+
+    @property
+    def causal_safe(self) -> bool:
+        return self.capacity.dropless or self.capacity.capacity_scope == "position"
+
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        # With a per-position capacity the drops depend on the batch size, not on num_tokens: report k.
+        capacity = self.expert_capacity(num_tokens) if self.capacity.capacity_scope == "batch" else None
+        routed = self.top_k if capacity is None else min(self.top_k, capacity * self.num_experts / num_tokens)
+        shared = self.shared_experts.hidden_features / self.experts.hidden_features if self.shared_experts else 0.0
+        return routed + shared
+
+    def expert_capacity(self, num_tokens: int) -> int | None:
+        """Assignments each expert may take from ``num_tokens`` competing tokens (None: dropless)."""
+        factor = self.capacity.factor(self.training)
+        return None if factor is None else tokens_choice_capacity(num_tokens, self.top_k, self.num_experts, factor)
+
+    def plan(self, routing: Routing, batch: int, tokens: int) -> DispatchPlan:
+        """Apply capacity (and Batch Prioritized Routing) to the routing of ``batch * tokens`` tokens
+        (flattened batch-major)."""
+        priority = routing.priority if self.capacity.batch_priority else None
+        if self.capacity.capacity_scope == "batch":
+            return plan_dispatch(routing.expert_ids, self.num_experts, self.expert_capacity(batch * tokens), priority)
+        positions = torch.arange(tokens, device=routing.expert_ids.device).repeat(batch)
+        return plan_dispatch(
+            routing.expert_ids,
+            self.num_experts,
+            self.expert_capacity(batch),
+            priority,
+            group_ids=positions,
+            num_groups=tokens,
+        )
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
+        self._check_input(x)
+        B, T, D = x.shape
+        x_ND = x.reshape(B * T, D)
+        routing = self.router(x_ND, token_ids.reshape(-1) if token_ids is not None else None)
+
+        plan = self.plan(routing, B, T)
+        expert_out = self.experts(dispatch(x_ND, plan), plan.counts)  # [N * K, O], sorted by expert
+        out_NO = combine(expert_out, plan, routing.gates)
+        if self.shared_experts is not None:
+            out_NO = out_NO + self.shared_experts(x_ND, x_ND.shape[0])
+
+        self._record(routing.aux_losses, lambda: self._stats_of(routing, plan), B * T, routing.logit_checksum)
+        return out_NO.view(B, T, -1)
+
+    def _stats_of(self, routing: Routing, plan: DispatchPlan) -> dict[str, Tensor]:
+        probs = routing.probs
+        if probs is None:  # hash routing: the distribution is the one-hot choice
+            probs = torch.zeros(routing.expert_ids.shape[0], self.num_experts, device=routing.expert_ids.device)
+            probs.scatter_(1, routing.expert_ids, 1.0)
+        return tokens_choice_stats(probs.detach(), plan.counts, routing.gates.detach(), plan.keep)
+
+    def balancing_step(self) -> None:
+        self.router.balancing_step()
+
+    def discard_balancing_step(self) -> None:
+        self.router.discard_balancing_step()
+
+    def extra_repr(self) -> str:
+        c = self.capacity
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={c.capacity_factor}, "
+            f"eval_capacity_factor={c.eval_capacity_factor}, capacity_scope={c.capacity_scope!r}, "
+            f"batch_priority={c.batch_priority}"
+        )
+
+
+@register_moe_layer("top_k")
+class TopKMoE(TokensChoiceMoE):
+    """Tokens-choice top-k MoE: Switch, GShard, Mixtral, Shazeer's noisy top-k, V-MoE, DeepSeekMoE.
+
+    Settings: the router's (:class:`~moekit.moe.routers.TopKRouter`: ``num_experts``, ``top_k``,
+    ``score_func``, ``normalize_gates``, ``noisy_gating``, ``noise_std``, ``importance_over``,
+    ``bias_update_rate``, the loss weights), the experts' (:class:`~moekit.moe.experts.ExpertsConfig`),
+    capacity (:class:`~moekit.moe.capacity.Capacity`) and :class:`SharedExperts`. The papers' settings are
+    the recipes of :mod:`moekit.recipes` (``switch``, ``top2``, ``vmoe``, ``mixtral``, ``deepseek``,
+    ``noisy_top_k``).
+    """
+
+    Router = TopKRouter
+    configs = (TopKRouter.Config, ExpertsConfig, Capacity, SharedExperts)
+
+
+@register_moe_layer("hash")
+class HashMoE(TokensChoiceMoE):
+    """Hash layer (Roller et al. 2021): token id ``t`` always goes to expert ``hash(t)``, gate 1.
+
+    ``forward(x, token_ids)`` needs the ``[batch, tokens]`` ids of the input tokens (so it serves language
+    models, not a timm ``Block``, which passes none); ``vocab_size`` bounds them. The routing is fixed and
+    per token, so the layer is causal. Settings: :class:`~moekit.moe.routers.HashRouter`'s (``num_experts``,
+    ``vocab_size``, ``hash_seed``), the experts' and :class:`SharedExperts`.
+    """
+
+    Router = HashRouter
+    configs = (HashRouter.Config, ExpertsConfig, SharedExperts)
+
+
+@register_moe_layer("base")
+class BaseMoE(TokensChoiceMoE):
+    """BASE layer (Lewis et al. 2021): balanced assignment in training (each expert gets exactly
+    ``tokens / E`` tokens, ±1 when ``E`` does not divide the token count), greedy top-1 at inference,
+    output ``sigmoid(affinity) * expert(x)``. See :class:`~moekit.moe.routers.BalancedRouter`.
+    Settings: ``num_experts``, the experts' and :class:`SharedExperts`."""
+
+    Router = BalancedRouter
+    configs = (BalancedRouter.Config, ExpertsConfig, SharedExperts)
+
+    @property
+    def causal_safe(self) -> bool:
+        return False  # the balanced assignment of a token depends on every other token
+
+
+@register_moe_layer("hierarchical")
+class HierarchicalMoE(TokensChoiceMoE):
+    """Hierarchical MoE (Shazeer et al. 2017, appendix B): ``num_experts`` in ``num_groups`` groups, a primary
+    noisy top-``top_k_groups`` gate over groups and a secondary noisy top-``top_k`` gate inside each chosen
+    group (``top_k_groups * top_k`` experts per token). Settings: the router's
+    (:class:`~moekit.moe.routers.HierarchicalRouter`), the experts' and capacity."""
+
+    Router = HierarchicalRouter
+    configs = (HierarchicalRouter.Config, ExpertsConfig, Capacity)

@@ -1,0 +1,128 @@
+"""MoE recipes: the routing schemes of the literature with their papers' settings, one YAML file each.
+
+A recipe (``moe/<name>.yaml`` in this package) is a mapping: ``name``; ``layer``, the registry name of an MoE
+layer of :mod:`moekit.moe`; that layer's settings (``num_experts``, ``top_k``, ``capacity_factor``, loss
+weights, ...); and optionally ``granularity``: each expert's hidden size is the hidden size of the MLP it
+replaces divided by it (fine-grained experts, DeepSeekMoE; 1 by default). Sizes that depend on the model
+(the MLP's hidden size, Soft MoE's tokens per sequence, hash routing's vocabulary) are filled in by the model
+the recipe lands in. The first comment line of each file cites the paper's settings.
+
+The files are the one source of the recipes: the training template's config group ``moe=<name>`` is this
+folder (``configs/train.yaml`` adds ``pkg://moekit.recipes`` to Hydra's search path), and the models of
+:mod:`moekit.models` take ``moe="<name>"``. ``moe/none.yaml`` is the template's "no MoE" choice.
+
+This module imports no torch, so that the template refuses a recipe its model cannot use (:func:`check_fits`)
+before torch loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import yaml
+
+__all__ = ["list_recipes", "load_recipe", "resolve_recipe", "needs_token_ids", "mixes_tokens", "check_fits"]
+
+_FOLDER = resources.files(__name__) / "moe"
+_NO_MOE = "none"
+
+# Layers whose routing of a token looks at other tokens of the forward, whatever their settings.
+_TOKEN_MIXING_LAYERS = frozenset({"soft_moe", "experts_choice", "base"})
+# Tokens-choice layers: with a capacity over the whole batch a token's drop depends on the other tokens.
+_CAPACITY_LAYERS = frozenset({"top_k", "hierarchical"})
+# Layers that route by token id (a model must pass ``token_ids``).
+_TOKEN_ID_LAYERS = frozenset({"hash"})
+
+
+def list_recipes() -> list[str]:
+    """The names of the recipes (``none`` excluded)."""
+    names = (entry.name.removesuffix(".yaml") for entry in _FOLDER.iterdir() if entry.name.endswith(".yaml"))
+    return sorted(name for name in names if name != _NO_MOE)
+
+
+def load_recipe(name: str) -> dict[str, Any]:
+    """The recipe ``name`` as a dict (see the module docstring for its keys)."""
+    if name not in list_recipes():
+        raise ValueError(f"unknown MoE recipe {name!r}; recipes: {', '.join(list_recipes())} (or none for no MoE)")
+    return yaml.safe_load((_FOLDER / f"{name}.yaml").read_text())
+
+
+def resolve_recipe(moe: str | Mapping[str, Any] | None, **overrides: Any) -> dict[str, Any] | None:
+    """An MoE spec from what a model is given: None or ``"none"`` (no MoE), a recipe name, or a mapping (a
+    recipe already loaded, e.g. the template's ``moe`` config, or ``{"recipe": name, **changes}``);
+    ``overrides`` change single settings (``num_experts=16``). Returns a new dict with a ``layer`` key."""
+    if moe is None or moe == _NO_MOE:
+        if overrides:
+            raise ValueError(f"MoE settings {sorted(overrides)} given without an MoE recipe (moe=None)")
+        return None
+    if isinstance(moe, str):
+        spec = load_recipe(moe)
+    elif isinstance(moe, Mapping):
+        spec = dict(moe)
+        base = spec.pop("recipe", None)
+        if base is not None:
+            spec = {**load_recipe(base), **spec}
+    else:
+        raise ValueError(f"moe={moe!r}: give a recipe name ({', '.join(list_recipes())}), a mapping, or None")
+    spec.update(overrides)
+    if not isinstance(spec.get("layer"), str):
+        raise ValueError(
+            f"MoE spec {spec!r} names no layer; give a recipe name or a mapping with 'layer' (an MoE layer's "
+            "registry name) or 'recipe' (a recipe to start from)"
+        )
+    return spec
+
+
+def _label(spec: Mapping[str, Any]) -> str:
+    name = spec.get("name")
+    return f"recipe {name!r}" if name else f"MoE layer {spec['layer']!r}"
+
+
+def needs_token_ids(spec: Mapping[str, Any]) -> bool:
+    """Whether the recipe routes by token id (hash routing): only models with token ids can use it."""
+    return spec["layer"] in _TOKEN_ID_LAYERS
+
+
+def mixes_tokens(spec: Mapping[str, Any]) -> bool:
+    """Whether the recipe's routing of a token depends on other tokens of the forward (then a causal language
+    model would let a token see the future): Soft MoE, experts-choice, BASE, and tokens-choice capacity over
+    the whole batch (``capacity_scope: position`` keeps it per token)."""
+    layer = spec["layer"]
+    if layer in _TOKEN_MIXING_LAYERS:
+        return True
+    if layer not in _CAPACITY_LAYERS:
+        return False
+    has_capacity = spec.get("capacity_factor") is not None or spec.get("eval_capacity_factor") not in (None, "same")
+    return has_capacity and spec.get("capacity_scope", "batch") != "position"
+
+
+def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: bool) -> None:
+    """Refuse a recipe its model cannot serve, with the reason and the alternative.
+
+    Args:
+        spec: the MoE spec (:func:`resolve_recipe`).
+        model: the model, for the message (``"a ViT"``, ``"the Transformer LM"``).
+        causal: the model is a causal (decoder) language model.
+        token_ids: the model passes token ids to its MoE layers.
+    """
+    what = _label(spec)
+    if needs_token_ids(spec) and not token_ids:
+        raise ValueError(
+            f"{what} routes each token by its token id, and {model} has no token ids (its tokens are "
+            "patches or features). Use a recipe that routes on the token itself, e.g. moe=switch, moe=top2 or "
+            "moe=soft_moe; hash routing serves the language models"
+        )
+    if causal and mixes_tokens(spec):
+        if spec["layer"] in _CAPACITY_LAYERS:
+            fix = (
+                "set moe.capacity_scope=position (tokens compete per position) or make it dropless "
+                "(moe.capacity_factor=null moe.eval_capacity_factor=null)"
+            )
+        else:
+            fix = "use a per-token router: moe=mixtral, moe=deepseek, moe=noisy_top_k, moe=hash or moe=dense_moe"
+        raise ValueError(
+            f"{what} ({spec['layer']}) routes a token by looking at the other tokens of the batch, later ones "
+            f"included, so {model} (causal) would see the future; {fix}"
+        )

@@ -1,0 +1,63 @@
+"""One rounding rule for the rows an expert processes: tokens-choice capacity, experts-choice capacity and
+Soft MoE slots, against hand-computed values."""
+
+import pytest
+
+from moekit.moe import Capacity, ExpertsChoiceMoE, SoftMoE, TopKMoE
+from moekit.moe.capacity import experts_choice_capacity, round_capacity, soft_moe_slots, tokens_choice_capacity
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [(2.5, 3), (2.49, 2), (3.5, 4), (0.2, 1), (0.0, 1), (7.0, 7), (3.3000000000000003, 3), (2.4999999999, 3)],
+)
+def test_round_capacity_is_nearest_with_halves_up_and_at_least_one(rows, expected):
+    assert round_capacity(rows) == expected
+
+
+def test_tokens_choice_capacity_hand_computed():
+    assert tokens_choice_capacity(num_tokens=10, top_k=2, num_experts=4, capacity_factor=1.0) == 5
+    assert tokens_choice_capacity(10, 1, 4, 1.0) == 3  # 2.5, half up
+    assert tokens_choice_capacity(6, 2, 4, 1.1) == 3  # 3.3000000000000003
+    assert tokens_choice_capacity(100, 2, 8, 1.25) == 31  # 31.25
+    assert tokens_choice_capacity(12544, 2, 8, 1.25) == 3920  # the tokens-choice ViT's batch: 256 x 49 tokens
+
+
+def test_experts_choice_capacity_hand_computed_and_bounded_by_the_tokens():
+    assert experts_choice_capacity(num_tokens=12544, num_experts=8, capacity_factor=2.0) == 3136
+    assert experts_choice_capacity(10, 4, 1.0) == 3  # 2.5
+    assert experts_choice_capacity(10, 2, 2.0) == 10  # 10 x 2 / 2 = 10 = all tokens
+    assert experts_choice_capacity(5, 1, 1.0) == 5
+
+
+def test_soft_moe_slots_hand_computed():
+    assert soft_moe_slots(num_tokens=196, num_experts=128, capacity_factor=0.653) == 1  # the paper's S/16
+    assert soft_moe_slots(49, 16, 0.653) == 2  # the main job: 16 experts x 2 slots for 49 tokens
+    assert soft_moe_slots(197, 128, 0.653) == 1  # a class token does not add a slot per expert
+    assert soft_moe_slots(49, 8, 256 / 49) == 32  # the scaling sweep's fixed 256 slots
+
+
+def test_layers_use_the_rule():
+    assert TopKMoE(8, 8, num_experts=4, top_k=1, capacity_factor=1.0).expert_capacity(10) == 3
+    assert ExpertsChoiceMoE(8, 8, num_experts=4, capacity_factor=1.0).tokens_per_expert(10) == 3
+    assert SoftMoE(8, 8, num_experts=16, capacity_factor=0.653, num_tokens=49).slots_per_expert == 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"capacity_factor": 0}, r"capacity_factor=0 must be a positive number, or null"),
+        ({"capacity_factor": -1.0}, r"capacity_factor=-1.0 must be a positive number"),
+        ({"eval_capacity_factor": "x"}, r"eval_capacity_factor='x' must be a positive number"),
+        ({"capacity_scope": "sequence"}, r"capacity_scope='sequence'; allowed: 'batch', 'position'"),
+    ],
+)
+def test_bad_capacity_settings_name_the_value(settings, message):
+    with pytest.raises(ValueError, match=message):
+        Capacity(**settings)
+
+
+def test_eval_capacity_factor_same_follows_the_training_factor():
+    assert Capacity(capacity_factor=1.25).eval_capacity_factor == 1.25
+    assert Capacity(capacity_factor=1.25, eval_capacity_factor=2.0).eval_capacity_factor == 2.0
+    assert Capacity().dropless and not Capacity(eval_capacity_factor=2.0).dropless

@@ -1,0 +1,302 @@
+"""Tokens-choice top-k (Switch, GShard, Mixtral, noisy top-k, DeepSeekMoE), capacity and BPR."""
+
+import pytest
+import torch
+from timm.layers import Mlp, SwiGLU
+from torch import nn
+
+from conftest import reference_tokens_choice
+from moekit.moe import TopKMoE, update_balancing_biases
+from moekit.moe.capacity import tokens_choice_capacity
+from moekit.moe.dispatch import plan_dispatch, priority_order
+from moekit.moe.losses import cv_squared, vmoe_load_loss
+
+
+def _routing_and_plan(layer, x):
+    routing = layer.router(x.reshape(-1, x.shape[-1]), None)
+    return routing, layer.plan(routing, x.shape[0], x.shape[1])
+
+
+def test_plan_dispatch_hand_computed_capacity_choice_major():
+    expert_ids = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    plan = plan_dispatch(expert_ids, num_experts=3, capacity=2)
+    # first choices fill buffers first (t0, t1 -> expert 0; t3 -> expert 1), then second choices
+    expected_keep = torch.tensor([[True, True], [True, True], [False, False], [True, False]])
+    assert torch.equal(plan.keep, expected_keep)
+    assert plan.counts.tolist() == [2, 2, 1]
+    kept_sorted = torch.sort(torch.where(plan.keep, expert_ids, 3).reshape(-1)).values
+    assert torch.equal(torch.where(plan.keep, expert_ids, 3).reshape(-1)[plan.order], kept_sorted)
+
+
+def test_priority_order_is_highest_score_first_ties_by_index():
+    assert priority_order(torch.tensor([0.1, 0.9, 0.3, 0.9, 0.2])).tolist() == [1, 3, 2, 4, 0]
+
+
+def test_batch_prioritized_routing_drops_lowest_priority_first():
+    expert_ids = torch.zeros(6, 1, dtype=torch.long)  # everyone wants expert 0, capacity 2
+    priority = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.2, 0.5])
+    fifo = plan_dispatch(expert_ids, 2, capacity=2)
+    bpr = plan_dispatch(expert_ids, 2, capacity=2, priority=priority)
+    assert fifo.keep[:, 0].tolist() == [True, True, False, False, False, False]
+    assert bpr.keep[:, 0].tolist() == [False, True, False, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=1),  # Switch
+        dict(top_k=2, normalize_gates=True),  # Mixtral
+        dict(top_k=2, capacity_factor=0.5),  # drops
+        dict(top_k=2, capacity_factor=0.5, batch_priority=True),
+        dict(top_k=3, score_func="sigmoid", normalize_gates=True, num_shared_experts=2),
+        dict(top_k=2, gated=True, act_layer=nn.SiLU, bias=False),
+    ],
+)
+def test_forward_equals_per_token_reference(kw):
+    layer = TopKMoE(8, 16, num_experts=5, **kw).eval()
+    x = torch.randn(2, 7, 8)
+    routing, plan = _routing_and_plan(layer, x)
+    ref = reference_tokens_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_each_token_reaches_at_most_k_distinct_experts_and_capacity_holds():
+    layer = TopKMoE(8, 16, num_experts=6, top_k=3, capacity_factor=0.7).train()
+    x = torch.randn(4, 25, 8)
+    routing, plan = _routing_and_plan(layer, x)
+    assert routing.expert_ids.shape == (100, 3)
+    assert all(len(set(row)) == 3 for row in routing.expert_ids.tolist())
+    capacity = tokens_choice_capacity(100, 3, 6, 0.7)
+    kept_per_expert = torch.bincount(routing.expert_ids[plan.keep], minlength=6)
+    assert torch.equal(kept_per_expert, plan.counts)
+    assert int(plan.counts.max()) <= capacity
+    layer(x)
+    assert 0 < layer.stats["dropped_fraction"] < 1
+
+
+def test_overflow_tokens_come_out_unchanged_through_the_residual():
+    layer = TopKMoE(8, 16, num_experts=2, top_k=1, capacity_factor=0.5).eval()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 10.0  # every token with x[0] > 0 strongly prefers expert 0
+    x = torch.randn(1, 8, 8)
+    x[..., 0] = torch.linspace(1, 2, 8)
+    out = layer(x)
+    routing, plan = _routing_and_plan(layer, x)
+    dropped = ~plan.keep[:, 0]
+    assert dropped.sum() == 6  # capacity ceil(8 * 0.5 / 2) = 2 for expert 0
+    assert torch.all(out[0][dropped] == 0), "a dropped token adds nothing: x + moe(x) == x"
+    assert torch.all(out[0][~dropped].abs().sum(-1) > 0)
+
+
+def test_switch_gate_is_the_top1_probability():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1)
+    x = torch.randn(10, 8)
+    routing = layer.router(x, None)
+    probs = torch.softmax(x @ layer.router.weight.t(), dim=-1)
+    torch.testing.assert_close(routing.gates[:, 0], probs.max(dim=-1).values)
+    assert torch.equal(routing.expert_ids[:, 0], probs.argmax(dim=-1))
+
+
+def test_normalized_top2_gates_sum_to_one():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, normalize_gates=True)
+    routing = layer.router(torch.randn(10, 8), None)
+    torch.testing.assert_close(routing.gates.sum(-1), torch.ones(10))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_upcycled_moe_equals_the_dense_mlp(gated):
+    dense = SwiGLU(8, 16, bias=True) if gated else Mlp(8, 16)
+    layer = TopKMoE(
+        8, 16, num_experts=4, top_k=2, normalize_gates=True, gated=gated, act_layer=nn.SiLU if gated else nn.GELU
+    )
+    layer.experts.load_dense_mlp(dense)
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_reach_router_and_experts_gradcheck():
+    layer = TopKMoE(4, 6, num_experts=3, top_k=2, normalize_gates=True, num_shared_experts=1).double()
+    x = torch.randn(1, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: layer(x), (x,))
+    layer(x).pow(2).sum().backward()
+    for name in ("router.weight", "experts.fc1_weight", "experts.fc2_bias", "shared_experts.fc1_weight"):
+        grad = layer.get_parameter(name).grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_router_runs_in_float32_under_bf16_autocast():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, z_loss_weight=1e-3)
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = layer.router(x.reshape(-1, 8).bfloat16(), None)
+        out = layer(x)
+    assert routing.gates.dtype == routing.probs.dtype == torch.float32
+    assert layer.aux_losses["z"].dtype == torch.float32
+    assert out.dtype == torch.bfloat16
+
+
+def test_noisy_gating_noise_in_training_only_and_losses():
+    layer = TopKMoE(8, 16, num_experts=6, top_k=2, noisy_gating=True, importance_loss_weight=0.1, load_loss_weight=0.1)
+    assert torch.all(layer.router.noise_weight == 0), "W_noise starts at zero (Shazeer et al.)"
+    x = torch.randn(2, 20, 8)
+    layer.eval()
+    a, b = layer.router(x.reshape(-1, 8), None), layer.router(x.reshape(-1, 8), None)
+    assert torch.equal(a.expert_ids, b.expert_ids)
+    assert set(a.aux_losses) == {"importance"}, "the load loss is defined through the training noise"
+    layer.train()
+    a, b = layer.router(x.reshape(-1, 8), None), layer.router(x.reshape(-1, 8), None)
+    assert not torch.equal(a.expert_ids, b.expert_ids)
+    assert set(a.aux_losses) == {"importance", "load"}
+    layer(x)
+    sum(layer.aux_losses.values()).backward()
+    assert layer.router.noise_weight.grad.abs().sum() > 0, "the load loss trains W_noise"
+
+
+def test_vmoe_router_fixed_noise_and_losses_follow_vmoe():
+    """V-MoE: noise of std noise_std / E on the logits in training only, choice and gates from the noisy softmax,
+    importance over the clean softmax of all experts, load by V-MoE's estimator (the vmoe recipe)."""
+    layer = TopKMoE(
+        8, 16, num_experts=4, top_k=2, noise_std=1.0, importance_over="probs", importance_loss_weight=1.0,
+        load_loss_weight=1.0, capacity_factor=1.05,
+    )
+    x = torch.randn(64, 8)
+    clean = x @ layer.router.weight.t()
+    layer.eval()
+    routing = layer.router(x, None)
+    torch.testing.assert_close(routing.gates, torch.softmax(clean, -1).topk(2).values)
+    assert set(routing.aux_losses) == {"importance"}, "the load loss needs the training noise"
+    torch.testing.assert_close(routing.aux_losses["importance"], cv_squared(torch.softmax(clean, -1).sum(0)))
+    layer.train()
+    torch.manual_seed(3)
+    routing = layer.router(x, None)
+    torch.manual_seed(3)
+    noisy = clean + torch.randn_like(clean) * (1.0 / 4)
+    torch.testing.assert_close(routing.gates, torch.softmax(noisy, -1).topk(2).values)
+    torch.testing.assert_close(routing.aux_losses["importance"], cv_squared(torch.softmax(clean, -1).sum(0)))
+    expected_load = vmoe_load_loss(clean, noisy, torch.full_like(clean, 0.25), 2)
+    torch.testing.assert_close(routing.aux_losses["load"], expected_load)
+
+
+def test_shazeer_importance_is_over_the_sparse_gates():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, normalize_gates=True, importance_loss_weight=1.0).eval()
+    x = torch.randn(32, 8)
+    routing = layer.router(x, None)
+    sparse = torch.zeros(32, 4).scatter(1, routing.expert_ids, routing.gates)
+    torch.testing.assert_close(routing.aux_losses["importance"], cv_squared(sparse.sum(0)))
+
+
+def test_loss_free_balancing_bias_steers_selection_not_gates():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1, bias_update_rate=0.1)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 1.0  # expert 0 gets every token with x[0] > 0
+    x = torch.randn(1, 40, 8).abs()
+    layer.train()
+    layer(x)
+    counts = layer.router.pending_counts.clone()
+    assert counts.sum() == 40 and counts[0] == 40
+    update_balancing_biases(layer)
+    # mean load 10: expert 0 (40) goes down by the rate, the others (0) go up by it
+    torch.testing.assert_close(layer.router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+    assert torch.all(layer.router.pending_counts == 0)
+    routing = layer.router(x.reshape(-1, 8), None)
+    probs = torch.softmax(x.reshape(-1, 8) @ layer.router.weight.t(), -1)
+    torch.testing.assert_close(routing.gates[:, 0], probs.gather(1, routing.expert_ids)[:, 0])
+    layer.router.pending_counts.zero_()
+    layer.eval()
+    layer(x)
+    assert torch.all(layer.router.pending_counts == 0), "only training forwards count"
+
+
+def test_loss_free_balancing_evens_out_the_load():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1, bias_update_rate=0.002).train()
+    with torch.no_grad():
+        layer.router.weight.mul_(0.1)
+        layer.router.weight[0] += 1.0  # expert 0 is far more popular
+    x = torch.randn(4, 64, 8)
+    layer(x)
+    before = layer.stats["load_cv"].item()
+    loads = []
+    for _ in range(300):
+        layer(x)
+        update_balancing_biases(layer)
+        loads.append(layer.stats["expert_load"])
+    average = torch.stack(loads[-50:]).mean(0)  # sign updates hover around balance
+    assert before > 0.5
+    assert average.std(unbiased=False) / average.mean() < 0.1
+
+
+def test_capacity_at_eval():
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1, capacity_factor=0.5, eval_capacity_factor=None)
+    assert layer.train().expert_capacity(16) == 2 and layer.eval().expert_capacity(16) is None
+    same = TopKMoE(8, 16, num_experts=4, top_k=1, capacity_factor=0.5)
+    assert same.eval().expert_capacity(16) == 2
+
+
+def test_shared_experts_add_a_dense_mlp_of_the_expert_size():
+    layer = TopKMoE(8, 4, num_experts=8, top_k=2, num_shared_experts=2)
+    assert layer.experts.hidden_features == 4
+    assert layer.shared_experts.num_experts == 1 and layer.shared_experts.hidden_features == 8
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(top_k=5), "top_k=5"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(capacity_factor=0.0), "capacity_factor=0.0"),
+        (dict(capacity_factor=-1), "capacity_factor=-1"),
+        (dict(eval_capacity_factor=0), "eval_capacity_factor=0"),
+        (dict(load_loss_weight=0.1), r"needs noise on the logits \(noisy_gating=True or noise_std > 0\)"),
+        (dict(noisy_gating=True, noise_std=1.0), "both set; choose one"),
+        (dict(importance_over="tokens"), "importance_over='tokens'; allowed: 'gates', 'probs'"),
+        (dict(expert_hidden_features=4), r"unknown setting\(s\) \['expert_hidden_features'\]; allowed: \[.*'top_k'"),
+        (dict(switch_loss_weight=-0.1), "switch_loss_weight"),
+        (dict(score_func="relu"), "score_func"),
+        (dict(num_shared_experts=-1), "num_shared_experts"),
+        (dict(norm_layer=nn.LayerNorm), "norm_layer"),
+        (dict(use_conv=True), "use_conv"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TopKMoE(8, 16, num_experts=4, **kw)
+
+
+def test_wrong_input_shape():
+    with pytest.raises(ValueError, match=r"expected \[batch, tokens, 8\]"):
+        TopKMoE(8, 16, num_experts=4)(torch.randn(3, 9))
+
+
+def test_plan_dispatch_groups_apply_capacity_per_group():
+    # 2 groups of 3 tokens, all choosing expert 0, capacity 1: the first token of each group is kept.
+    expert_ids = torch.zeros(6, 1, dtype=torch.long)
+    groups = torch.tensor([0, 1, 0, 1, 0, 1])
+    plan = plan_dispatch(expert_ids, 2, capacity=1, group_ids=groups, num_groups=2)
+    assert plan.keep[:, 0].tolist() == [True, True, False, False, False, False]
+    assert plan.counts.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("batch_priority", [False, True])
+def test_position_capacity_is_per_position_and_causal(batch_priority):
+    torch.manual_seed(0)
+    layer = TopKMoE(
+        8, 16, num_experts=4, top_k=2, capacity_factor=0.5, capacity_scope="position", batch_priority=batch_priority
+    ).train()
+    assert layer.causal_safe
+    x = torch.randn(6, 10, 8)
+    routing, plan = _routing_and_plan(layer, x)
+    capacity = tokens_choice_capacity(6, 2, 4, 0.5)  # over the 6 tokens at one position
+    per_position = torch.zeros(10, 4, dtype=torch.long)
+    positions = torch.arange(10).repeat(6).unsqueeze(1).expand(-1, 2)
+    per_position.index_put_((positions[plan.keep], routing.expert_ids[plan.keep]), torch.tensor(1), accumulate=True)
+    assert int(per_position.max()) <= capacity
+    assert not plan.keep.all(), "the capacity binds in this setting"
+    # Changing the tokens after position t leaves the outputs at positions <= t unchanged.
+    out = layer(x)
+    changed = x.clone()
+    changed[:, 6:] = torch.randn(6, 4, 8)
+    torch.testing.assert_close(layer(changed)[:, :6], out[:, :6])
+    # ... and so does a forward of the prefix alone (what incremental decoding sees).
+    torch.testing.assert_close(layer(x[:, :6]), out[:, :6])
