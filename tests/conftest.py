@@ -12,10 +12,9 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
+from moekit.configs import compose
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import ExpertBank
 
@@ -86,13 +85,7 @@ CONFIGS = REPO / "configs"
 
 def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
     """Compose a config like the scripts do, with Hydra's runtime values filled in."""
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(output_dir)
-        cfg.hydra.runtime.cwd = str(REPO)
-    HydraConfig.instance().set_config(cfg)
-    return cfg
+    return compose(CONFIGS, name, overrides, output_dir)
 
 
 def import_script(filename: str, module_name: str) -> ModuleType:
@@ -136,19 +129,13 @@ def fake_fashion(tmp_path_factory) -> Path:
 
 
 def small_overrides(data_root: Path, epochs: int = 1) -> list[str]:
-    """A fast run: tiny model dims, few samples, CSV logs."""
+    """A fast run on the fake Fashion-MNIST: ``debug=tiny`` (the tiny model, CSV logs, quiet), its 64 test
+    images as the validation split too, all of its batches."""
     return [
         f"data.root={data_root}",
         "data.val_size=64",
-        "data.batch_size=32",
-        "model.embed_dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "logger=csv",
+        "debug=tiny",
         f"trainer.max_epochs={epochs}",
-        "trainer.log_every_n_steps=1",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
     ]
 
 
@@ -158,5 +145,5 @@ TINY_NET = {
     "embed_dim": 32,
     "depth": 2,
     "num_heads": 2,
-    "num_experts": 4,
+    "moe": {"num_experts": 4},
 }

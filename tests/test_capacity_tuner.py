@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from moekit.callbacks import CapacityTuner
 from moekit.callbacks.capacity import capacity_limited_layers
 from moekit.moe import ExpertsChoiceMoE, MoELayer, SoftMoE, TopKMoE
-from moekit.moe.dispatch import expert_capacity
+from moekit.moe.capacity import tokens_choice_capacity
 
 
 class CurveLayer(MoELayer):
@@ -23,11 +23,14 @@ class CurveLayer(MoELayer):
     factor in train mode, the eval factor in eval mode."""
 
     def __init__(self, curve: Callable[[float], float], capacity_factor: float = 0.5) -> None:
-        super().__init__()
+        super().__init__(1)  # no experts to size: the layer passes its input through
         self.curve = curve
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor
         self._drop: Tensor | None = None
+
+    def build(self, mlp, *configs, device=None, dtype=None) -> None:
+        pass
 
     @property
     def stats(self) -> dict[str, Tensor]:
@@ -193,9 +196,9 @@ def test_eval_uses_the_callbacks_eval_capacity_factor():
     run(tuner, model.train(), 20, torch.randn(2, 6, 8))
     trained_factor = tuner.factors["0"]
     assert trained_factor > 0.5, "the tokens-choice layer dropped tokens at 0.5, so the tuner raised it"
-    assert layer.capacity(12) == expert_capacity(12, 2, 4, trained_factor)
+    assert layer.expert_capacity(12) == tokens_choice_capacity(12, 2, 4, trained_factor)
     model.eval()
-    assert layer.capacity(12) == expert_capacity(12, 2, 4, 2.0)
+    assert layer.expert_capacity(12) == tokens_choice_capacity(12, 2, 4, 2.0)
     with torch.no_grad():
         model(torch.randn(2, 6, 8))
     assert float(layer.stats["dropped_fraction"]) == 0.0, "capacity 2 x the even share: nothing dropped here"
@@ -251,7 +254,7 @@ class TinyMoEModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         layer = self.net[1]
-        assert not layer.training and layer.capacity(48) == expert_capacity(48, 1, 4, 3.0)
+        assert not layer.training and layer.expert_capacity(48) == tokens_choice_capacity(48, 1, 4, 3.0)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)

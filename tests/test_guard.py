@@ -115,7 +115,7 @@ def test_a_nan_router_for_one_step_is_skipped_and_training_goes_on(fake_fashion,
     poison = PoisonRouter(at=3)
     _add_callbacks(monkeypatch, poison)
     cfg = _config(
-        "tokens_choice_vit", fake_fashion, tmp_path, "+model.moe_kwargs.bias_update_rate=0.01", "data.num_workers=0"
+        "tokens_choice_vit", fake_fashion, tmp_path, "+moe.bias_update_rate=0.01", "data.num_workers=0"
     )
     metrics = train(cfg)
     assert poison.changed[3] == [], f"the skipped step changed {poison.changed[3]}"
@@ -220,7 +220,7 @@ def test_fp16_a_nan_loss_is_a_bad_step_even_with_a_scaler():
 def _layer(name: str) -> MoELayer:
     kwargs = {"num_experts": 4}
     if name == "hierarchical":
-        kwargs = {"num_groups": 2, "experts_per_group": 2}
+        kwargs["num_groups"] = 2
     if name == "soft_moe":
         kwargs["num_tokens"] = 6
     if name == "hash":
@@ -286,9 +286,7 @@ def test_lm_and_experts_choice_routers_compute_in_float32_under_autocast(dtype, 
         dim=32,
         depth=2,
         num_heads=2,
-        moe_layer="top_k",
-        num_experts=4,
-        moe_kwargs={"top_k": 2, "capacity_factor": None, "z_loss_weight": 1e-3},
+        moe=dict(recipe="mixtral", num_experts=4, z_loss_weight=1e-3),
     ).train()
     ec_layer = ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=1.0, z_loss_weight=1e-3).train()
     with torch.autocast("cpu", dtype=dtype):

@@ -23,10 +23,6 @@ from moekit.moe import (
     require_causal,
 )
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "moe"
-LAYER_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
-
-
 @pytest.mark.parametrize(
     "factory",
     [
@@ -66,20 +62,6 @@ def test_moe_layers_accept_every_timm_mlp_keyword():
         assert layer.experts.fc1_bias is not None and layer.experts.fc2_bias is None
         assert layer.experts.drop2.p == 0.1
         assert layer.experts.fc2_weight.shape[-1] == 12
-
-
-@pytest.mark.parametrize("path", LAYER_CONFIGS, ids=[p.stem for p in LAYER_CONFIGS])
-def test_every_layer_config_instantiates_and_runs(path):
-    factory = instantiate(OmegaConf.load(path))
-    assert isinstance(factory, partial)
-    layer = factory(in_features=16, hidden_features=32)
-    assert isinstance(layer, MoELayer)
-    cfg = OmegaConf.to_container(OmegaConf.load(path))
-    accepted = inspect.signature(type(layer).__init__).parameters
-    assert {k for k in cfg if not k.startswith("_")} <= set(accepted), "config keys are constructor argument names"
-    x = torch.randn(2, 6, 16)
-    out = layer(x, token_ids=torch.randint(0, 256, (2, 6))) if "hash" in path.stem else layer(x)
-    assert out.shape == x.shape
 
 
 def test_hydra_and_python_construction_agree():
@@ -143,7 +125,7 @@ def test_require_causal_names_the_offending_layer():
 
 
 def test_registry():
-    assert set(list_moe_layers()) >= {"soft_moe", "top_k", "experts_choice", "base", "hash", "dense", "hierarchical"}
+    assert set(list_moe_layers()) == {"soft_moe", "top_k", "experts_choice", "base", "hash", "dense_moe", "hierarchical"}
     assert get_moe_layer("soft_moe") is SoftMoE
     with pytest.raises(ValueError, match="unknown MoE layer 'sofmoe'"):
         get_moe_layer("sofmoe")
@@ -154,7 +136,7 @@ def test_expert_rows_per_token():
     assert TopKMoE(8, 16, num_experts=4, top_k=2).expert_rows_per_token(16) == 2
     capped = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=0.5)
     assert capped.expert_rows_per_token(16) == 1.0  # capacity 4 per expert: at most 16 of 32 assignments
-    shared = TopKMoE(8, 16, num_experts=8, top_k=2, expert_hidden_features=4, num_shared_experts=2)
+    shared = TopKMoE(8, 4, num_experts=8, top_k=2, num_shared_experts=2)
     assert shared.expert_rows_per_token(16) == 4.0
     assert ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=1.5).expert_rows_per_token(16) == 1.5
     for name in list_moe_layers():

@@ -15,12 +15,6 @@ from moekit.run import evaluate, load_task, sample, train
 from moekit.tasks import LanguageModel
 
 LM_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_lm.yaml"))
-TINY_TRANSFORMER = ["model.dim=32", "model.depth=2", "model.num_heads=2"]
-TINY = {
-    "moe_transformer_lm": [*TINY_TRANSFORMER, "model.moe_kwargs.expert_hidden_features=32"],
-    "dense_transformer_lm": TINY_TRANSFORMER,
-    "moe_lstm_lm": ["model.dim=32", "model.expert_hidden=32", "model.num_experts=4", "model.top_k=2"],
-}
 PHRASE = "the quick brown fox jumps over the lazy dog. "
 
 
@@ -32,18 +26,18 @@ def repeated_corpus(tmp_path_factory) -> Path:
 
 
 def lm_overrides(experiment: str, corpus: Path, *extra: str) -> list[str]:
+    """``experiment`` at its tiny size (debug=tiny) on ``corpus``, every batch of it, in float32."""
     return [
         f"experiment={experiment}",
+        "debug=tiny",
         "data=text_files",
         f"data.paths=[{corpus}]",
         "data.seq_len=32",
         "data.batch_size=16",
-        "logger=csv",
+        "trainer.limit_train_batches=null",
+        "trainer.limit_val_batches=null",
+        "trainer.limit_test_batches=null",
         "trainer.precision=32-true",
-        "trainer.log_every_n_steps=1",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
-        *TINY[experiment],
         *extra,
     ]
 
@@ -54,9 +48,7 @@ def test_the_lm_experiments_exist():
 
 @pytest.mark.parametrize("experiment", LM_EXPERIMENTS)
 def test_fast_dev_run_of_each_lm_experiment_on_the_default_corpus(experiment, tmp_path):
-    cfg = compose_config(
-        "train", [f"experiment={experiment}", "+trainer.fast_dev_run=true", "logger=csv", *TINY[experiment]], tmp_path
-    )
+    cfg = compose_config("train", [f"experiment={experiment}", "debug=tiny", "trainer.fast_dev_run=true"], tmp_path)
     assert cfg.data.source == "pydoc", "the default corpus is Python's own documentation (offline)"
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss_step"])
@@ -120,17 +112,16 @@ def test_sample_refuses_an_empty_prompt_and_a_too_long_generation(trained_lm, tm
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["model.moe_layer=soft_moe", "~model.moe_kwargs"], "not causal"),
-        (["model.moe_kwargs.capacity_factor=1.0"], "capacity_scope"),
+        (["moe=soft_moe"], "so the Transformer LM \\(causal\\) would see the future; use a per-token router"),
+        (["+moe.capacity_factor=1.0"], "set moe.capacity_scope=position"),
         (["model.max_seq_len=16"], "max_seq_len"),
         (["data.paths=[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
         (["data.vocab_size=300"], "vocab_size"),
     ],
 )
 def test_bad_lm_input_raises_a_clear_error(overrides, match, repeated_corpus, tmp_path):
-    cfg = compose_config("train", lm_overrides("moe_transformer_lm", repeated_corpus, *overrides), tmp_path)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
-        train(cfg)
+        train(compose_config("train", lm_overrides("moe_transformer_lm", repeated_corpus, *overrides), tmp_path))
 
 
 def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):

@@ -247,17 +247,12 @@ def test_training_run_writes_scalars_histograms_and_heatmaps(tmp_path):
             "experiment=tokens_choice_vit",
             f"data.root={data}",
             "data.val_size=64",
-            "data.batch_size=32",  # 256 training images: 8 steps
-            "model.embed_dim=32",
-            "model.depth=4",  # MoE in blocks 2 and 3
-            "model.num_heads=2",
+            "debug=tiny",  # batches of 32: 256 training images, 8 steps
+            "model.depth=4",
+            "model.moe_blocks=second_half",  # MoE in blocks 2 and 3
             "logger=many",
-            "trainer.max_epochs=1",
-            "trainer.log_every_n_steps=1",
             "trainer.precision=32-true",
             "callbacks.expert_load.log_every_n_steps=4",  # means over steps 1-4 and 5-8
-            "+trainer.enable_progress_bar=false",
-            "+trainer.enable_model_summary=false",
             "test=false",
         ],
         tmp_path / "run",

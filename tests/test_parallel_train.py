@@ -11,7 +11,6 @@ import torch
 from conftest import run_script
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 
-QUIET = ["+trainer.enable_progress_bar=false", "+trainer.enable_model_summary=false", "logger=csv"]
 
 
 def _distributed(world: int, strategy: str, **options) -> list[str]:
@@ -22,32 +21,19 @@ def _distributed(world: int, strategy: str, **options) -> list[str]:
 
 
 def _train(out: Path, *overrides: str) -> None:
-    result = run_script("train.py", f"paths.output_dir={out}", *QUIET, *overrides, cwd=out.parent)
+    result = run_script("train.py", f"paths.output_dir={out}", *overrides, cwd=out.parent)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-VIT = [
-    "experiment=soft_moe_vit",
-    "model.embed_dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.num_experts=8",
-    "trainer.precision=32-true",
-    "trainer.log_every_n_steps=1",
-]
+VIT = ["experiment=soft_moe_vit", "debug=tiny", "moe.num_experts=8", "trainer.precision=32-true"]
 LM = [
     "experiment=moe_transformer_lm",
-    "model.dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.num_experts=4",
+    "debug=tiny",
+    "moe.num_experts=4",
     "model.max_seq_len=32",
     "data.seq_len=32",
     "data.batch_size=8",
-    "++trainer.max_steps=3",
-    "++trainer.limit_val_batches=2",
-    "++trainer.limit_test_batches=2",
-    "trainer.log_every_n_steps=1",
+    "trainer.max_steps=3",
 ]
 
 
@@ -94,7 +80,8 @@ def _resume_overrides(data_root: Path, world: int, steps: int) -> list[str]:
         "data.val_size=8",
         f"data.batch_size={8 // world}",
         "data.eval_batch_size=8",
-        f"++trainer.max_steps={steps}",
+        f"trainer.max_steps={steps}",
+        "trainer.max_epochs=1000",  # max_steps ends the run
         "model.stem=patch",  # the conv stem's batch norm would see 8 / world images per rank
         "task.optimizer.lr=1e-2",
         "task.scheduler.warmup_steps=0",
@@ -189,7 +176,7 @@ def test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly(tmp_path, ti
         "test=false",
         *_distributed(2, "ddp"),
     ]
-    args = [f"paths.output_dir={out}", *QUIET, *common, "++trainer.max_steps=100000"]
+    args = [f"paths.output_dir={out}", *common, "trainer.max_steps=100000"]
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "scripts" / "train.py"), *args],
         cwd=tmp_path,
@@ -218,8 +205,8 @@ def test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly(tmp_path, ti
     end = stopped + 3 if stopped % 4 else stopped + 2  # finish in another epoch, from mid-epoch if possible
 
     resumed, reference = tmp_path / "resumed", tmp_path / "reference"
-    _train(resumed, *common, f"++trainer.max_steps={end}", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}")
-    _train(reference, *common, f"++trainer.max_steps={end}")
+    _train(resumed, *common, f"trainer.max_steps={end}", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}")
+    _train(reference, *common, f"trainer.max_steps={end}")
     got, expected = (_state(run / "checkpoints" / "last.ckpt") for run in (resumed, reference))
     for key, value in expected.items():
         assert torch.equal(got[key], value), f"{key} differs after resuming from step {stopped}"

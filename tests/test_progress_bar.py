@@ -15,12 +15,8 @@ def test_rich_progress_bar_shows_loss_accuracy_and_throughput(tmp_path):
     overrides = [
         f"data.root={data_root}",
         "data.val_size=64",
-        "data.batch_size=32",
-        "model.embed_dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "trainer.max_epochs=1",
-        "trainer.log_every_n_steps=1",
+        "debug=tiny",
+        "trainer.enable_progress_bar=true",
     ]
     cfg = compose_config("train", overrides, tmp_path / "run")
     callbacks = [instantiate(entry) for entry in cfg.callbacks.values()]

@@ -37,19 +37,12 @@ EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
 def _args(data_root: Path, output_dir: Path, *extra: str) -> list[str]:
     return train_command(
         f"data.root={data_root}",
-        "data.val_size=64",
-        "data.batch_size=32",  # 256 training images: 8 steps per epoch
-        "model.embed_dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "model.num_experts=4",
-        "logger=csv",
+        "data.val_size=64",  # 256 training images left: 8 steps of debug=tiny's batches of 32 per epoch
+        "debug=tiny",
+        "moe.num_experts=4",
         f"trainer.max_epochs={EPOCHS}",
-        "trainer.log_every_n_steps=1",
         "trainer.deterministic=true",
         f"callbacks.last_checkpoint_steps.every_n_train_steps={EVERY_N_STEPS}",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
         f"paths.output_dir={output_dir}",
         *extra,
     )

@@ -55,25 +55,22 @@ def corpus(tmp_path_factory) -> Path:
 def lm_overrides(corpus: Path, *extra: str) -> list[str]:
     return [
         "experiment=moe_transformer_lm",
+        "debug=tiny",
         "data=text_files",
         f"data.paths=[{corpus}]",
         "data.seq_len=32",
         "data.batch_size=8",
         "data.val_fraction=0.1",
         "data.test_fraction=0.1",
-        "model.dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "model.num_experts=4",
-        "model.moe_kwargs.expert_hidden_features=32",
+        "trainer.limit_train_batches=null",
+        "trainer.limit_val_batches=null",
+        "trainer.limit_test_batches=null",
+        "moe.num_experts=4",
         "logger=many",
         "trainer.precision=32-true",
         f"trainer.max_epochs={EPOCHS}",
-        "trainer.log_every_n_steps=1",
         "trainer.deterministic=true",
         f"callbacks.last_checkpoint_steps.every_n_train_steps={EVERY_N_STEPS}",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
         *extra,
     ]
 
@@ -166,7 +163,7 @@ def test_training_resumed_in_the_same_folder_keeps_the_earlier_rows(corpus, tmp_
     0-11 once each, the first run's rows unchanged, the validation columns that only the second run
     logged added to the header; TensorBoard keeps the first run's event file."""
     every_3 = "callbacks.last_checkpoint_steps.every_n_train_steps=3"
-    first = lm_overrides(corpus, "+trainer.max_steps=6", "test=false", every_3)
+    first = lm_overrides(corpus, "trainer.max_steps=6", "test=false", every_3)
     train(compose_config("train", first, tmp_path))
     first_rows = metrics_rows(tmp_path)
     first_events = event_files(tmp_path)
@@ -175,7 +172,7 @@ def test_training_resumed_in_the_same_folder_keeps_the_earlier_rows(corpus, tmp_
 
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 6
-    second = lm_overrides(corpus, "+trainer.max_steps=12", "test=false", every_3, f"ckpt_path={last}")
+    second = lm_overrides(corpus, "trainer.max_steps=12", "test=false", every_3, f"ckpt_path={last}")
     train(compose_config("train", second, tmp_path))
     rows = metrics_rows(tmp_path)
     assert rows[: len(first_rows)] == first_rows

@@ -31,7 +31,8 @@ from moekit.run import plot_slots, train
 
 def tiny_soft_moe_vit(**overrides) -> torch.nn.Module:
     """A 2-block Soft MoE ViT for 1 x 28 x 28 images: conv stem to 7 x 7 patches, class token."""
-    kwargs = dict(embed_dim=32, depth=2, num_heads=2, num_experts=4, stem="conv", class_token=True, global_pool="token")
+    moe = {"num_experts": 4, "capacity_factor": None, "slots_per_expert": 2}  # 8 slots
+    kwargs = dict(embed_dim=32, depth=2, num_heads=2, moe=moe, stem="conv", class_token=True, global_pool="token")
     return timm.create_model("soft_moe_vit_tiny_patch4_28", **{**kwargs, **overrides}).eval()
 
 
@@ -147,14 +148,9 @@ def _train_tiny(experiment: str, data_root: Path, out: Path, extra: list[str] = 
         f"experiment={experiment}",
         f"data.root={data_root}",
         "data.val_size=64",
+        "debug=tiny",
         "data.batch_size=64",
         "trainer.precision=32-true",
-        "model.embed_dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "trainer.max_epochs=1",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
         "test=false",
         *extra,
     ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import TINY_NET
@@ -51,7 +53,7 @@ def test_param_groups_skip_norms_biases_and_the_soft_moe_scale():
 
 def test_training_loss_is_cross_entropy_plus_the_aux_losses():
     net = dict(TINY_NET, model_name="top2_moe_vit_tiny_patch4_28")
-    net["moe_kwargs"] = {"switch_loss_weight": 0.5, "z_loss_weight": 0.1}
+    net["moe"] = {"num_experts": 4, "switch_loss_weight": 0.5, "z_loss_weight": 0.1}
     task = ImageClassifier(net=net, num_classes=10)
     images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
     loss = task._shared_step((images, labels), "val")
@@ -62,10 +64,21 @@ def test_training_loss_is_cross_entropy_plus_the_aux_losses():
 
 
 def test_mixup_trains_on_soft_targets():
+    """With mixup the loss is the cross-entropy against the mixed soft targets: lam on an image's own label,
+    1 - lam on the label of the image it was mixed with (the batch flipped), of the mixed images."""
     task = ImageClassifier(net=TINY_NET, num_classes=10, mixup={"mixup_alpha": 0.8, "cutmix_alpha": 0.0})
-    images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
-    loss = task._shared_step((images, labels), "train")
-    assert torch.isfinite(loss) and loss > 0
+    images, labels = torch.randn(8, 1, 28, 28), torch.arange(8) % 10
+    np.random.seed(0)
+    loss = task._shared_step((images.clone(), labels), "train")
+    np.random.seed(0)
+    mixed, targets = task.mixup(images.clone(), labels)
+    lam = targets[0, labels[0]].item()
+    assert 0.0 < lam < 1.0 and not torch.equal(mixed, images)
+    expected_targets = lam * F.one_hot(labels, 10) + (1 - lam) * F.one_hot(labels.flip(0), 10)
+    torch.testing.assert_close(targets, expected_targets.float())
+    torch.testing.assert_close(mixed, lam * images + (1 - lam) * images.flip(0))
+    soft_ce = torch.sum(-targets * F.log_softmax(task(mixed), dim=-1), dim=-1).mean()
+    torch.testing.assert_close(loss, soft_ce + collect_moe_outputs(task.net).aux_loss)
 
 
 def test_num_classes_mismatch_is_a_clear_error():
@@ -75,7 +88,7 @@ def test_num_classes_mismatch_is_a_clear_error():
 
 def test_loss_free_balancing_updates_once_per_optimizer_step():
     net = dict(TINY_NET, model_name="top2_moe_vit_tiny_patch4_28")
-    net["moe_kwargs"] = {"bias_update_rate": 0.01, "capacity_factor": None}
+    net["moe"] = {"num_experts": 4, "bias_update_rate": 0.01, "capacity_factor": None, "eval_capacity_factor": None}
     task = ImageClassifier(net=net, num_classes=10)
     layer = next(m for m in task.net.modules() if isinstance(m, TopKMoE))
     task.train()

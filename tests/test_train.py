@@ -9,6 +9,7 @@ import pytest
 import timm
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 import moekit.models  # noqa: F401  (registers the models with timm)
 from conftest import CONFIGS, REPO, compose_config, run_script, small_overrides
@@ -16,7 +17,7 @@ from moekit.checkpoint import CheckpointError
 from moekit.moe import MoELayer, TopKMoE
 from moekit.run import evaluate, export, linear_probe, load_task, train
 from moekit.tasks import ImageClassifier
-from moekit.tasks.fewshot import fit_ridge_probe
+from moekit.tasks.fewshot import fewshot_linear_probe, fit_ridge_probe
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml") if not p.stem.endswith("_lm"))
 SMALL_EXPERIMENTS = [e for e in EXPERIMENTS if "imagenet" not in e]
@@ -28,7 +29,7 @@ def test_every_experiment_composes_and_instantiates(experiment, fake_fashion, tm
     overrides = [f"experiment={experiment}"]
     if "imagenet" in experiment:
         # the S/16 recipe's 128 experts x 6 layers hold ~0.9 B parameters: build a narrow copy of it
-        overrides += [f"data.root={_image_folder(tmp_path)}", "data.num_classes=3", "model.num_experts=4"]
+        overrides += [f"data.root={_image_folder(tmp_path)}", "data.num_classes=3", "moe.num_experts=4"]
     else:
         overrides += [f"data.root={fake_fashion}"]
     cfg = compose_config("train", overrides, tmp_path)
@@ -50,19 +51,22 @@ def test_every_experiment_composes_and_instantiates(experiment, fake_fashion, tm
 def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
     cfg = compose_config(
         "train",
-        [
-            f"experiment={experiment}",
-            f"data.root={fake_fashion}",
-            "data.batch_size=16",
-            "data.val_size=64",
-            "+trainer.fast_dev_run=true",
-            "logger=csv",
-        ],
+        [f"experiment={experiment}", f"data.root={fake_fashion}", "data.batch_size=16", "data.val_size=64", "debug=fdr"],
         tmp_path,
     )
     metrics = train(cfg)
-    assert "test/acc" in metrics and 0.0 <= metrics["test/acc"] <= 1.0
-    assert torch.isfinite(torch.tensor(metrics["train/loss_step"]))
+    assert 0.0 <= metrics["test/acc"] <= 1.0 and (metrics["test/acc"] * 16) % 1 == pytest.approx(0.0, abs=1e-5), (
+        "one test batch of 16 images: a whole number of them right"
+    )
+    aux = {key.removeprefix("train/aux/").removesuffix("_step") for key in metrics if key.startswith("train/aux/")}
+    aux = {name.removesuffix("_epoch") for name in aux}
+    recipe = cfg.moe or {}
+    weighted = {name for name in ("switch", "importance", "load", "z") if recipe.get(f"{name}_loss_weight")}
+    assert aux - {"total"} == weighted, "the recipe's auxiliary losses, and only those, are trained and logged"
+    total = metrics.get("train/aux/total_step", 0.0)
+    assert metrics["train/loss_step"] == pytest.approx(metrics["train/ce_step"] + total, rel=1e-5, abs=1e-6), (
+        "the training loss is the cross-entropy plus the auxiliary losses"
+    )
 
 
 def test_fast_dev_run_of_the_imagenet_recipe(tmp_path):
@@ -75,12 +79,9 @@ def test_fast_dev_run_of_the_imagenet_recipe(tmp_path):
             "data.batch_size=2",
             "data.num_workers=0",
             "data.pin_memory=false",
-            "trainer.accelerator=cpu",
-            "trainer.devices=1",
-            "+trainer.fast_dev_run=true",
-            "logger=csv",
+            "debug=fdr",
             "+model.depth=2",
-            "model.num_experts=8",
+            "moe.num_experts=8",
         ],
         tmp_path / "run",
     )
@@ -175,8 +176,7 @@ def test_upcycled_task_reproduces_the_dense_vit(tmp_path):
     moe_cfg = dict(
         dense_cfg,
         model_name="top2_moe_vit_tiny_patch4_28",
-        num_experts=4,
-        moe_kwargs={"top_k": 2, "normalize_gates": True, "capacity_factor": None},
+        moe={"num_experts": 4, "capacity_factor": None, "eval_capacity_factor": None},
     )
     moe = ImageClassifier(net=moe_cfg, num_classes=10, init_from=str(path), init_mode="upcycle").eval()
     assert any(isinstance(m, TopKMoE) for m in moe.net.modules())
@@ -202,7 +202,12 @@ def test_fewshot_linear_probe_runs_on_a_checkpoint(trained_run, tmp_path):
     out, _ = trained_run
     cfg = compose_config("linear_probe", [f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "shots=3"], tmp_path)
     accuracy = linear_probe(cfg)
-    assert 0.0 <= accuracy <= 1.0
+    # the fake images follow one template per class: 3 examples a class separate them far above chance (0.1)
+    assert accuracy > 0.5
+    task = load_task(str(out / "checkpoints" / "last.ckpt"))
+    datamodule = instantiate(OmegaConf.create(task.hparams["run_config"]["data"]), _convert_="all")
+    again = fewshot_linear_probe(task.net, datamodule, shots=3, seed=0)
+    assert accuracy == again.accuracy, "the command probes the checkpoint's network on its own data"
 
 
 def test_ridge_probe_leave_one_out_matches_refitting():
@@ -227,7 +232,7 @@ def test_ridge_probe_leave_one_out_matches_refitting():
     "overrides, error, match",
     [
         (["model.model_name=soft_moe_vit_huge"], ValueError, "unknown model_name='soft_moe_vit_huge'"),
-        (["model.patch_size=5", "model.stem=patch"], ValueError, "not divisible"),
+        (["+model.patch_size=5", "model.stem=patch"], ValueError, "not divisible"),
         (["model.moe_blocks=[0,1,2,3,4,5,6]"], ValueError, "block"),
         (["data.root=/nonexistent/fashion"], ValueError, "/nonexistent/fashion"),
         (["ckpt_path=/nonexistent/last.ckpt"], CheckpointError, "does not exist"),
@@ -254,19 +259,15 @@ def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
     result = run_script(
         "train.py",
         "-m",
-        "model.num_experts=2,4",
+        "moe.num_experts=2,4",
         f"data.root={fake_fashion}",
         "data.val_size=64",
-        "data.batch_size=16",
-        "model.embed_dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "+trainer.fast_dev_run=true",
-        "logger=csv",
+        "debug=tiny",
+        "trainer.fast_dev_run=true",
         f"paths.log_dir={tmp_path}",
         cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    jobs = sorted(tmp_path.glob("train/multiruns/*/[0-9]/.hydra/overrides.yaml"))
+    jobs = sorted(tmp_path.glob("debug/multiruns/*/[0-9]/.hydra/overrides.yaml"))
     assert len(jobs) == 2
-    assert "model.num_experts=2" in jobs[0].read_text() and "model.num_experts=4" in jobs[1].read_text()
+    assert "moe.num_experts=2" in jobs[0].read_text() and "moe.num_experts=4" in jobs[1].read_text()

@@ -106,7 +106,7 @@ class NonFiniteGuard(Callback):
     check), one copy of the batch-norm running statistics per step if the network has any, and, under
     DDP, one all-reduce of the two flags so every rank skips the same steps. The MoE layers record the
     sum of their router logits on the device on every forward
-    (:func:`~moekit.moe.routers.logit_checksum`); the guard reads them, the batch and the gradients'
+    (:func:`~moekit.moe.routing.logit_checksum`); the guard reads them, the batch and the gradients'
     names only once a step is already bad. With gradient accumulation the routers' record is that of
     the step's last micro-batch.
 

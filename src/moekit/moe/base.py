@@ -220,7 +220,7 @@ class MoELayer(nn.Module):
     ) -> None:
         """Keep this forward's weighted aux losses, the function that computes its statistics
         (closing over detached routing tensors) for when they are read, its number of tokens and the
-        :func:`~moekit.moe.routers.logit_checksum` of its router logits."""
+        :func:`~moekit.moe.routing.logit_checksum` of its router logits."""
         self.aux_losses = aux_losses
         self.router_logit_checksum = logit_checksum
         self.forward_tokens = forward_tokens

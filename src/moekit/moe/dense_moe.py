@@ -15,7 +15,7 @@ from torch import Tensor
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routers import logit_checksum, router_logits, router_weight
+from .routing import logit_checksum, router_logits, router_weight
 from .stats import dense_mixture_stats
 
 __all__ = ["DenseMoE"]

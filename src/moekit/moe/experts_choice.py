@@ -22,7 +22,7 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, experts_choice_capacity
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routers import logit_checksum, router_logits, router_weight
+from .routing import logit_checksum, router_logits, router_weight
 from .stats import experts_choice_stats
 
 __all__ = ["ExpertsChoiceMoE"]

@@ -8,8 +8,8 @@ autocast. Each returns a :class:`Routing`; the layers turn it into capacity, dis
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -27,72 +27,9 @@ from .losses import (
     switch_load_balancing_loss,
     vmoe_load_loss,
 )
+from .routing import Router, Routing, logit_checksum, router_logits, router_weight
 
-__all__ = [
-    "Routing",
-    "Router",
-    "TopKRouter",
-    "HashRouter",
-    "BalancedRouter",
-    "HierarchicalRouter",
-    "logit_checksum",
-    "router_logits",
-    "router_precision",
-    "router_weight",
-]
-
-
-@dataclass
-class Routing:
-    """A router's decision for ``N`` tokens.
-
-    Attributes:
-        expert_ids: ``[N, k]`` long, the chosen experts, best first.
-        gates: ``[N, k]`` float32 combine weights.
-        probs: ``[N, E]`` float32 router distribution (for statistics), or None.
-        priority: ``[N]`` score for Batch Prioritized Routing (the top router score), or None.
-        aux_losses: weighted auxiliary losses of this routing.
-        logit_checksum: :func:`logit_checksum` of the router's logits (None: no learned logits, as
-            in hash routing).
-    """
-
-    expert_ids: Tensor
-    gates: Tensor
-    probs: Tensor | None = None
-    priority: Tensor | None = None
-    aux_losses: dict[str, Tensor] = field(default_factory=dict)
-    logit_checksum: Tensor | None = None
-
-
-def router_weight(num_experts: int, in_features: int, device=None, dtype=None) -> nn.Parameter:
-    """A ``[E, d]`` router projection with ``nn.Linear``'s default initialisation."""
-    weight = nn.Parameter(torch.empty(num_experts, in_features, device=device, dtype=dtype))
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    return weight
-
-
-def router_precision(t: Tensor) -> Tensor:
-    """``t`` in float32 if it is in a lower precision (bf16/fp16); float32/float64 stay as they are."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def router_logits(x: Tensor, weight: Tensor) -> Tensor:
-    """``x [N, d] @ weight[E, d]^T`` in (at least) float32 with autocast off."""
-    with torch.autocast(x.device.type, enabled=False):
-        x = router_precision(x)
-        return F.linear(x, weight.to(x.dtype))
-
-
-def logit_checksum(*logits: Tensor) -> Tensor:
-    """The sum of every entry of ``logits`` as a detached float32 device scalar: finite exactly when every
-    logit is finite (NaN and inf propagate through a sum; finite logits would have to exceed ~1e38 in
-    total to overflow, itself a divergence). One reduction per tensor and no host synchronisation, so
-    layers record it on every forward and a reader (:class:`~moekit.callbacks.NonFiniteGuard`) syncs
-    only when a training step has already gone bad."""
-    total = logits[0].detach().float().sum()
-    for t in logits[1:]:
-        total = total + t.detach().float().sum()
-    return total
+__all__ = ["TopKRouter", "HashRouter", "BalancedRouter", "HierarchicalRouter"]
 
 
 def _check_k(num_experts: int, top_k: int, what: str = "top_k") -> None:
@@ -106,25 +43,6 @@ def _check_weights(**weights: float) -> None:
     for name, value in weights.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns it off)")
-
-
-class Router(nn.Module):
-    """Base of the tokens-choice routers: ``forward(x [N, d], token_ids [N] or None) -> Routing``.
-
-    Attributes:
-        num_experts: ``E``; top_k: experts per token ``k``.
-        needs_token_ids: the router reads token ids (hash routing), not the tokens.
-    """
-
-    needs_token_ids: ClassVar[bool] = False
-    num_experts: int
-    top_k: int
-
-    def balancing_step(self) -> None:
-        """Called once per optimizer step; routers with state updated outside autograd override it."""
-
-    def discard_balancing_step(self) -> None:
-        """Called instead of :meth:`balancing_step` when the optimizer step was skipped."""
 
 
 class TopKRouter(Router):

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, soft_moe_slots
 from .experts import ExpertsConfig
-from .routers import logit_checksum, router_precision
+from .routing import logit_checksum, router_precision
 from .stats import soft_moe_stats
 
 __all__ = ["SoftMoE", "dispatch_weights", "combine_weights"]

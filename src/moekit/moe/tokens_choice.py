@@ -29,7 +29,8 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import Capacity, tokens_choice_capacity
 from .dispatch import DispatchPlan, combine, dispatch, plan_dispatch
 from .experts import ExpertsConfig
-from .routers import BalancedRouter, HashRouter, HierarchicalRouter, Router, Routing, TopKRouter
+from .routers import BalancedRouter, HashRouter, HierarchicalRouter, TopKRouter
+from .routing import Router, Routing
 from .stats import tokens_choice_stats
 
 __all__ = ["TokensChoiceMoE", "SharedExperts", "TopKMoE", "HashMoE", "BaseMoE", "HierarchicalMoE"]
