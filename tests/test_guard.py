@@ -114,9 +114,7 @@ def test_a_nan_router_for_one_step_is_skipped_and_training_goes_on(fake_fashion,
     state and no balancing bias; the step before it changes all three (so the check can fail)."""
     poison = PoisonRouter(at=3)
     _add_callbacks(monkeypatch, poison)
-    cfg = _config(
-        "tokens_choice_vit", fake_fashion, tmp_path, "+moe.bias_update_rate=0.01", "data.num_workers=0"
-    )
+    cfg = _config("tokens_choice_vit", fake_fashion, tmp_path, "+moe.bias_update_rate=0.01", "data.num_workers=0")
     metrics = train(cfg)
     assert poison.changed[3] == [], f"the skipped step changed {poison.changed[3]}"
     before = poison.changed[2]

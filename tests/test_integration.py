@@ -1,8 +1,6 @@
 """Drop-in use in timm, Hydra configs, the registry and the model-level helpers."""
 
-import inspect
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from moekit.moe import (
     list_moe_layers,
     require_causal,
 )
+
 
 @pytest.mark.parametrize(
     "factory",
@@ -125,7 +124,8 @@ def test_require_causal_names_the_offending_layer():
 
 
 def test_registry():
-    assert set(list_moe_layers()) == {"soft_moe", "top_k", "experts_choice", "base", "hash", "dense_moe", "hierarchical"}
+    layers = {"soft_moe", "top_k", "experts_choice", "base", "hash", "dense_moe", "hierarchical"}
+    assert set(list_moe_layers()) == layers
     assert get_moe_layer("soft_moe") is SoftMoE
     with pytest.raises(ValueError, match="unknown MoE layer 'sofmoe'"):
         get_moe_layer("sofmoe")

@@ -35,7 +35,9 @@ TRANSFORMER_ROUTERS = {
     "top2_position_capacity": dict(recipe="top2", num_experts=4, **POSITION),
     "vmoe_position_capacity": dict(recipe="vmoe", num_experts=4, **POSITION),
     "mixtral": dict(recipe="mixtral", num_experts=4),
-    "noisy_top_k_position_capacity": dict(recipe="noisy_top_k", num_experts=4, top_k=2, capacity_factor=1.0, **POSITION),
+    "noisy_top_k_position_capacity": dict(
+        recipe="noisy_top_k", num_experts=4, top_k=2, capacity_factor=1.0, **POSITION
+    ),
     "deepseek": dict(recipe="deepseek", num_experts=8, top_k=4),
     "deepseek_position_capacity": dict(recipe="deepseek", num_experts=4, top_k=2, capacity_factor=1.25, **POSITION),
     "hash": "hash",
@@ -48,7 +50,9 @@ TRANSFORMER_ROUTERS = {
 
 # The recipes of the LSTM-MoE LM (the paper's noisy top-k and hierarchical MoE, and the other per-token ones).
 LSTM_ROUTERS = {
-    "noisy_top_k_position_capacity": dict(recipe="noisy_top_k", num_experts=4, top_k=2, capacity_factor=1.0, **POSITION),
+    "noisy_top_k_position_capacity": dict(
+        recipe="noisy_top_k", num_experts=4, top_k=2, capacity_factor=1.0, **POSITION
+    ),
     "switch_position_capacity": dict(recipe="switch", num_experts=4, **POSITION),
     "deepseek": dict(recipe="deepseek", num_experts=4, top_k=2),
     "hierarchical_position_capacity": dict(recipe="hierarchical", num_experts=4, capacity_factor=1.0, **POSITION),
@@ -161,7 +165,9 @@ def test_token_mixing_recipes_are_refused(moe, fix):
 def test_require_causal_also_refuses_a_token_mixing_layer(layer):
     """Defence in depth: a model that got a token-mixing layer past the recipe check is refused too."""
     model = TransformerLM(**TINY_TRANSFORMER, moe="mixtral")
-    model.blocks[1].mlp = get_moe_layer(layer)(32, 64, num_experts=4, **({"num_tokens": 8} if layer == "soft_moe" else {}))
+    model.blocks[1].mlp = get_moe_layer(layer)(
+        32, 64, num_experts=4, **({"num_tokens": 8} if layer == "soft_moe" else {})
+    )
     with pytest.raises(ValueError, match=r"MoE layer 'blocks.1.mlp' \(\w+\) is not causal"):
         require_causal(model)
 
@@ -290,7 +296,9 @@ def argmax_rollout(model: nn.Module, prompt: torch.Tensor, steps: int) -> torch.
     return tokens
 
 
-@pytest.mark.parametrize("kind, router", [("transformer", "switch_position_capacity"), ("lstm", "noisy_top_k_position_capacity")])
+@pytest.mark.parametrize(
+    "kind, router", [("transformer", "switch_position_capacity"), ("lstm", "noisy_top_k_position_capacity")]
+)
 def test_greedy_generation_is_the_argmax_rollout_with_and_without_cache(kind, router):
     # Untied embeddings: a random tied model mostly repeats its last token, whatever the context.
     model = build(kind, router, tie_embeddings=False).eval()
@@ -359,7 +367,9 @@ def test_sampling_follows_the_distribution():
 # Construction, initialisation, summary
 # ------------------------------------------------------------------------------------------------
 def test_transformer_lm_structure():
-    model = TransformerLM(**{**TINY_TRANSFORMER, "depth": 4}, moe=dict(recipe="mixtral", num_experts=4), moe_blocks="every_2")
+    model = TransformerLM(
+        **{**TINY_TRANSFORMER, "depth": 4}, moe=dict(recipe="mixtral", num_experts=4), moe_blocks="every_2"
+    )
     assert model.moe_block_indices == (1, 3)
     assert [isinstance(b.mlp, MoELayer) for b in model.blocks] == [False, True, False, True]
     assert model.head.weight is model.token_embedding.weight
@@ -407,7 +417,9 @@ def test_lm_summary_dense_twin_matches_top1_and_twice_wide_twin_matches_top2():
 
 
 def test_lm_summary_counts_the_lstm_and_the_experts():
-    model = LSTMMoELM(vocab_size=VOCAB, dim=16, expert_hidden=24, moe=dict(recipe="noisy_top_k", num_experts=4, top_k=2))
+    model = LSTMMoELM(
+        vocab_size=VOCAB, dim=16, expert_hidden=24, moe=dict(recipe="noisy_top_k", num_experts=4, top_k=2)
+    )
     summary = lm_summary(model, seq_len=8)
     lstm = 2 * 2 * 4 * 16 * (16 + 16)
     experts = 2 * (2 * 16 * 24 + 2 * 24 * 16)

@@ -158,7 +158,10 @@ def test_create_moe_vit_fix_init_scales_the_experts_like_the_dense_fc2():
         (dict(img_size=(16, 18)), r"img_size=\(16, 18\) is not divisible by patch_size=4"),
         (dict(moe=dict(recipe="soft_moe", in_features=8)), r"recipe 'soft_moe' sets \['in_features'\], which SoftMoE"),
         (dict(moe=dict(recipe="soft_moe", top_k=2)), r"sets \['top_k'\], which SoftMoE does not take; its settings: "),
-        (dict(moe=dict(recipe="switch", top_k=200)), r"recipe 'switch': TopKMoE: top_k=200 must be an int in \[1, 128\]"),
+        (
+            dict(moe=dict(recipe="switch", top_k=200)),
+            r"recipe 'switch': TopKMoE: top_k=200 must be an int in \[1, 128\]",
+        ),
         (dict(moe=dict(recipe="deepseek", granularity=0)), r"granularity=0 must be a positive number"),
         (dict(scale_mlp_norm=True), "scale_mlp_norm=True"),
         (dict(embed_dimm=16), r"embed_dimm is not a VisionTransformer keyword; did you mean embed_dim\?"),
@@ -236,7 +239,12 @@ def test_default_configs_of_the_imagenet_models():
     vmoe = timm.create_model("vmoe_vit_small_patch16_224", device="meta")
     assert vmoe.moe_block_indices == (3, 5, 7, 9, 11) and vmoe.global_pool == "token"
     layer = vmoe.blocks[3].mlp
-    assert (layer.num_experts, layer.top_k, layer.capacity_factor, layer.capacity.batch_priority) == (32, 2, 1.05, False)
+    assert (layer.num_experts, layer.top_k, layer.capacity_factor, layer.capacity.batch_priority) == (
+        32,
+        2,
+        1.05,
+        False,
+    )
     assert layer.router.config.noise_std == 1.0 and layer.router.config.importance_over == "probs"
     assert layer.experts.init == "shared"
 
@@ -257,7 +265,9 @@ def test_create_model_overrides_change_or_replace_the_recipe():
     layer = model.blocks[0].mlp
     assert (layer.num_experts, layer.slots_per_expert, layer.experts.hidden_features) == (4, 3, 256)
     assert isinstance(model.blocks[5].drop_path2, nn.Module) and model.blocks[5].drop_path2.drop_prob > 0
-    dropless = timm.create_model("top2_moe_vit_tiny_patch4_28", moe=dict(capacity_factor=None, eval_capacity_factor=None))
+    dropless = timm.create_model(
+        "top2_moe_vit_tiny_patch4_28", moe=dict(capacity_factor=None, eval_capacity_factor=None)
+    )
     assert dropless.blocks[3].mlp.capacity_factor is None and dropless.blocks[3].mlp.router.config.normalize_gates
     # another recipe replaces the model's (Soft MoE's slots do not carry over)
     switched = timm.create_model("soft_moe_vit_tiny_patch4_28", moe="switch")

@@ -12,7 +12,6 @@ from conftest import run_script
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 
 
-
 def _distributed(world: int, strategy: str, **options) -> list[str]:
     if world == 1:
         return ["trainer=cpu"]

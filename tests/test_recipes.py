@@ -30,7 +30,9 @@ FAMILIES = {
 # What each family cannot serve: hash routing needs token ids; a causal LM refuses token-mixing routing.
 REFUSED = {
     "vit": {"hash": "has no token ids"},
-    "transformer_lm": {name: "would see the future" for name in ("soft_moe", "experts_choice", "base", "switch", "top2", "vmoe")},
+    "transformer_lm": {
+        name: "would see the future" for name in ("soft_moe", "experts_choice", "base", "switch", "top2", "vmoe")
+    },
 }
 REFUSED["lstm_lm"] = REFUSED["transformer_lm"]
 
@@ -45,8 +47,18 @@ def stated_compute(name: str) -> float:
 
 def test_the_recipes_of_the_issue_exist_with_one_file_each():
     assert set(RECIPES) >= {
-        "soft_moe", "switch", "top2", "vmoe", "mixtral", "deepseek", "noisy_top_k",
-        "experts_choice", "base", "hash", "hierarchical", "dense_moe",
+        "soft_moe",
+        "switch",
+        "top2",
+        "vmoe",
+        "mixtral",
+        "deepseek",
+        "noisy_top_k",
+        "experts_choice",
+        "base",
+        "hash",
+        "hierarchical",
+        "dense_moe",
     }
     for name in RECIPES:
         text = (_FOLDER / f"{name}.yaml").read_text()
@@ -77,7 +89,9 @@ def test_token_mixing_follows_the_built_layer(name):
         if "capacity_scope" in spec and "capacity_scope" not in get_moe_layer(spec["layer"]).settings():
             continue
         settings = {k: v for k, v in spec.items() if k not in ("name", "layer", "granularity")}
-        extra = {"vocab_size": 10} if spec["layer"] == "hash" else {"num_tokens": 16} if spec["layer"] == "soft_moe" else {}
+        extra = (
+            {"vocab_size": 10} if spec["layer"] == "hash" else {"num_tokens": 16} if spec["layer"] == "soft_moe" else {}
+        )
         layer = get_moe_layer(spec["layer"])(8, 16, **settings, **extra)
         assert mixes_tokens(spec) == (not layer.causal_safe), spec
 

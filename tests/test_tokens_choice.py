@@ -157,8 +157,15 @@ def test_vmoe_router_fixed_noise_and_losses_follow_vmoe():
     """V-MoE: noise of std noise_std / E on the logits in training only, choice and gates from the noisy softmax,
     importance over the clean softmax of all experts, load by V-MoE's estimator (the vmoe recipe)."""
     layer = TopKMoE(
-        8, 16, num_experts=4, top_k=2, noise_std=1.0, importance_over="probs", importance_loss_weight=1.0,
-        load_loss_weight=1.0, capacity_factor=1.05,
+        8,
+        16,
+        num_experts=4,
+        top_k=2,
+        noise_std=1.0,
+        importance_over="probs",
+        importance_loss_weight=1.0,
+        load_loss_weight=1.0,
+        capacity_factor=1.05,
     )
     x = torch.randn(64, 8)
     clean = x @ layer.router.weight.t()

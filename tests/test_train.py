@@ -51,7 +51,13 @@ def test_every_experiment_composes_and_instantiates(experiment, fake_fashion, tm
 def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
     cfg = compose_config(
         "train",
-        [f"experiment={experiment}", f"data.root={fake_fashion}", "data.batch_size=16", "data.val_size=64", "debug=fdr"],
+        [
+            f"experiment={experiment}",
+            f"data.root={fake_fashion}",
+            "data.batch_size=16",
+            "data.val_size=64",
+            "debug=fdr",
+        ],
         tmp_path,
     )
     metrics = train(cfg)

@@ -6,8 +6,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_seq_len", "check_input_ids", "check_positive_int", "check_dropout", "check_cache_batch",
-           "takes_token_ids", "INIT_STD"]
+__all__ = [
+    "check_seq_len",
+    "check_input_ids",
+    "check_positive_int",
+    "check_dropout",
+    "check_cache_batch",
+    "takes_token_ids",
+    "INIT_STD",
+]
 
 INIT_STD = 0.02
 """GPT-2's std for the weights of every linear and embedding layer."""

@@ -17,8 +17,7 @@ per expert, either
 Kernels (``kernel=``): ``"loop"`` - one BLAS call per expert from a custom autograd function that
 writes into preallocated outputs (ragged counts are read on the host: a sync, free on CPU);
 ``"bmm"`` - one batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with
-device-side offsets (no host sync). ``"auto"`` picks per device and layout from the measurements
-of ``scripts/bench_moe.py`` (see :data:`AUTO_KERNELS`).
+device-side offsets (no host sync). ``"auto"`` picks per device and layout (:data:`AUTO_KERNELS`).
 
 Expert parallelism. :meth:`ExpertBank.shard_` keeps only this rank's block of experts of an
 expert-parallel process group; ``forward`` then takes the same input (rows sorted by global expert)
@@ -46,11 +45,9 @@ __all__ = ["ExpertBank", "ExpertsConfig", "grouped_linear", "AUTO_KERNELS", "Ker
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
 
-# Keys: (device type, "equal" | "ragged"). The CPU entries were chosen by measurement (forward +
-# backward, fp32, 2-core Xeon; see the README): bmm beats the per-expert loop by ~15% on equal groups
-# (256 experts x 32 rows: 76 vs 87 ms), and on ragged groups the loop and torch._grouped_mm tie (88 vs
-# 91 ms). The CUDA entries (bmm; grouped_mm for bf16) follow the kernels GPU MoE stacks use and have
-# not been measured by this project yet.
+# Keys: (device type, "equal" | "ragged"). On CPUs, one batched matmul beats the per-expert loop on equal
+# groups and the loop ties with torch._grouped_mm on ragged ones (scripts/bench_moe.py; docs/performance.md).
+# The CUDA entries (bmm; grouped_mm for bf16) follow the kernels GPU MoE stacks use.
 AUTO_KERNELS: dict[tuple[str, str], str] = {
     ("cpu", "equal"): "bmm",
     ("cpu", "ragged"): "loop",
@@ -422,8 +419,15 @@ class ExpertsConfig:
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
             raise ValueError(f"num_experts={self.num_experts!r} must be a positive int")
 
-    def build(self, mlp: MlpSpec, *, num_experts: int | None = None, hidden_features: int | None = None,
-              device=None, dtype=None) -> ExpertBank:
+    def build(
+        self,
+        mlp: MlpSpec,
+        *,
+        num_experts: int | None = None,
+        hidden_features: int | None = None,
+        device=None,
+        dtype=None,
+    ) -> ExpertBank:
         """An :class:`ExpertBank` of ``num_experts`` (default: this config's) MLPs shaped by ``mlp``
         (``hidden_features`` overrides its hidden size)."""
         return ExpertBank(

@@ -60,9 +60,10 @@ class ExpertsChoiceMoE(MoELayer):
     def build(self, mlp: MlpSpec, config: Config, experts: ExpertsConfig, *, device=None, dtype=None) -> None:
         self.num_experts = experts.num_experts
         for name in ("capacity_factor", "eval_capacity_factor"):
-            if getattr(config, name) > self.num_experts:
+            value = getattr(config, name)
+            if value > self.num_experts:
                 raise ValueError(
-                    f"ExpertsChoiceMoE: {name}={getattr(config, name)!r} must be at most num_experts={self.num_experts} "
+                    f"ExpertsChoiceMoE: {name}={value!r} must be at most num_experts={self.num_experts} "
                     "(the average number of experts per token)"
                 )
         self.capacity_factor = float(config.capacity_factor)

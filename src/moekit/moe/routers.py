@@ -329,8 +329,11 @@ class HierarchicalRouter(Router):
             _check_k(self.num_experts, 1)
             if self.num_groups is None:
                 self.num_groups = _balanced_divisor(self.num_experts)
-            if isinstance(self.num_groups, bool) or not isinstance(self.num_groups, int) or self.num_groups < 1 or (
-                self.num_experts % self.num_groups
+            if (
+                isinstance(self.num_groups, bool)
+                or not isinstance(self.num_groups, int)
+                or self.num_groups < 1
+                or (self.num_experts % self.num_groups)
             ):
                 raise ValueError(
                     f"num_groups={self.num_groups!r} must divide num_experts={self.num_experts} (the experts "
@@ -398,9 +401,9 @@ class HierarchicalRouter(Router):
             load_primary = smooth_load(p_clean, p_noisy, p_std, self.top_k_groups)  # [G]
             in_group = torch.zeros(num_tokens, groups, device=x.device).scatter(1, group_ids, 1.0)  # X^(i) mask
             flat = (num_tokens * groups, per_group)  # every group's secondary gate as its own row
-            per_token = load_probabilities(
-                s_clean.reshape(flat), s_noisy.reshape(flat), s_std.reshape(flat), k
-            ).view(num_tokens, groups, per_group)
+            per_token = load_probabilities(s_clean.reshape(flat), s_noisy.reshape(flat), s_std.reshape(flat), k).view(
+                num_tokens, groups, per_group
+            )
             load_secondary = (per_token * in_group.unsqueeze(-1)).sum(0)  # [G, per_group]
             group_size = in_group.sum(0).clamp_min(1.0)
             load_h = load_primary.unsqueeze(-1) * load_secondary / group_size.unsqueeze(-1)
