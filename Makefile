@@ -1,10 +1,11 @@
-# moekit: `make train` sets up .venv and the data and runs the main job; `make test` runs the test suite.
+# moekit: `make train` sets up .venv and the data and runs the main job; `make test` runs the test suite (what CI
+# runs), `make test-fast` its unit and config tier (no test that fits a model or starts processes).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test train demo bench bench-models clean
+.PHONY: install test test-fast lint train demo bench bench-models clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +16,13 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e and not soak"
+
+lint: install
+	$(PY) -m ruff check src tests scripts
+	$(PY) -m ruff format --check src tests scripts
 
 train: install data
 	$(PY) scripts/train.py experiment=soft_moe_vit

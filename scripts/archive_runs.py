@@ -8,7 +8,7 @@
 source to the same relative folder under the destination (a few kilobytes a run), so the figures can be
 redrawn, and a sweep extended by another seed, in a later session. A record that differs from one
 already archived for the same setting and seed is refused unless ``--replace``. The logic is
-:func:`moekit.results.archive_records`.
+:func:`moekit.analysis.records.archive_records`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moekit.results import archive_records
+from moekit.analysis.records import archive_records
 
 
 def main(argv: list[str] | None = None) -> int:

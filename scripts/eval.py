@@ -6,4 +6,4 @@ from pathlib import Path
 from moekit.cli import run_script
 
 if __name__ == "__main__":
-    run_script("moekit.run:evaluate", "eval", Path(__file__).parents[1] / "configs")
+    run_script("moekit.commands.evaluate:evaluate", "eval", Path(__file__).parents[1] / "configs")

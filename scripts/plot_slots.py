@@ -7,4 +7,4 @@ from pathlib import Path
 from moekit.cli import run_script
 
 if __name__ == "__main__":
-    run_script("moekit.run:plot_slots", "plot_slots", Path(__file__).parents[1] / "configs")
+    run_script("moekit.commands.plot_slots:plot_slots", "plot_slots", Path(__file__).parents[1] / "configs")

@@ -6,4 +6,4 @@ from pathlib import Path
 from moekit.cli import run_script
 
 if __name__ == "__main__":
-    run_script("moekit.run:sample", "sample", Path(__file__).parents[1] / "configs")
+    run_script("moekit.commands.sample:sample", "sample", Path(__file__).parents[1] / "configs")

@@ -1,7 +1,7 @@
 """Train a model: ``python scripts/train.py experiment=soft_moe_vit``.
 
 Fits, then tests the best checkpoint, and prints where logs and checkpoints went. Every config
-value can be overridden from the command line (``trainer.max_epochs=3``, ``model.num_experts=32``,
+value can be overridden from the command line (``trainer.max_epochs=3``, ``moe.num_experts=32``,
 ``seed=1``, ``paths.output_dir=runs/a``, ``ckpt_path=<last.ckpt>`` to resume); ``-m`` sweeps.
 """
 
@@ -12,4 +12,4 @@ from moekit.utils.allocator import reexec_with_tcmalloc
 
 if __name__ == "__main__":
     reexec_with_tcmalloc()  # MoE gradients are large: avoid glibc's per-step page faults (moekit.utils.allocator)
-    run_script("moekit.run:train", "train", Path(__file__).parents[1] / "configs")
+    run_script("moekit.commands.train:train", "train", Path(__file__).parents[1] / "configs")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from conftest import REPO
-from moekit.checkpoint_io import WRITE_DELAY_ENV
+from moekit.checkpoint import WRITE_DELAY_ENV
 
 
 def train_command(*overrides: str) -> list[str]:
@@ -27,7 +27,7 @@ def train_command(*overrides: str) -> list[str]:
 
 def start(args: list[str], write_delay: float = 0.0) -> subprocess.Popen:
     """Start ``args`` in the repository root, stdout and stderr together; every checkpoint write pauses
-    ``write_delay`` seconds before its rename (``moekit.checkpoint_io``)."""
+    ``write_delay`` seconds before its rename (``moekit.checkpoint``)."""
     env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
     if write_delay:
         env[WRITE_DELAY_ENV] = str(write_delay)

@@ -27,23 +27,21 @@ import pytest
 import torch
 
 from conftest import REPO, compose_config, run_script
+from moekit.checkpoint import load_task
 from moekit.cli import user_message
+from moekit.commands.evaluate import evaluate
+from moekit.commands.export import export
+from moekit.commands.sample import sample
+from moekit.commands.train import train
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
-from moekit.run import USER_ERRORS, evaluate, export, load_task, sample, train
+from moekit.errors import USER_ERRORS
 
-TINY = [
-    "data.val_size=64",
-    "data.batch_size=32",
-    "model.embed_dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "logger=csv",
-    "+trainer.enable_progress_bar=false",
-    "+trainer.enable_model_summary=false",
-]
-FAST = [*TINY, "+trainer.fast_dev_run=true"]
+pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
+
+TINY = ["data.val_size=64", "debug=tiny"]
+FAST = [*TINY, "trainer.fast_dev_run=true"]
 # A short real run (fast_dev_run writes no checkpoint): one epoch of 2 batches.
-SHORT = [*TINY, "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1"]
+SHORT = [*TINY, "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
 IMAGEFOLDER = [
     "data=imagefolder",
     "data.root={img}",
@@ -111,7 +109,7 @@ CASES = [
         "unknown_model",
         "train.py",
         ["model=nonexistent"],
-        ["model/nonexistent", "Available options in 'model'", "soft_moe_vit"],
+        ["model/nonexistent", "Available options in 'model'", "transformer_lm"],
         hydra=True,
     ),
     Case(
@@ -134,6 +132,68 @@ CASES = [
         [*FAST, "data.root={fm}", "+trainer.max_epoch=3"],
         ["trainer.max_epoch", "did you mean trainer.max_epochs"],
         cli=False,
+    ),
+    Case(
+        "unknown_moe_recipe",
+        "train.py",
+        ["moe=swich"],
+        ["moe/swich", "Available options in 'moe'", "switch"],
+        hydra=True,
+    ),
+    Case(
+        "added_key_nothing_reads",
+        "train.py",
+        [*FAST, "data.root={fm}", "+foo=1"],
+        ["'+foo=1' adds foo, which nothing in the run reads", "remove it"],
+    ),
+    Case(
+        "added_callback_entry",
+        "train.py",
+        [*FAST, "data.root={fm}", "+callbacks.foo=1"],
+        ["callbacks.foo=1 is not a callbacks config", "a mapping with a _target_"],
+    ),
+    Case(
+        "added_data_key_typo",
+        "train.py",
+        [*FAST, "data.root={fm}", "+data.batchsize=4"],
+        [
+            "data.batchsize is not an argument of moekit.data.ImageClassificationDataModule",
+            "did you mean data.batch_size",
+        ],
+        cli=False,
+    ),
+    Case(
+        "added_logger_key_typo",
+        "train.py",
+        [*FAST, "data.root={fm}", "+logger.csv.versionn=1"],
+        ["logger.csv.versionn is not an argument of moekit.loggers.ResumableCSVLogger", "did you mean"],
+        cli=False,
+    ),
+    Case(
+        "added_vit_key_typo",
+        "train.py",
+        [*FAST, "data.root={fm}", "+model.embed_dimm=16"],
+        ["embed_dimm is not a VisionTransformer keyword", "did you mean embed_dim"],
+        cli=False,
+    ),
+    Case(
+        "added_lm_key_typo",
+        "train.py",
+        ["experiment=moe_transformer_lm", "debug=fdr", "+model.dimm=32"],
+        ["model.dimm is not an argument of moekit.models.TransformerLM", "did you mean model.dim"],
+        cli=False,
+    ),
+    Case(
+        "hash_recipe_in_a_vit",
+        "train.py",
+        ["experiment=soft_moe_vit", "moe=hash"],
+        ["recipe 'hash' routes each token by its token id", "hash routing serves the language models"],
+    ),
+    Case(
+        "token_mixing_recipe_in_an_lm",
+        "train.py",
+        ["experiment=moe_transformer_lm", "moe=experts_choice"],
+        ["recipe 'experts_choice'", "would see the future", "use a per-token router: moe=mixtral"],
     ),
     # -- wrong types and values --
     Case(
@@ -165,14 +225,14 @@ CASES = [
     Case(
         "num_experts_zero",
         "train.py",
-        [*FAST, "data.root={fm}", "model.num_experts=0"],
+        [*FAST, "data.root={fm}", "moe.num_experts=0"],
         ["num_experts=0", "must be a positive int"],
         cli=False,
     ),
     Case(
         "num_experts_not_int",
         "train.py",
-        [*FAST, "data.root={fm}", "model.num_experts=abc"],
+        [*FAST, "data.root={fm}", "moe.num_experts=abc"],
         ["num_experts='abc'", "must be a positive int"],
         cli=False,
     ),
@@ -180,21 +240,21 @@ CASES = [
     Case(
         "slots_per_expert_zero",
         "train.py",
-        [*FAST, "data.root={fm}", "model.moe_kwargs.slots_per_expert=0"],
+        [*FAST, "data.root={fm}", "moe.slots_per_expert=0", "moe.capacity_factor=null"],
         ["slots_per_expert=0", "must be a positive int"],
         cli=False,
     ),
     Case(
         "top_k_above_experts",
         "train.py",
-        [*FAST, "data.root={fm}", "model=tokens_choice_vit", "model.moe_kwargs.top_k=9"],
-        ["top_k=9", "[1, num_experts=8]"],
+        [*FAST, "data.root={fm}", "experiment=tokens_choice_vit", "moe.top_k=9"],
+        ["top_k=9", "[1, 8]"],
     ),
     Case(
         "capacity_factor_negative",
         "train.py",
-        [*FAST, "data.root={fm}", "model=tokens_choice_vit", "model.moe_kwargs.capacity_factor=-1"],
-        ["capacity_factor=-1", "positive number, or None"],
+        [*FAST, "data.root={fm}", "moe=switch", "moe.capacity_factor=-1"],
+        ["capacity_factor=-1", "positive number, or null"],
         cli=False,
     ),
     Case(
@@ -205,10 +265,10 @@ CASES = [
         cli=False,
     ),
     Case(
-        "moe_layer_unknown",
+        "moe_setting_the_layer_lacks",
         "train.py",
-        [*FAST, "data.root={fm}", "model.moe_layer=unknown"],
-        ["'unknown'", "registered layers", "soft_moe"],
+        [*FAST, "data.root={fm}", "+moe.top_k=2"],
+        ["recipe 'soft_moe' sets ['top_k'], which SoftMoE does not take", "its settings:"],
         cli=False,
     ),
     # -- missing or corrupt data --

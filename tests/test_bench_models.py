@@ -1,5 +1,6 @@
-"""scripts/bench_models.py: the timed step is the training step of scripts/train.py, and a smoke run
-prints one table per group with a row per model against the dense baseline."""
+"""The model benchmark (scripts/bench_models.py, moekit.analysis.bench_models): the timed step is the
+training step of scripts/train.py, and a smoke run prints one table per group with a row
+per model against the dense baseline."""
 
 import json
 import types
@@ -8,17 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import import_script
+from moekit.analysis import bench_models as bench
+from moekit.analysis.step_times import STEP_TIMES_KIND, load_step_times
 from moekit.moe import collect_moe_outputs, moe_layers
-from moekit.results import STEP_TIMES_KIND, load_step_times
 
-bench = import_script("bench_models.py", "bench_models")
 pytestmark = pytest.mark.usefixtures("one_thread_no_reexec")
 
 
 def test_timed_step_is_a_training_step():
-    overrides = [*bench.QUICK_OVERRIDES["vit"], "model.embed_dim=48", "model.num_experts=4"]
-    c = bench.build_candidate("soft_moe_vit", "tokens_choice_vit", overrides, batch_size=4)
+    overrides = ["experiment=tokens_choice_vit", *bench.QUICK, "model.embed_dim=48", "moe.num_experts=4"]
+    c = bench.build_candidate("top2", overrides, batch_size=4)
     net = c.task.net
     # The composed config: the overrides reached the model, the experiment its trainer and optimizer.
     assert net.embed_dim == 48 and len(net.blocks) == 2
@@ -56,9 +56,9 @@ def test_timed_step_is_a_training_step():
 
 
 def test_language_model_candidate():
-    overrides = [*bench.QUICK_OVERRIDES["lm"], *bench.QUICK_MODEL_OVERRIDES["moe_transformer_lm"]]
-    overrides.append("+model.moe_kwargs.bias_update_rate=0.01")  # loss-free balancing
-    c = bench.build_candidate("moe_transformer_lm", "moe_transformer_lm", overrides, batch_size=3)
+    overrides = ["experiment=moe_transformer_lm", *bench.QUICK, "data.seq_len=32"]
+    overrides.append("+moe.bias_update_rate=0.01")  # loss-free balancing
+    c = bench.build_candidate("moe_transformer_lm", overrides, batch_size=3)
     input_ids, targets = c.batch
     assert input_ids.shape == targets.shape == (3, 32) and c.examples_per_step == 96
     assert torch.equal(input_ids[:, 1:], targets[:, :-1]) and int(targets.max()) < 256
@@ -86,36 +86,36 @@ def _tables(text: str) -> dict[str, list[list[str]]]:
 
 
 def test_quick_run_prints_both_tables(capsys):
-    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--override", "model.num_experts=6"])
+    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--override", "moe.num_experts=6"])
     out = capsys.readouterr().out
     assert out.startswith("# moekit model benchmark: torch ")
     tables = _tables(out)
     assert len(tables) == 2
     for group, (title, rows) in zip(bench.DEFAULT_GROUPS, tables.items(), strict=True):
-        experiment, models = bench.GROUPS[group]
-        assert title.startswith(f"{group}: experiment={experiment}")
-        assert [row[0] for row in rows] == models
+        shared, models = bench.GROUPS[group]
+        assert title.startswith(f"{group}: {' '.join([*shared, *bench.QUICK])}")
+        assert [row[0] for row in rows] == list(models)
         assert rows[0][7] == "1.00x"  # the dense baseline
         assert all(len(row) == 8 and row[7].endswith("x") for row in rows)
         assert all(float(row[4]) > float(row[5]) > 0 for row in rows)  # the step, and its update within it
         assert rows[0][1] == rows[0][2]  # dense: every parameter is active
         assert all(row[1] != row[2] for row in rows[1:])  # MoE: more parameters than each token uses
     # The dense twins have no num_experts: the override is left out for them, and said so.
-    assert "(dense_vit: model.num_experts=6 left out" in out
-    assert "(dense_transformer_lm: model.num_experts=6 left out" in out
-    assert "(soft_moe_vit:" not in out
+    assert "(dense: moe.num_experts=6 left out" in out
+    assert "(dense_transformer_lm: moe.num_experts=6 left out" in out
+    assert "(soft_moe:" not in out
 
 
 def test_sweep_times_each_value_of_a_setting_against_one_dense_baseline(capsys):
     bench.main(
-        ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "vit", "--models", "soft_moe_vit"]
-        + ["--sweep", "model.moe_kwargs.slots_per_expert=1,2"]
+        ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "vit", "--models", "soft_moe"]
+        + ["--sweep", "moe.slots_per_expert=1,2", "--override", "moe.capacity_factor=null"]
     )
     (rows,) = _tables(capsys.readouterr().out).values()
     assert [row[0] for row in rows] == [
-        "dense_vit",
-        "soft_moe_vit slots_per_expert=1",
-        "soft_moe_vit slots_per_expert=2",
+        "dense",
+        "soft_moe slots_per_expert=1",
+        "soft_moe slots_per_expert=2",
     ]
     assert rows[0][7] == "1.00x"
     # Twice the slots: the experts process twice the rows, so the forward FLOPs grow.
@@ -144,10 +144,10 @@ def test_time_models_times_consecutive_steps_after_warm_up(monkeypatch):
 
 def test_models_and_sweep_reject_bad_values():
     with pytest.raises(SystemExit, match="not a MoE model of group 'vit'"):
-        bench.group_models("vit", ["dense_vit"])
-    assert bench.group_models("vit", ["experts_choice_vit"]) == ["dense_vit", "experts_choice_vit"]
+        bench.group_models("vit", ["dense"])
+    assert bench.group_models("vit", ["experts_choice"]) == ["dense", "experts_choice"]
     with pytest.raises(SystemExit, match="write key=value1,value2"):
-        bench.parse_sweep("model.moe_kwargs.slots_per_expert")
+        bench.parse_sweep("moe.slots_per_expert")
     assert bench.parse_sweep("a.b=1, 2") == ("a.b", ["1", "2"])
     with pytest.raises(SystemExit, match="--steps=0 must be positive"):
         bench.main(["--quick", "--steps", "0", "--allocator", "system"])
@@ -161,26 +161,28 @@ def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
     out = tmp_path / "bench" / "scaling.json"
     bench.main(
         ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "scaling"]
-        + ["--models", "results/scaling_top1", "--sweep", "model.num_experts=4,8", "--json", str(out)]
+        + ["--models", "top1", "--sweep", "moe.num_experts=4,8", "--json", str(out)]
     )
     (printed,) = _tables(capsys.readouterr().out).values()
     record = json.loads(out.read_text())
     assert record["kind"] == STEP_TIMES_KIND and record["rounds"] == 1
     assert record["steps"] == 3 and record["warmup"] == 1  # the defaults
     (table,) = record["tables"]
-    assert table["title"].startswith("scaling: experiment=results/scaling")
+    assert table["title"].startswith("scaling: results=scaling debug=tiny")
     rows = table["rows"]
     assert [row["name"] for row in rows] == [row[0] for row in printed]
     assert [row["name"] for row in rows] == [
-        "dense_vit",
-        "results/scaling_top1 num_experts=4",
-        "results/scaling_top1 num_experts=8",
+        "dense",
+        "top1 num_experts=4",
+        "top1 num_experts=8",
     ]
     assert [f"{row['seconds_per_step'] * 1e3:.1f}" for row in rows] == [row[4] for row in printed]
     assert [f"{row['update_seconds'] * 1e3:.1f}" for row in rows] == [row[5] for row in printed]
-    assert rows[0]["vs_dense"] == 1.0 and "num_experts" not in rows[0]["model_config"]
-    assert [row["model_config"]["num_experts"] for row in rows[1:]] == [4, 8]
-    assert all(row["model_config"]["moe_blocks"] == "last_2" for row in rows[1:])
+    assert rows[0]["vs_dense"] == 1.0 and rows[0]["model_config"]["moe"] is None
+    assert [row["model_config"]["moe"]["num_experts"] for row in rows[1:]] == [4, 8]
+    assert all(
+        row["model_config"]["moe"]["top_k"] == 1 == row["model_config"]["moe"]["capacity_factor"] for row in rows[1:]
+    )
     assert all(row["batch_size"] == bench.QUICK_BATCH == row["examples_per_step"] for row in rows)
     assert all(row["precision"] == "bf16-mixed" for row in rows)
     assert len(load_step_times([out])) == 3  # three different models

@@ -1,5 +1,6 @@
-"""scripts/bench_moe.py: the timed step is forward + backward of the layer in the chosen precision, a
-candidate that fails is skipped (not fatal), and a smoke run prints each table with its baseline at 1.00x."""
+"""The layer benchmark (scripts/bench_moe.py, moekit.analysis.bench_layers): the timed step is forward +
+backward of the layer in the chosen precision, a candidate that fails is skipped (not fatal), and a smoke run prints
+each table with its baseline at 1.00x."""
 
 import re
 
@@ -8,10 +9,10 @@ import torch
 from timm.layers import Mlp
 from torch import nn
 
-from conftest import import_script
+from moekit.analysis import bench_layers as bench
 from moekit.moe import SoftMoE
+from moekit.recipes import list_recipes
 
-bench = import_script("bench_moe.py", "bench_moe")
 pytestmark = pytest.mark.usefixtures("one_thread_no_reexec")
 
 
@@ -72,20 +73,22 @@ def _rows(out: str) -> dict[str, list[list[str]]]:
         if line.startswith("### "):
             title = line[4:]
             tables[title] = []
-        elif title and line.startswith("| ") and not line.startswith(("| layer", "| experts")):
+        elif title and line.startswith("| ") and not line.startswith(("| layer |", "| experts |")):
             tables[title].append([cell.strip() for cell in line.strip("|").split("|")])
     return tables
 
 
 def test_quick_run_prints_tables_with_the_baseline_at_one(capsys):
-    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--tables", "layers", "scaling"])
+    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--tables", "recipes", "scaling"])
     out = capsys.readouterr().out
     assert out.startswith("# moekit layer benchmark: torch ")
     assert "fp32, forward + backward, batch x1" in out
     tables = _rows(out)
-    layers = next(rows for title, rows in tables.items() if title.startswith("All layers"))
+    layers = next(rows for title, rows in tables.items() if title.startswith("Every recipe as shipped"))
     assert layers[0][0] == "dense Mlp" and layers[0][2] == "1.00x"
-    assert len(layers) >= 8 and all(float(row[1]) > 0 for row in layers)
+    assert [row[0].split(" (")[0] for row in layers[1:]] == list_recipes()  # every recipe, none skipped
+    assert "soft_moe (128 experts, compute 0.65x)" in [row[0] for row in layers]  # its stated compute
+    assert all(float(row[1]) > 0 for row in layers)
     scaling = next(rows for title, rows in tables.items() if title.startswith("Scaling experts"))
     assert [row[0] for row in scaling] == ["4", "8", "16"]
     assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for row in scaling for cell in row[2:])

@@ -282,6 +282,7 @@ def _tuner() -> CapacityTuner:
     return CapacityTuner(target_drop=0.05, window=3, update_every=2, patience=1, eval_capacity_factor=3.0)
 
 
+@pytest.mark.e2e
 def test_lightning_run_logs_factors_and_resumes_exactly(tmp_path):
     L.seed_everything(0)
     straight = _tuner()

@@ -13,12 +13,12 @@ import torch
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-import moekit.run as run
+import moekit.commands.train as train_command
 from conftest import TINY_NET, compose_config, small_overrides
 from moekit.callbacks import NonFiniteGuard, NonFiniteTrainingError
+from moekit.commands.train import train
 from moekit.models import TransformerLM
 from moekit.moe import ExpertsChoiceMoE, MoELayer, SoftMoE, TopKMoE, get_moe_layer, list_moe_layers, moe_layers
-from moekit.run import train
 from moekit.tasks import ImageClassifier
 
 STEPS_PER_EPOCH = 8  # 320 fake images - 64 for validation, batches of 32
@@ -30,14 +30,14 @@ def _config(experiment: str, data_root: Path, out: Path, *extra: str):
 
 
 def _add_callbacks(monkeypatch, *extra: Callback) -> None:
-    """Make :func:`moekit.run.train` append ``extra`` to the callbacks its config builds."""
-    original = run._instantiate_group
+    """Make :func:`moekit.commands.train.train` append ``extra`` to the callbacks its config builds."""
+    original = train_command.instantiate_group
 
-    def instantiate_group(group):
-        made = original(group)
-        return made + list(extra) if any(isinstance(c, Callback) for c in made) else made
+    def instantiate_group(group, name):
+        made = original(group, name)
+        return made + list(extra) if name == "callbacks" else made
 
-    monkeypatch.setattr(run, "_instantiate_group", instantiate_group)
+    monkeypatch.setattr(train_command, "instantiate_group", instantiate_group)
 
 
 def _guard(trainer: Trainer) -> NonFiniteGuard:
@@ -109,6 +109,7 @@ class PoisonBatch(Callback):
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_a_nan_router_for_one_step_is_skipped_and_training_goes_on(fake_fashion, tmp_path, monkeypatch):
     """Tokens-choice with loss-free balancing: the poisoned step changes no weight, no optimizer
     state and no balancing bias; the step before it changes all three (so the check can fail)."""
@@ -124,6 +125,7 @@ def test_a_nan_router_for_one_step_is_skipped_and_training_goes_on(fake_fashion,
     assert math.isfinite(metrics["train/loss_step"]), "training went on after the skipped step"
 
 
+@pytest.mark.e2e
 def test_a_persistent_nan_router_stops_after_k_steps_naming_the_layer(fake_fashion, tmp_path, monkeypatch):
     _add_callbacks(monkeypatch, PoisonRouter(at=2, persist=True))
     cfg = _config("soft_moe_vit", fake_fashion, tmp_path, "callbacks.non_finite_guard.max_consecutive_bad_steps=3")
@@ -193,6 +195,7 @@ def _fp16_trainer(guard: NonFiniteGuard, init_scale: float, steps: int) -> Train
     )
 
 
+@pytest.mark.e2e
 def test_fp16_scaler_overflows_are_counted_apart_and_do_not_stop_training():
     """A loss scale of 2^40 overflows fp16 gradients for the first steps: the scaler skips them and
     backs off. With a limit of 2 bad steps the guard would stop if it counted them."""
@@ -205,6 +208,7 @@ def test_fp16_scaler_overflows_are_counted_apart_and_do_not_stop_training():
     assert trainer.callback_metrics["train/scaler_skipped_steps"] == guard.scaler_skipped_steps
 
 
+@pytest.mark.e2e
 def test_fp16_a_nan_loss_is_a_bad_step_even_with_a_scaler():
     guard = NonFiniteGuard(max_consecutive_bad_steps=3)
     task = ImageClassifier(net=TINY_NET, num_classes=10)

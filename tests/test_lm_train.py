@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from conftest import CONFIGS, REPO, compose_config, run_script
-from moekit.run import evaluate, load_task, sample, train
+from moekit.checkpoint import load_task
+from moekit.commands.evaluate import evaluate
+from moekit.commands.sample import sample
+from moekit.commands.train import train
 from moekit.tasks import LanguageModel
 
 LM_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_lm.yaml"))
@@ -47,6 +50,7 @@ def test_the_lm_experiments_exist():
 
 
 @pytest.mark.parametrize("experiment", LM_EXPERIMENTS)
+@pytest.mark.e2e
 def test_fast_dev_run_of_each_lm_experiment_on_the_default_corpus(experiment, tmp_path):
     cfg = compose_config("train", [f"experiment={experiment}", "debug=tiny", "trainer.fast_dev_run=true"], tmp_path)
     assert cfg.data.source == "pydoc", "the default corpus is Python's own documentation (offline)"
@@ -75,6 +79,7 @@ def trained_lm(repeated_corpus, tmp_path_factory):
     return out, train(cfg)
 
 
+@pytest.mark.e2e
 def test_perplexity_of_a_repeated_corpus_drops_far_below_uniform(trained_lm):
     _, metrics = trained_lm
     # uniform over 256 bytes is perplexity 256; the phrase is deterministic after a few characters.
@@ -82,6 +87,7 @@ def test_perplexity_of_a_repeated_corpus_drops_far_below_uniform(trained_lm):
     assert metrics["val/ppl"] < 2.0, metrics
 
 
+@pytest.mark.e2e
 def test_train_then_eval_then_sample_from_the_checkpoint(trained_lm, tmp_path):
     out, metrics = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
@@ -100,6 +106,7 @@ def test_train_then_eval_then_sample_from_the_checkpoint(trained_lm, tmp_path):
     assert sample(cfg) == [greedy], "the KV cache changes nothing"
 
 
+@pytest.mark.e2e
 def test_sample_refuses_an_empty_prompt_and_a_too_long_generation(trained_lm, tmp_path):
     out, _ = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
@@ -119,11 +126,14 @@ def test_sample_refuses_an_empty_prompt_and_a_too_long_generation(trained_lm, tm
         (["data.vocab_size=300"], "vocab_size"),
     ],
 )
+@pytest.mark.e2e
 def test_bad_lm_input_raises_a_clear_error(overrides, match, repeated_corpus, tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         train(compose_config("train", lm_overrides("moe_transformer_lm", repeated_corpus, *overrides), tmp_path))
 
 
+@pytest.mark.e2e
+@pytest.mark.e2e
 def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):
     out, _ = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
@@ -143,6 +153,7 @@ def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):
 # The empty-corpus command-line case is in test_bad_input.py (text_corpus_empty).
 
 
+@pytest.mark.e2e
 def test_lm_checkpoint_resumes_at_the_saved_step(trained_lm, repeated_corpus, tmp_path):
     out, _ = trained_lm
     last = out / "checkpoints" / "last.ckpt"

@@ -19,9 +19,9 @@ from torch import nn
 from conftest import REPO, compose_config
 from moekit.callbacks import ExpertLoadMonitor
 from moekit.callbacks.moe_stats import RoutingStatsSums, load_heatmap
+from moekit.commands.train import train
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import SoftMoE, TopKMoE
-from moekit.run import train
 
 
 def _routed_to(experts: list[int], shape: tuple[int, int], num_experts: int = 4) -> torch.Tensor:
@@ -183,6 +183,7 @@ DDP_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_ddp_reduction_equals_one_process_fed_all_the_data(tmp_path):
     script, out = tmp_path / "ddp_figures.py", tmp_path / "figures.json"
     script.write_text(DDP_SCRIPT)
@@ -239,6 +240,7 @@ TOKEN_CHOICE_SCALARS = (
 )
 
 
+@pytest.mark.e2e
 def test_training_run_writes_scalars_histograms_and_heatmaps(tmp_path):
     data = write_fake_fashion_mnist(tmp_path / "fashion-mnist", n_train=320, n_test=32)
     cfg = compose_config(

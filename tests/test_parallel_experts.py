@@ -14,6 +14,8 @@ from distributed import spawn
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE
 from moekit.parallel import new_expert_parallel_groups, shard_experts, sharded_expert_banks
 
+pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
+
 DIM, HIDDEN, EXPERTS = 12, 16, 8
 
 CASES = {

@@ -11,6 +11,8 @@ import torch
 from conftest import run_script
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 
+pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
+
 
 def _distributed(world: int, strategy: str, **options) -> list[str]:
     if world == 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
@@ -10,6 +11,7 @@ from conftest import compose_config
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 
 
+@pytest.mark.e2e
 def test_rich_progress_bar_shows_loss_accuracy_and_throughput(tmp_path):
     data_root = write_fake_fashion_mnist(tmp_path / "fashion-mnist", n_train=192, n_test=32)
     overrides = [

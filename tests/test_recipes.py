@@ -14,7 +14,7 @@ from conftest import CONFIGS, compose_config
 from moekit.models import lm_summary, model_summary
 from moekit.moe import ExpertsChoiceMoE, HierarchicalMoE, MoELayer, SoftMoE, TokensChoiceMoE, get_moe_layer
 from moekit.moe.capacity import experts_choice_capacity, soft_moe_slots
-from moekit.recipes import _FOLDER, check_fits, list_recipes, load_recipe, mixes_tokens, resolve_recipe
+from moekit.recipes import _FOLDER, check_fits, list_recipes, load_recipe, mixes_tokens, recipe_citation, resolve_recipe
 
 RECIPES = list_recipes()
 LOSSES = ("switch", "importance", "load", "z")
@@ -39,7 +39,7 @@ REFUSED["lstm_lm"] = REFUSED["transformer_lm"]
 
 def stated_compute(name: str) -> float:
     """The expert compute per token the recipe's comment line states, in dense MLPs ("expert compute 2x")."""
-    line = (_FOLDER / f"{name}.yaml").read_text().splitlines()[0]
+    line = recipe_citation(name)
     match = re.search(r"expert compute ([0-9.]+)x the dense MLP's", line)
     assert match, f"{name}.yaml: the first comment line states the expert compute: {line}"
     return float(match.group(1))

@@ -13,48 +13,29 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import moekit.models  # noqa: F401  (registers the models with timm)
-from conftest import CONFIGS, compose_config, import_script, run_script, small_overrides
-from moekit.callbacks import TrainingCounter
-from moekit.models.summary import lm_summary, model_summary
-from moekit.moe import moe_layers
-from moekit.results import (
+from conftest import CONFIGS, compose_config, run_script, small_overrides
+from moekit.analysis import bench_models
+from moekit.analysis.aggregate import figure_kind, group_results, setting_label, summarize
+from moekit.analysis.figures import plot_ablations, plot_all, plot_language, plot_pareto, plot_scaling
+from moekit.analysis.records import (
     RESULTS_FILE,
-    STEP_TIMES_KIND,
     RunResult,
     archive_records,
-    attach_step_times,
-    figure_kind,
-    group_results,
     load_results,
-    load_step_times,
-    machine_label,
-    markdown_table,
-    merge_markdown_tables,
     model_family,
-    plot_ablations,
-    plot_all,
-    plot_language,
-    plot_pareto,
-    plot_scaling,
-    setting_label,
     step_time_key,
-    summarize,
-    write_json_atomic,
 )
-from moekit.run import train
+from moekit.analysis.step_times import STEP_TIMES_KIND, attach_step_times, load_step_times
+from moekit.analysis.tables import markdown_table, merge_markdown_tables
+from moekit.callbacks import ThroughputMonitor
+from moekit.commands.train import train
+from moekit.models.summary import lm_summary, model_summary
+from moekit.moe import moe_layers
+from moekit.utils.atomic import write_json_atomic
+from moekit.utils.machine import machine_label
 
-SWEEPS = sorted(p.stem for p in (CONFIGS / "experiment" / "results").glob("*.yaml"))
-TINY_VIT = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2"]
-TINY_LM = {
-    "dense_transformer_lm": ["model.dim=32", "model.depth=2", "model.num_heads=2"],
-    "moe_transformer_lm": [
-        "model.dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "model.moe_kwargs.expert_hidden_features=32",
-    ],
-    "results/moe_lstm_lm_matched": ["model.dim=32", "model.expert_hidden=32", "model.num_experts=4", "model.top_k=2"],
-}
+SWEEPS = sorted(p.stem for p in (CONFIGS / "results").glob("*.yaml"))
+TINY = ["debug=tiny"]  # the tiny model of each family (configs/debug/models/)
 
 
 def _read_record(output_dir: Path) -> dict:
@@ -69,25 +50,28 @@ def _read_record(output_dir: Path) -> dict:
 def image_run(fake_fashion, tmp_path_factory):
     """One epoch of the tiny Soft MoE ViT on the fake Fashion-MNIST: (cfg, returned metrics, record)."""
     out = tmp_path_factory.mktemp("record_run")
-    overrides = [*small_overrides(fake_fashion), "model.num_experts=4", "seed=3"]
+    overrides = [*small_overrides(fake_fashion), "moe.num_experts=4", "seed=3"]
     cfg = compose_config("train", overrides, out)
     metrics = train(cfg)
     return cfg, metrics, _read_record(out), overrides, out
 
 
+@pytest.mark.e2e
 def test_the_record_names_the_run_and_its_network(image_run):
     cfg, _, record, overrides, out = image_run
     assert record["task_name"] == cfg.task_name == "train"
     assert record["seed"] == 3
     assert record["overrides"] == overrides
-    assert record["model"]["name"] == "soft_moe_vit_tiny_patch4_28"
+    assert record["model"]["name"] == "vit_tiny_patch4_28"
     assert record["model"]["family"] == "soft_moe"
     assert record["model"]["num_experts"] == 4
-    assert [layer["slots_per_expert"] for layer in record["model"]["moe_layers"]] == [2], "depth 2: one MoE block"
+    # depth 2: one MoE block; the recipe's 0.653 slots per token: R(49 * 0.653 / 4 experts) = 8 slots each
+    assert [layer["slots_per_expert"] for layer in record["model"]["moe_layers"]] == [8]
     assert record["config"]["model"]["embed_dim"] == 32
     assert not [p for p in out.iterdir() if p.name.startswith(f".{RESULTS_FILE}")], "no temporary file left"
 
 
+@pytest.mark.e2e
 def test_the_record_holds_the_model_summary_of_the_network(image_run):
     cfg, _, record, _, _ = image_run
     summary = model_summary(instantiate(cfg.model), input_size=(1, 28, 28))
@@ -98,6 +82,7 @@ def test_the_record_holds_the_model_summary_of_the_network(image_run):
     assert record["flops"]["forward_per_example"] == pytest.approx(summary.flops_per_image)
 
 
+@pytest.mark.e2e
 def test_the_record_counts_examples_and_training_flops(image_run):
     _, _, record, _, _ = image_run
     training = record["training"]
@@ -111,6 +96,7 @@ def test_the_record_counts_examples_and_training_flops(image_run):
     assert training["mean_batch_seconds"] * 7 < training["fit_seconds"]
 
 
+@pytest.mark.e2e
 def test_the_record_holds_the_final_metrics_that_train_returns(image_run):
     _, metrics, record, _, _ = image_run
     test, val = record["metrics"]["test"], record["metrics"]["val"]
@@ -123,6 +109,7 @@ def test_the_record_holds_the_final_metrics_that_train_returns(image_run):
     assert record["metrics"]["best_val"]["value"] == pytest.approx(metrics["val/acc"]), "one epoch: best = last"
 
 
+@pytest.mark.e2e
 def test_the_record_describes_the_machine(image_run):
     machine = image_run[2]["machine"]
     assert machine["torch"] == torch.__version__
@@ -131,15 +118,9 @@ def test_the_record_describes_the_machine(image_run):
     assert (machine["gpu"] is None) == (not torch.cuda.is_available())
 
 
+@pytest.mark.e2e
 def test_a_language_model_record_counts_tokens(tmp_path):
-    overrides = [
-        "experiment=moe_transformer_lm",
-        *TINY_LM["moe_transformer_lm"],
-        "data.seq_len=32",
-        "data.batch_size=4",
-        "+trainer.fast_dev_run=true",
-        "logger=csv",
-    ]
+    overrides = ["experiment=moe_transformer_lm", *TINY, "data.seq_len=32", "data.batch_size=4", "debug=fdr"]
     metrics = train(compose_config("train", overrides, tmp_path))
     record = _read_record(tmp_path)
     assert record["model"]["family"] == "transformer/top2"
@@ -154,13 +135,13 @@ def test_a_language_model_record_counts_tokens(tmp_path):
     assert record["metrics"]["test"]["bpb"] == pytest.approx(metrics["test/bpb"])
 
 
-def test_training_counter_counts_rows_or_elements():
+def test_throughput_monitor_counts_rows_or_elements():
     batch = (torch.zeros(4, 7), torch.zeros(4))
-    assert TrainingCounter("rows").batch_examples(batch) == 4
-    assert TrainingCounter("elements").batch_examples(batch) == 28
+    assert ThroughputMonitor(count="rows").batch_examples(batch) == 4
+    assert ThroughputMonitor(count="elements").batch_examples(batch) == 28
     with pytest.raises(ValueError, match="count='tokens'"):
-        TrainingCounter("tokens")
-    assert TrainingCounter().mean_throughput is None and TrainingCounter().mean_batch_seconds is None
+        ThroughputMonitor(count="tokens")
+    assert ThroughputMonitor().mean_throughput is None and ThroughputMonitor().mean_batch_seconds is None
 
 
 def test_write_json_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
@@ -179,7 +160,7 @@ def test_write_json_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
 
 
 def _sweep(name: str, tmp_path: Path, *overrides: str):
-    return compose_config("train", [f"experiment=results/{name}", *overrides], tmp_path)
+    return compose_config("train", [f"results={name}", *overrides], tmp_path)
 
 
 def _params(cfg) -> dict[str, list[str]]:
@@ -199,7 +180,7 @@ def test_each_sweep_composes_with_its_own_folder_and_three_seeds(name, tmp_path)
     expected_dir = f"results/ablations/{name.removeprefix('ablation_')}" if "ablation" in name else f"results/{name}"
     assert cfg.hydra.sweep.dir == f"{cfg.paths.log_dir}/{expected_dir}"
     assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.override_dirname}"
-    assert "experiment" in cfg.hydra.job.config.override_dirname.exclude_keys
+    assert "results" in cfg.hydra.job.config.override_dirname.exclude_keys
     assert figure_kind(cfg.task_name) == ("ablations" if "ablation" in name else name)
     for key, values in params.items():  # every value of every swept key composes
         for value in values:
@@ -210,10 +191,11 @@ def test_the_pareto_sweep_compares_five_routers_at_three_widths(tmp_path):
     params = _params(_sweep("pareto", tmp_path))
     assert params["model.embed_dim"] == ["64", "96", "128"]
     families = set()
-    for model in params["model"]:
-        cfg = _sweep("pareto", tmp_path, f"model={model}", "model.embed_dim=64")
+    for moe in params["moe"]:
+        cfg = _sweep("pareto", tmp_path, f"moe={moe}", "model.embed_dim=64")
         assert cfg.trainer.max_epochs == 5 and cfg.data.batch_size == 256, "the same budget for every model"
         net = instantiate(cfg.model)
+        assert net.embed_dim == 64
         families.add(model_family(net))
     assert families == {"dense", "soft_moe", "top1", "top2", "experts_choice"}
 
@@ -221,9 +203,9 @@ def test_the_pareto_sweep_compares_five_routers_at_three_widths(tmp_path):
 @pytest.mark.parametrize("num_experts", [8, 256])
 def test_the_scaling_sweep_keeps_slots_and_capacity_fixed(num_experts, tmp_path):
     params = _params(_sweep("scaling", tmp_path))
-    assert params["model.num_experts"] == ["8", "16", "32", "64", "128", "256"]
-    for model in params["model"]:
-        cfg = _sweep("scaling", tmp_path, f"model={model}", f"model.num_experts={num_experts}", *TINY_VIT)
+    assert params["moe.num_experts"] == ["8", "16", "32", "64", "128", "256"]
+    for moe in params["moe"]:
+        cfg = _sweep("scaling", tmp_path, f"moe={moe}", f"moe.num_experts={num_experts}", "+model.embed_dim=32")
         layers = [layer for _, layer in moe_layers(instantiate(cfg.model))]
         assert len(layers) == 2, "MoE in the last two blocks"
         for layer in layers:
@@ -235,51 +217,54 @@ def test_the_scaling_sweep_keeps_slots_and_capacity_fixed(num_experts, tmp_path)
 
 
 def test_the_scaling_sweeps_dense_reference_trains_the_dense_twin_on_the_same_budget(tmp_path):
-    # python scripts/train.py -m experiment=results/scaling model=dense_vit seed=0,1,2 hydra.sweeper.params=null
-    moe = _sweep("scaling", tmp_path, "model=results/scaling_soft_moe")
-    dense = _sweep("scaling", tmp_path, "model=dense_vit", "hydra.sweeper.params=null")
+    # python scripts/train.py -m results=scaling moe=none seed=0,1,2 hydra.sweeper.params=null
+    moe = _sweep("scaling", tmp_path, "moe=results/scaling_soft_moe")
+    dense = _sweep("scaling", tmp_path, "moe=none", "hydra.sweeper.params=null")
     assert dense.hydra.sweeper.params is None, "only the command line's seeds are swept"
     assert model_family(instantiate(dense.model)) == "dense"
-    assert dense.model.embed_dim == moe.model.embed_dim and dense.model.depth == moe.model.depth
     for key in ("task_name", "data", "trainer", "task", "hydra.sweep.dir"):
         assert OmegaConf.select(dense, key) == OmegaConf.select(moe, key), f"{key}: the same as the MoE runs"
+    dense_model, moe_model = (OmegaConf.to_container(c.model, resolve=True) for c in (dense, moe))
+    assert dense_model.pop("moe") is None and moe_model.pop("moe") is not None
+    assert dense_model == moe_model, "the same network but its MoE layers"
 
 
 def test_the_language_sweep_compares_models_at_equal_forward_flops(tmp_path):
     params = _params(_sweep("language", tmp_path))
     flops = {}
-    for model in params["model"]:
-        cfg = _sweep("language", tmp_path, f"model={model}")
-        flops[model] = lm_summary(instantiate(cfg.model), seq_len=cfg.data.seq_len).flops_per_token
+    for experiment in params["experiment"]:
+        cfg = _sweep("language", tmp_path, f"experiment={experiment}")
+        assert cfg.task_name == "results_language" and cfg.trainer.max_epochs == 8, "the sweep's budget wins"
+        flops[experiment] = lm_summary(instantiate(cfg.model), seq_len=cfg.data.seq_len).flops_per_token
     assert len(flops) == 6, "three families at two sizes"
-    for model, value in flops.items():  # each model matches the dense Transformer of its size
-        reference = flops["results/dense_transformer_lm_small" if model.endswith("_small") else "dense_transformer_lm"]
+    for name, value in flops.items():  # each model matches the dense Transformer of its size
+        reference = flops["results/dense_transformer_lm_small" if name.endswith("_small") else "dense_transformer_lm"]
         assert abs(value / reference - 1) < 0.02, flops
     assert flops["dense_transformer_lm"] > 3 * flops["results/dense_transformer_lm_small"], "two distinct sizes"
 
 
 def test_the_bpr_ablation_sweeps_bpr_at_a_low_capacity(tmp_path):
     params = _params(_sweep("ablation_bpr", tmp_path))
-    assert params["model.moe_kwargs.batch_priority"] == ["true", "false"]
-    assert min(float(c) for c in params["model.moe_kwargs.capacity_factor"]) < 1.0
-    cfg = _sweep("ablation_bpr", tmp_path, "model.moe_kwargs.capacity_factor=0.5")
+    assert params["moe.batch_priority"] == ["true", "false"]
+    assert min(float(c) for c in params["moe.capacity_factor"]) < 1.0
+    cfg = _sweep("ablation_bpr", tmp_path, "moe.capacity_factor=0.5", "moe.batch_priority=true")
     layer = next(layer for _, layer in moe_layers(instantiate(cfg.model)))
-    assert layer.capacity_factor == layer.eval_capacity_factor == 0.5
+    assert layer.capacity_factor == layer.eval_capacity_factor == 0.5 and layer.top_k == 2
 
 
 def _first_member(name: str, fake_fashion: Path) -> list[str]:
-    """The overrides of a sweep's first member (first value of every list), made tiny and fast."""
-    with_data = [f"data.root={fake_fashion}", "data.val_size=64", "data.batch_size=16", *TINY_VIT]
+    """The overrides of a sweep's first member, made tiny and fast."""
     if name == "language":
-        return ["model=dense_transformer_lm", *TINY_LM["dense_transformer_lm"], "data.seq_len=32", "data.batch_size=4"]
-    return with_data
+        return [*TINY, "data.seq_len=32", "data.batch_size=4"]
+    return [f"data.root={fake_fashion}", "data.val_size=64", "data.batch_size=16", *TINY]
 
 
 @pytest.mark.parametrize("name", SWEEPS)
+@pytest.mark.e2e
 def test_fast_dev_run_of_one_member_of_each_sweep(name, fake_fashion, tmp_path):
     first = {key: values[0] for key, values in _params(_sweep(name, tmp_path)).items()}
     overrides = [f"{k}={v}" for k, v in first.items()] + _first_member(name, fake_fashion)
-    cfg = _sweep(name, tmp_path, *overrides, "+trainer.fast_dev_run=true", "logger=csv")
+    cfg = _sweep(name, tmp_path, *overrides, "trainer.fast_dev_run=true", "logger=csv")
     metrics = train(cfg)
     record = _read_record(tmp_path)
     assert record["task_name"] == f"results_{name}"
@@ -289,12 +274,10 @@ def test_fast_dev_run_of_one_member_of_each_sweep(name, fake_fashion, tmp_path):
     result = RunResult.from_record(record, tmp_path)
     assert result.training_flops and result.training_flops > 0
     if name in BENCH_GROUP:  # bench_models.py times this model: its row matches the run's step key
-        bench = import_script("bench_models.py", "bench_models")
-        model, rest = first["model"], [o for o in overrides if not o.startswith("model=")]
-        candidate = bench.build_candidate(bench.GROUPS[BENCH_GROUP[name]][0], model, rest)
+        candidate = bench_models.build_candidate("first", [f"results={name}", *overrides])
         _write_step_times(
             tmp_path / "steps.json",
-            [bench.table_record("t", [candidate], {candidate.name: bench.StepTiming(0.25, 0.1)})],
+            [bench_models.table_record("t", [candidate], {candidate.name: bench_models.StepTiming(0.25, 0.1)})],
         )
         (timed,) = attach_step_times([result], load_step_times([tmp_path / "steps.json"]))
         assert timed.bench_step_seconds == 0.25
@@ -309,33 +292,33 @@ def _write_step_times(path: Path, tables: list[dict]) -> Path:
     return write_json_atomic(path, {"kind": STEP_TIMES_KIND, "version": 1, "tables": tables})
 
 
+@pytest.mark.e2e
 def test_a_sweep_from_the_command_line_then_its_figures(fake_fashion, tmp_path):
-    """`-m experiment=results/ablation_slots` with the seeds and slots narrowed on the command line (it
-    wins over the sweep's lists): one folder per run under logs/results/ablations/slots, then the plot
-    script draws the ablation figure and the table from them."""
+    """`-m results=ablation_slots` with the seeds and slots narrowed on the command line (it wins over the
+    sweep's lists): one folder per run under logs/results/ablations/slots, then the plot script draws the
+    ablation figure and the table from them."""
     run = run_script(
         "train.py",
         "-m",
-        "experiment=results/ablation_slots",
-        "model.moe_kwargs.slots_per_expert=1,2",
+        "results=ablation_slots",
+        "moe.slots_per_expert=1,2",
         "seed=0",
         f"paths.log_dir={tmp_path / 'logs'}",
         f"data.root={fake_fashion}",
         "data.val_size=64",
         "data.batch_size=16",
-        *TINY_VIT,
-        "+trainer.fast_dev_run=true",
-        "logger=csv",
+        *TINY,
+        "trainer.fast_dev_run=true",
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     sweep = tmp_path / "logs" / "results" / "ablations" / "slots"
     runs = sorted(p.parent.name for p in sweep.glob(f"*/{RESULTS_FILE}"))
     assert len(runs) == 2
-    assert all("seed=0" in r and "experiment=" not in r and "data.root" not in r for r in runs)
+    assert all("seed=0" in r and "results=" not in r and "data.root" not in r for r in runs)
     plot = run_script("plot_results.py", str(tmp_path / "logs" / "results"), cwd=tmp_path)
     assert plot.returncode == 0, plot.stderr[-3000:]
-    assert "`model.moe_kwargs.slots_per_expert=1`" in plot.stdout
+    assert "`moe.slots_per_expert=1`" in plot.stdout
     figure = tmp_path / "logs" / "results" / "figures" / "ablations.png"
     assert figure.read_bytes().startswith(b"\x89PNG")
     assert (figure.parent / "results.md").read_text() in plot.stdout
@@ -510,6 +493,7 @@ def test_the_pareto_table_pairs_each_moe_with_the_dense_run_of_its_width_and_see
     assert "Against the dense run" not in markdown_table(_results(records[2:])), "no dense run: no pairs"
 
 
+@pytest.mark.e2e
 def test_the_table_says_which_machines_a_sweeps_runs_ran_on_and_the_plot_script_warns_when_they_differ(tmp_path):
     """Seeds from two sessions on two CPUs: the table names both machines with their run counts, and the
     plot script says the recorded times of that sweep cannot be compared (none for a one-machine sweep)."""
@@ -553,7 +537,7 @@ def test_each_figure_is_a_png(plot, records, tmp_path):
 
 
 def test_log_axes_read_in_short_plain_numbers(tmp_path, monkeypatch):
-    import moekit.results as results
+    import moekit.analysis.figures as results
 
     labels = {}
 
@@ -568,7 +552,7 @@ def test_log_axes_read_in_short_plain_numbers(tmp_path, monkeypatch):
             }
             for ax in fig.axes
         ]
-        results._pyplot().close(fig)
+        results.pyplot().close(fig)
         return out
 
     monkeypatch.setattr(results, "_save", keep)
@@ -612,6 +596,7 @@ def test_load_results_says_clearly_when_there_is_nothing_to_read(tmp_path):
         load_results(tmp_path)
 
 
+@pytest.mark.e2e
 def test_plot_script_on_an_empty_folder_fails_with_one_line(tmp_path):
     run = run_script("plot_results.py", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 1
@@ -665,6 +650,7 @@ def test_merging_tables_replaces_the_sections_of_the_sweeps_drawn_and_keeps_the_
     assert benched.endswith("timed by scripts/bench_models.py.\n"), "a bench column gets the note of its column"
 
 
+@pytest.mark.e2e
 def test_plot_script_redraws_one_sweep_beside_the_sections_of_the_others(tmp_path):
     """Drawing the scaling sweep into a folder whose results.md also holds the language sweep (records not at
     hand) keeps the language section and figure, says so, and replaces the scaling section."""
@@ -697,6 +683,7 @@ def test_archiving_a_rerun_of_an_archived_seed_needs_replace(tmp_path):
     assert json.loads(archived.read_text())["metrics"]["test"]["acc"] == 0.5
 
 
+@pytest.mark.e2e
 def test_archive_script_refuses_an_unreadable_record_and_writes_nothing(tmp_path):
     logs, archive = tmp_path / "logs", tmp_path / "runs"
     _write_sweep(logs, SCALING[:2])
@@ -759,7 +746,7 @@ def _timed(runs: list[RunResult], seconds, path: Path) -> list[RunResult]:
 
 
 def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path, monkeypatch):
-    import moekit.results as results
+    import moekit.analysis.figures as results
 
     drawn = {}
 
@@ -772,7 +759,7 @@ def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path
             )
             for ax in fig.axes
         ]
-        results._pyplot().close(fig)
+        results.pyplot().close(fig)
         return out
 
     monkeypatch.setattr(results, "_save", keep)
@@ -800,7 +787,7 @@ def test_the_time_axes_use_the_benchmarked_steps_when_every_run_has_one(tmp_path
 
 
 def test_the_dense_runs_of_the_scaling_sweep_are_a_reference_line(tmp_path, monkeypatch):
-    import moekit.results as results
+    import moekit.analysis.figures as results
 
     drawn = {}
 
@@ -813,7 +800,7 @@ def test_the_dense_runs_of_the_scaling_sweep_are_a_reference_line(tmp_path, monk
             )
             for ax in fig.axes
         ]
-        results._pyplot().close(fig)
+        results.pyplot().close(fig)
         return out
 
     monkeypatch.setattr(results, "_save", keep)
@@ -845,6 +832,7 @@ def test_step_time_files_that_cannot_be_used_say_why(tmp_path):
     assert step_time_key({"a": 1, "b": 2}, 4, "32-true") == step_time_key({"b": 2, "a": 1}, 4, "32-true")
 
 
+@pytest.mark.e2e
 def test_plot_script_takes_step_times_and_names_the_runs_left_without(tmp_path):
     for i, record in enumerate(PARETO + ABLATIONS):
         (tmp_path / "runs" / f"run{i}").mkdir(parents=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekit.checkpoint_io import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
+from moekit.checkpoint import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
 from moekit.data.resumable import ResumableRandomSampler, get_rng_states, set_rng_states
 from resume_helpers import (
     assert_same_training_state,
@@ -30,6 +30,8 @@ from resume_helpers import (
     train_command,
     wait_for,
 )
+
+pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
 
 EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
 

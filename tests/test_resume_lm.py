@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from conftest import compose_config
+from moekit.commands.train import train
 from moekit.data.text import DOCUMENT_SEPARATOR, load_corpus
 from moekit.loggers import ResumableCSVLogger, read_metrics_csv
-from moekit.run import train
 from resume_helpers import (
     assert_same_training_state,
     finish,
@@ -35,6 +35,8 @@ from resume_helpers import (
     train_command,
     wait_for,
 )
+
+pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
 
 EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
 KILL_AFTER_STEP = 11  # the kill comes once this step is logged: after last.ckpt of step 10 (epoch 1, batch 2)

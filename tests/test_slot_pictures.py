@@ -25,8 +25,9 @@ from moekit.callbacks.slots import (
     slot_picture_grid,
     slot_pictures,
 )
+from moekit.commands.plot_slots import plot_slots
+from moekit.commands.train import train
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
-from moekit.run import plot_slots, train
 
 
 def tiny_soft_moe_vit(**overrides) -> torch.nn.Module:
@@ -120,6 +121,7 @@ def test_heat_colormap_brightens_with_the_weight_and_overlay_stays_in_range():
     assert overlay.shape == (2, 5, 3, 8, 8) and overlay.min() >= 0 and overlay.max() <= 1
 
 
+@pytest.mark.e2e
 def test_bad_choices_are_named():
     model = tiny_soft_moe_vit()
     with pytest.raises(ValueError, match="slots=9 must be a count in"):
@@ -180,6 +182,7 @@ def test_pictures_from_a_trained_checkpoint_and_in_tensorboard(fake_fashion, tmp
     assert Image.open(out).size == (3 * cell + 2, 3 * cell + 2)  # 3 images x (image + 2 slots)
 
 
+@pytest.mark.e2e
 def test_plot_slots_refuses_a_dense_checkpoint(fake_fashion, tmp_path):
     ckpt = _train_tiny("dense_vit", fake_fashion, tmp_path / "run", ["logger=csv"])
     result = run_script("plot_slots.py", f"ckpt_path={ckpt}", f"out={tmp_path / 'x.png'}", cwd=tmp_path)

@@ -1,4 +1,5 @@
-"""``scripts/soak.py``: the verdict's arithmetic, a smoke run of the script, and the soak itself
+"""The soak test (``scripts/soak.py``, :mod:`moekit.analysis.soak`): the verdict's arithmetic, a smoke run of
+the script, and the soak itself
 (marked ``soak``: minutes long, deselected by default; ``pytest -m soak`` runs it)."""
 
 from __future__ import annotations
@@ -6,23 +7,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from conftest import REPO, import_script
+import moekit.analysis.soak as soak_module
+from conftest import REPO
 
 SOAK_SCRIPT = REPO / "scripts" / "soak.py"
 MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def soak() -> Iterator[ModuleType]:
-    """``scripts/soak.py`` imported as a module."""
-    yield import_script("soak.py", "soak_script")
-    del sys.modules["soak_script"]
+def soak() -> ModuleType:
+    return soak_module
 
 
 def _records(soak: ModuleType, steps: int, every: int, rss_mib, seconds_per_step) -> list:
@@ -88,6 +87,7 @@ def _run_soak(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.Co
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_soak_script_runs_the_training_template_and_records_every_k_steps(tmp_path):
     tiny = ["--steps", "60", "--warmup", "10", "--every", "5", "--steps-per-epoch", "20", "--batch-size", "16"]
     result, report = _run_soak(

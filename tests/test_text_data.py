@@ -292,6 +292,7 @@ def test_no_validation_split_gives_empty_loader(small_corpus):
     assert len(module.split_tokens["train"]) + len(module.split_tokens["test"]) == len(module.tokens)
 
 
+@pytest.mark.e2e
 def test_lightning_skips_validation_without_val_split(small_corpus):
     import lightning as L
 

@@ -13,9 +13,12 @@ from omegaconf import OmegaConf
 
 import moekit.models  # noqa: F401  (registers the models with timm)
 from conftest import CONFIGS, REPO, compose_config, run_script, small_overrides
-from moekit.checkpoint import CheckpointError
+from moekit.checkpoint import CheckpointError, load_task
+from moekit.commands.evaluate import evaluate
+from moekit.commands.export import export
+from moekit.commands.probe import linear_probe
+from moekit.commands.train import train
 from moekit.moe import MoELayer, TopKMoE
-from moekit.run import evaluate, export, linear_probe, load_task, train
 from moekit.tasks import ImageClassifier
 from moekit.tasks.fewshot import fewshot_linear_probe, fit_ridge_probe
 
@@ -48,6 +51,7 @@ def test_every_experiment_composes_and_instantiates(experiment, fake_fashion, tm
 
 
 @pytest.mark.parametrize("experiment", SMALL_EXPERIMENTS)
+@pytest.mark.e2e
 def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
     cfg = compose_config(
         "train",
@@ -75,6 +79,7 @@ def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
     )
 
 
+@pytest.mark.e2e
 def test_fast_dev_run_of_the_imagenet_recipe(tmp_path):
     cfg = compose_config(
         "train",
@@ -117,6 +122,7 @@ def trained_run(fake_fashion, tmp_path_factory):
     return out, metrics
 
 
+@pytest.mark.e2e
 def test_train_then_eval_gives_the_same_test_metric(trained_run, tmp_path):
     out, metrics = trained_run
     best = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
@@ -126,6 +132,7 @@ def test_train_then_eval_gives_the_same_test_metric(trained_run, tmp_path):
     assert again["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_resume_continues_from_the_saved_step(trained_run, fake_fashion, tmp_path):
     out, _ = trained_run
     last = out / "checkpoints" / "last.ckpt"
@@ -145,6 +152,7 @@ def test_resume_continues_from_the_saved_step(trained_run, fake_fashion, tmp_pat
     assert resumed["lr_schedulers"][0]["last_epoch"] == 3 * steps_per_epoch
 
 
+@pytest.mark.e2e
 def test_finetune_from_a_checkpoint_with_a_new_head(trained_run):
     out, _ = trained_run
     ckpt = out / "checkpoints" / "last.ckpt"
@@ -159,6 +167,7 @@ def test_finetune_from_a_checkpoint_with_a_new_head(trained_run):
     assert trainable == {"head.weight", "head.bias"}
 
 
+@pytest.mark.e2e
 def test_finetune_from_an_incompatible_checkpoint_names_the_keys(trained_run):
     out, _ = trained_run
     source = load_task(str(out / "checkpoints" / "last.ckpt"))
@@ -190,6 +199,7 @@ def test_upcycled_task_reproduces_the_dense_vit(tmp_path):
     torch.testing.assert_close(moe(images), dense(images), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_export_loads_in_timm_and_equals_the_trained_model(trained_run, tmp_path):
     out, _ = trained_run
     ckpt = out / "checkpoints" / "last.ckpt"
@@ -204,6 +214,7 @@ def test_export_loads_in_timm_and_equals_the_trained_model(trained_run, tmp_path
     torch.testing.assert_close(model(images), task.net(images))
 
 
+@pytest.mark.e2e
 def test_fewshot_linear_probe_runs_on_a_checkpoint(trained_run, tmp_path):
     out, _ = trained_run
     cfg = compose_config("linear_probe", [f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "shots=3"], tmp_path)
@@ -244,6 +255,7 @@ def test_ridge_probe_leave_one_out_matches_refitting():
         (["ckpt_path=/nonexistent/last.ckpt"], CheckpointError, "does not exist"),
     ],
 )
+@pytest.mark.e2e
 def test_bad_input_raises_a_clear_error(overrides, error, match, fake_fashion, tmp_path):
     cfg = compose_config("train", small_overrides(fake_fashion) + overrides, tmp_path)
     with pytest.raises(error, match=match):
@@ -261,6 +273,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_stays_untouched(tmp_path):
 # The command-line bad-input cases (unknown experiment, missing checkpoint, ...) are in test_bad_input.py.
 
 
+@pytest.mark.e2e
 def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
     result = run_script(
         "train.py",
@@ -274,6 +287,6 @@ def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
         cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    jobs = sorted(tmp_path.glob("debug/multiruns/*/[0-9]/.hydra/overrides.yaml"))
+    jobs = sorted(tmp_path.glob("train/multiruns/*/[0-9]/.hydra/overrides.yaml"))
     assert len(jobs) == 2
     assert "moe.num_experts=2" in jobs[0].read_text() and "moe.num_experts=4" in jobs[1].read_text()

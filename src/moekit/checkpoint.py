@@ -1,22 +1,112 @@
-"""Reading weights from files users bring: our Lightning checkpoints, safetensors or torch state
-dicts (timm exports), with errors that name the file and the mismatched keys."""
+"""Checkpoints: written atomically, read with errors that say what is wrong and what to do.
+
+* Writing (:class:`AtomicCheckpointIO`, the trainer's ``CheckpointIO`` in ``configs/trainer/default.yaml``):
+  every file Lightning writes (``last.ckpt``, ``epoch_XXX.ckpt``, ``trainer.save_checkpoint``) is serialised
+  into a temporary file in its folder, flushed and ``fsync``-ed, renamed onto the final name with
+  ``os.replace`` (atomic on POSIX within one file system), and the folder is ``fsync``-ed so the rename itself
+  survives a power cut: a crash or a kill mid-write never damages the last good checkpoint. Lightning's own
+  ``TorchCheckpointIO`` writes through an fsspec transaction but never ``fsync``-s; remote (fsspec URL) paths are
+  left to it. ``MOEKIT_CHECKPOINT_WRITE_DELAY`` (seconds) pauses every checkpoint write
+  between the complete temporary file and the rename: the tests kill runs in the middle of a write with it.
+* Reading weights users bring (:func:`read_state_dict`, :func:`load_weights`): our Lightning checkpoints,
+  safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
+* Reading training checkpoints (:func:`check_ckpt_path`, :func:`check_resume_checkpoint`, :func:`load_task`):
+  a missing, corrupt, sharded or foreign checkpoint is a :class:`CheckpointError` naming it and the fix.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor, nn
 
-__all__ = ["CheckpointError", "read_state_dict", "load_weights", "head_prefixes"]
+from moekit.utils.atomic import atomic_write
+
+if TYPE_CHECKING:
+    from moekit.tasks import MoETask
+
+__all__ = [
+    "CheckpointError",
+    "TASK_KEY",
+    "AtomicCheckpointIO",
+    "atomic_torch_save",
+    "WRITE_DELAY_ENV",
+    "SHARDED_METADATA",
+    "read_state_dict",
+    "load_weights",
+    "head_prefixes",
+    "is_sharded_checkpoint",
+    "check_ckpt_path",
+    "check_resume_checkpoint",
+    "load_task",
+]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or does not fit the model."""
 
 
+TASK_KEY = "moekit_task"
+"""The checkpoint entry naming the task class (``module:qualname``), so that one loader reads any task."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+WRITE_DELAY_ENV = "MOEKIT_CHECKPOINT_WRITE_DELAY"
+
+
+def _write_delay() -> float:
+    value = os.environ.get(WRITE_DELAY_ENV, "")
+    if not value:
+        return 0.0
+    try:
+        delay = float(value)
+    except ValueError:
+        raise ValueError(f"{WRITE_DELAY_ENV}={value!r} must be a number of seconds (or unset)") from None
+    if delay < 0:
+        raise ValueError(f"{WRITE_DELAY_ENV}={value!r} must be >= 0 seconds")
+    return delay
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save(obj, path)`` through :func:`moekit.utils.atomic.atomic_write` (pausing
+    ``MOEKIT_CHECKPOINT_WRITE_DELAY`` seconds before the rename). Returns the path."""
+    with atomic_write(path, "wb", pause=_write_delay()) as file:
+        torch.save(obj, file)
+    return Path(path)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local writes are atomic and durable (see the module docstring).
+
+    Loading and removing are Lightning's; checkpoints stay plain ``torch.save`` files.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; it takes none "
+                "(call trainer.save_checkpoint(path) without storage_options)"
+            )
+        if not isinstance(get_filesystem(path), LocalFileSystem):
+            super().save_checkpoint(checkpoint, path)
+            return
+        atomic_torch_save(checkpoint, os.fspath(path).removeprefix("file://"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading weights
+# ---------------------------------------------------------------------------------------------
 def read_state_dict(path: str | os.PathLike, prefix: str = "net.") -> dict[str, Tensor]:
     """Tensors of a weights file, keyed like the network's own ``state_dict``.
 
@@ -90,3 +180,88 @@ def head_prefixes(net: nn.Module) -> tuple[str, ...]:
     classifier = (cfg or {}).get("classifier", "head")
     names = classifier if isinstance(classifier, (list, tuple)) else [classifier]
     return tuple(f"{n}." for n in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training checkpoints
+# ---------------------------------------------------------------------------------------------
+SHARDED_METADATA = "meta.pt"
+"""The file of a sharded (FSDP ``state_dict_type=sharded``) checkpoint folder holding everything but
+the weights and optimizer states (Lightning's ``ModelParallelStrategy`` layout)."""
+
+
+def is_sharded_checkpoint(ckpt_path: str) -> bool:
+    return (Path(ckpt_path) / SHARDED_METADATA).is_file()
+
+
+def check_ckpt_path(ckpt_path: str | None, sharded_ok: bool = False) -> None:
+    if ckpt_path and sharded_ok and is_sharded_checkpoint(ckpt_path):
+        return
+    if ckpt_path and is_sharded_checkpoint(ckpt_path):
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} is a sharded checkpoint (one file per rank); only training resumes from it "
+            "(with trainer=fsdp). Save full checkpoints to evaluate or export: trainer.strategy.state_dict_type=full"
+        )
+    if ckpt_path and not Path(ckpt_path).is_file():
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} does not exist; give the path of a .ckpt file (e.g. <run>/checkpoints/last.ckpt)"
+        )
+
+
+def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
+    """A checkpoint to resume from must be a readable Lightning checkpoint of this very network: say
+    so in one line instead of failing inside ``trainer.fit`` with a traceback. (A sharded checkpoint
+    folder is checked by torch.distributed.checkpoint when it loads.)"""
+    if is_sharded_checkpoint(ckpt_path):
+        return
+    try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
+            "It is corrupt, truncated or not a PyTorch file; resume from another checkpoint (e.g. an earlier "
+            "epoch_XXX.ckpt) or drop ckpt_path to start afresh"
+        ) from None
+    missing = [
+        key
+        for key in ("state_dict", "optimizer_states", "epoch")
+        if not isinstance(checkpoint, dict) or key not in checkpoint
+    ]
+    if missing:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} is not a Lightning training checkpoint (no {', '.join(missing)}); resume "
+            "from a .ckpt written by scripts/train.py, or load plain weights with task.init_from=<file> instead"
+        )
+    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+    load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
+
+
+def _task_class(checkpoint: dict) -> type[MoETask]:
+    """The task class a checkpoint names (checkpoints without the entry are image classifiers)."""
+    from moekit.tasks import MoETask
+
+    module_name, _, qualname = checkpoint.get(TASK_KEY, "moekit.tasks.classification:ImageClassifier").partition(":")
+    if not module_name.startswith("moekit."):
+        raise ValueError(f"unknown task {checkpoint[TASK_KEY]!r}")
+    cls = getattr(importlib.import_module(module_name), qualname)
+    if not (isinstance(cls, type) and issubclass(cls, MoETask)):
+        raise ValueError(f"{checkpoint[TASK_KEY]!r} is not a moekit task")
+    return cls
+
+
+def load_task(ckpt_path: str) -> MoETask:
+    """The task (image classifier, language model) of a checkpoint written by ``scripts/train.py``, in eval
+    mode on the CPU, with a clear error for anything else."""
+    check_ckpt_path(ckpt_path)
+    try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        cls = _task_class(checkpoint)
+        # The checkpoint holds the trained weights: do not read the run's initial weights file again.
+        module = cls(**{**checkpoint["hyper_parameters"], "init_from": None})
+        module.load_state_dict(checkpoint["state_dict"])
+    except Exception as err:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} is not a moekit training checkpoint that can be loaded "
+            f"({type(err).__name__}: {err}). Pass a .ckpt written by scripts/train.py."
+        ) from None
+    return module.eval()

@@ -92,7 +92,7 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
             logging.getLogger("moekit").error("%s", err)
             sys.exit(1)
         function = _resolve(fn)
-        from moekit.run import USER_ERRORS
+        from moekit.errors import USER_ERRORS
 
         try:
             return function(cfg)

@@ -1,27 +1,47 @@
-"""The training template's configs outside Hydra's entry point: composing them (tests, the soak test, the
-benchmarks build their runs this way) and the checks every composed config passes before torch is imported.
+"""The training template's configs: composing them outside Hydra's entry point (the tests, the soak test and
+the benchmarks build their runs this way), the checks they pass, and instantiating their ``_target_`` entries.
 
 The checks refuse what Hydra accepts but the run would ignore or fail on much later:
 
-* a ``+key=value`` override that nothing reads (``+foo=1``, ``+paths.x=1``: only the settings of the model,
-  MoE recipe, data, task, trainer, callbacks and loggers are read, and each of those refuses unknown keys
-  itself);
-* an MoE recipe its model cannot serve (hash routing in a ViT; a recipe that mixes tokens in a causal language
-  model), with the reason and the alternative (:func:`moekit.recipes.check_fits`).
+* before torch is imported (:func:`check_composed`): a ``+key=value`` override that nothing reads (``+foo=1``,
+  ``+paths.x=1``: only the settings of the model, MoE recipe, data, task, trainer, callbacks and loggers are
+  read, and each of those refuses unknown keys itself), and an MoE recipe its model cannot serve (hash routing
+  in a ViT; a recipe that mixes tokens in a causal language model), with the reason and the alternative
+  (:func:`moekit.recipes.check_fits`);
+* before a ``_target_`` is built (:func:`check_target_keys`): a key its signature does not take, or a plain
+  value of the wrong type (``trainer.max_epochs=abc``), with a did-you-mean;
+* a callbacks or logger entry that is not a ``_target_`` config (:func:`instantiate_group`).
 
-This module imports no torch.
+Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from moekit.recipes import check_fits, resolve_recipe
 
-__all__ = ["compose", "check_composed", "MODEL_KINDS"]
+__all__ = [
+    "CONFIG_DIR",
+    "compose",
+    "check_composed",
+    "check_target_keys",
+    "instantiate",
+    "instantiate_group",
+    "MODEL_KINDS",
+]
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+"""The template's configs in a source checkout (``pip install -e .``), where the benchmarks compose their runs."""
 
 MODEL_KINDS: dict[str, tuple[str, bool, bool]] = {
     "moekit.models.create_model": ("a ViT", False, False),
@@ -70,3 +90,113 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
     if spec is not None:
         what, causal, token_ids = MODEL_KINDS[str(model._target_)]
         check_fits(spec, model=what, causal=causal, token_ids=token_ids)
+
+
+def instantiate(config: Any, *args, **kwargs) -> Any:
+    """``hydra.utils.instantiate`` that re-raises a user error (a bad value, a missing file) from a
+    target's constructor as itself, not wrapped in Hydra's nested ``InstantiationException``."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    from moekit.errors import USER_ERRORS
+
+    try:
+        return hydra_instantiate(config, *args, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        while isinstance(cause, InstantiationException):
+            cause = cause.__cause__
+        if isinstance(cause, USER_ERRORS):
+            raise cause from None
+        raise
+
+
+def instantiate_group(group: DictConfig | None, name: str) -> list:
+    """Instantiate each entry of the callbacks or logger group ``name``; an entry that is not a ``_target_``
+    config (``+callbacks.foo=1``) is an error naming it."""
+    if not group:
+        return []
+    for key, entry in group.items():
+        if not (isinstance(entry, DictConfig) and "_target_" in entry):
+            raise ValueError(
+                f"{name}.{key}={OmegaConf.to_container(entry) if isinstance(entry, DictConfig) else entry!r} is not a "
+                f"{name} config: each entry of {name} is a mapping with a _target_ (see configs/{name}/); remove it"
+            )
+        check_target_keys(entry, f"{name}.{key}")
+    return [instantiate(entry) for entry in group.values()]
+
+
+def _primitive_types(annotation: Any) -> tuple[list[type], list[Any]] | None:
+    """The plain types and ``Literal`` values an annotation allows, or None when it allows anything
+    richer (a class, a container) that a config value may legitimately describe."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_primitive_types(arg) for arg in typing.get_args(annotation)]
+        if any(part is None for part in parts):
+            return None
+        return [t for part in parts for t in part[0]], [v for part in parts for v in part[1]]
+    if origin is typing.Literal:
+        return [], list(typing.get_args(annotation))
+    if annotation in (int, float, bool, str, type(None)):
+        return [annotation], []
+    return None
+
+
+def _matches(value: Any, allowed_types: list[type], literals: list[Any]) -> bool:
+    if any(value == literal and type(value) is type(literal) for literal in literals):
+        return True
+    for allowed in allowed_types:
+        if allowed is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if allowed is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if allowed in (bool, str, type(None)) and isinstance(value, allowed):
+            return True
+    return False
+
+
+def _target(config: DictConfig) -> Any | None:
+    """The callable a ``_target_`` config names (None when it cannot be imported: instantiate says why)."""
+    module_name, _, name = str(config._target_).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def check_target_keys(config: DictConfig | None, name: str) -> None:
+    """Check a ``_target_`` config's keys against its target's signature before building it: an unknown key
+    (``trainer.max_epoch``) or a plain value of the wrong type (``trainer.max_epochs=abc``, which Lightning would
+    otherwise accept and fail on much later) is a one-line error with the fix. Targets that take ``**kwargs``
+    are checked by the target itself."""
+    if not isinstance(config, DictConfig) or "_target_" not in config:
+        return
+    target = _target(config)
+    if target is None:
+        return
+    function = target.__init__ if isinstance(target, type) else target
+    params = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # an annotation this Python cannot evaluate: check the names only
+        hints = {}
+    label = str(config._target_)
+    raw = OmegaConf.to_container(config, resolve=False)  # interpolations are not resolved yet: skip them
+    for key, value in raw.items():
+        if key.startswith("_"):
+            continue
+        if key not in params:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = f"did you mean {name}.{close[0]}?" if close else f"see {label}'s arguments"
+            raise ValueError(f"{name}.{key} is not an argument of {label}; {hint} (remove or rename it)")
+        allowed = _primitive_types(hints.get(key))
+        if allowed is None or isinstance(value, dict | list) or (isinstance(value, str) and "${" in value):
+            continue
+        if not _matches(value, *allowed):
+            names = [t.__name__.replace("NoneType", "null") for t in allowed[0]] + [repr(v) for v in allowed[1]]
+            raise ValueError(
+                f"{name}.{key}={value!r} has the wrong type for {label}({key}=...); "
+                f"set it to one of: {', '.join(dict.fromkeys(names))}"
+            )

@@ -25,8 +25,6 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import os
-import tempfile
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -34,6 +32,8 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from moekit.utils.atomic import write_text_atomic
 
 __all__ = ["ResumableCSVLogger", "ResumableExperimentWriter", "read_metrics_csv"]
 
@@ -56,23 +56,6 @@ def _step(row: dict[str, str]) -> int | None:
         return int(float(row.get("step") or ""))
     except ValueError:
         return None
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """Replace ``path`` by a file holding ``text``: a temporary file in the same folder, then ``os.replace``.
-    The file gets the permissions a plain ``open(path, "w")`` would give it."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", newline="") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _csv_text(header: list[str], rows: list[dict[str, Any]]) -> str:
@@ -108,7 +91,7 @@ class ResumableExperimentWriter(ExperimentWriter):
 
     def _write_text(self, text: str) -> None:
         if isinstance(self._fs, LocalFileSystem):
-            _write_atomic(self.metrics_file_path, text)
+            write_text_atomic(self.metrics_file_path, text)
         else:  # a remote file system: its own write (no atomic rename there)
             with self._fs.open(self.metrics_file_path, "w", newline="") as file:
                 file.write(text)

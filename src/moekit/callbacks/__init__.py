@@ -5,8 +5,7 @@ from .guard import NonFiniteGuard, NonFiniteTrainingError
 from .moe_stats import ExpertLoadMonitor
 from .preemption import Preempted, PreemptionCheckpoint
 from .slots import SlotPictureLogger
-from .throughput import ThroughputLogger
-from .training_counter import TrainingCounter
+from .throughput import ThroughputMonitor
 
 __all__ = [
     "CapacityTuner",
@@ -16,6 +15,5 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "SlotPictureLogger",
-    "ThroughputLogger",
-    "TrainingCounter",
+    "ThroughputMonitor",
 ]

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from moekit.utils.atomic import atomic_write
 
 from .idx import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx, write_idx
 from .in_memory import ImageArrays
@@ -118,16 +119,11 @@ def download_fashion_mnist(directory: str | os.PathLike[str], mirror: str = FASH
         if found is not None:
             continue
         file_name = f"{FASHION_MNIST_FILES[role]}.gz"
-        handle, temp_name = tempfile.mkstemp(prefix=f".{file_name}.", suffix=".part.gz", dir=directory)
-        temp_path = Path(temp_name)
-        try:
-            with os.fdopen(handle, "wb") as temp_file:
-                with urllib.request.urlopen(f"{mirror.rstrip('/')}/{file_name}", timeout=60) as response:
-                    shutil.copyfileobj(response, temp_file)
-            _read_role(temp_path, role)
-            os.replace(temp_path, directory / file_name)
-        finally:
-            temp_path.unlink(missing_ok=True)
+        with atomic_write(directory / file_name, "wb", suffix=".part.gz") as temp_file:
+            with urllib.request.urlopen(f"{mirror.rstrip('/')}/{file_name}", timeout=60) as response:
+                shutil.copyfileobj(response, temp_file)
+            temp_file.flush()
+            _read_role(Path(temp_file.name), role)  # a bad download raises here and is never renamed
     return directory
 
 

@@ -13,11 +13,12 @@ Round trip::
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
+
+from moekit.utils.atomic import atomic_write
 
 __all__ = ["export_safetensors"]
 
@@ -26,8 +27,8 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write ``model.state_dict()`` (parameters and persistent buffers, on CPU) to ``path``. Tied
     parameters are written once per name, so ``model.load_state_dict`` reads the file back.
 
-    The file is written next to ``path`` under a temporary name and moved into place with
-    ``os.replace``, so readers never see a partial file. Missing parent folders are created.
+    The write is atomic (:func:`moekit.utils.atomic.atomic_write`): readers never see a partial file.
+    Missing parent folders are created.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -43,10 +44,6 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
             tensor = tensor.clone()
         seen.add(tensor.data_ptr())
         tensors[name] = tensor
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_write(path, "wb") as file:
+        file.write(save(tensors, metadata={"format": "pt"}))
     return path

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from moekit.moe import ExpertBank, MoELayer, moe_layers
+from moekit.utils.format import si
 
 __all__ = ["MoELayerSummary", "ModelSummary", "model_summary", "LMSummary", "lm_summary"]
 
@@ -75,10 +76,10 @@ class ModelSummary:
     def format(self) -> str:
         lines = [
             f"input {'x'.join(map(str, self.input_size))}",
-            f"  total params           {_human(self.total_params):>9}",
-            f"  expert params          {_human(self.expert_params):>9}",
-            f"  active params / token  {_human(self.active_params_per_token):>9}",
-            f"  FLOPs / image          {_human(self.flops_per_image):>9}",
+            f"  total params           {si(self.total_params):>9}",
+            f"  expert params          {si(self.expert_params):>9}",
+            f"  active params / token  {si(self.active_params_per_token):>9}",
+            f"  FLOPs / image          {si(self.flops_per_image):>9}",
         ]
         lines += _layer_table(self.moe_layers, "FLOPs/img")
         return "\n".join(lines)
@@ -97,17 +98,10 @@ def _layer_table(layers: Sequence[MoELayerSummary], flops_header: str) -> list[s
     for s in layers:
         lines.append(
             f"  {s.name:<{width}}  {s.layer:<14} {s.num_experts:>7} {s.tokens:>6} "
-            f"{s.expert_rows_per_token:>8.3g} {_human(s.expert_params):>9} "
-            f"{_human(s.active_params_per_token):>10} {_human(s.flops_per_image):>9}"
+            f"{s.expert_rows_per_token:>8.3g} {si(s.expert_params):>9} "
+            f"{si(s.active_params_per_token):>10} {si(s.flops_per_image):>9}"
         )
     return lines
-
-
-def _human(value: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return f"{value:.4g}"
 
 
 def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -199,10 +193,10 @@ class LMSummary:
     def format(self) -> str:
         lines = [
             f"sequences of {self.seq_len} tokens",
-            f"  total params           {_human(self.total_params):>9}",
-            f"  expert params          {_human(self.expert_params):>9}",
-            f"  active params / token  {_human(self.active_params_per_token):>9}",
-            f"  FLOPs / token          {_human(self.flops_per_token):>9}",
+            f"  total params           {si(self.total_params):>9}",
+            f"  expert params          {si(self.expert_params):>9}",
+            f"  active params / token  {si(self.active_params_per_token):>9}",
+            f"  FLOPs / token          {si(self.flops_per_token):>9}",
         ]
         lines += _layer_table(self.moe_layers, "FLOPs/seq")
         return "\n".join(lines)

@@ -23,7 +23,15 @@ from typing import Any
 
 import yaml
 
-__all__ = ["list_recipes", "load_recipe", "resolve_recipe", "needs_token_ids", "mixes_tokens", "check_fits"]
+__all__ = [
+    "list_recipes",
+    "load_recipe",
+    "recipe_citation",
+    "resolve_recipe",
+    "needs_token_ids",
+    "mixes_tokens",
+    "check_fits",
+]
 
 _FOLDER = resources.files(__name__) / "moe"
 _NO_MOE = "none"
@@ -47,6 +55,14 @@ def load_recipe(name: str) -> dict[str, Any]:
     if name not in list_recipes():
         raise ValueError(f"unknown MoE recipe {name!r}; recipes: {', '.join(list_recipes())} (or none for no MoE)")
     return yaml.safe_load((_FOLDER / f"{name}.yaml").read_text())
+
+
+def recipe_citation(name: str) -> str:
+    """The first comment line of recipe ``name``: the paper, its settings, and the expert compute per token
+    relative to the dense MLP the layer replaces ("expert compute 2x the dense MLP's")."""
+    load_recipe(name)  # an unknown name is an error naming the recipes
+    first = (_FOLDER / f"{name}.yaml").read_text().splitlines()[0]
+    return first.removeprefix("#").strip()
 
 
 def resolve_recipe(moe: str | Mapping[str, Any] | None, **overrides: Any) -> dict[str, Any] | None:

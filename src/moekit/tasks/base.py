@@ -18,14 +18,12 @@ from lightning import LightningModule
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from moekit.checkpoint import TASK_KEY
 from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_balancing_biases
 
 from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
 
 __all__ = ["MoETask", "plain"]
-
-TASK_KEY = "moekit_task"
-"""Checkpoint entry naming the task class (``module:qualname``), so one loader reads any task."""
 
 
 def plain(config: Any) -> Any:

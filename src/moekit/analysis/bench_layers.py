@@ -1,0 +1,319 @@
+"""Benchmark of the MoE layers: forward + backward time against dense MLPs and reference implementations.
+
+A benchmark, not a test: it prints tables of times and of ratios measured in the same run. The
+candidates of a table are timed in interleaved rounds (each candidate once per round, the median over
+rounds), so a slow phase of the machine hits all of them alike.
+
+    python scripts/bench_moe.py                  # every table (about 15 minutes on a 2-core CPU)
+    python scripts/bench_moe.py --tables soft topk recipes --rounds 5
+    python scripts/bench_moe.py --quick          # small shapes, a smoke run
+    python scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8   # a GPU: bf16 autocast, 8x the batch
+
+Optional references (``pip install -e .[bench]``): ``soft-moe-pytorch`` for Soft MoE and Hugging
+Face ``transformers``' ``MixtralSparseMoeBlock`` (every experts implementation it offers) for top-2.
+A missing reference is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from timm.layers import Mlp, SwiGLU
+from torch import nn
+
+from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
+from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
+from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
+from moekit.utils.machine import machine_info
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where and in which precision the layers run: float32, or bf16 autocast (routers stay float32)."""
+
+    device: torch.device = torch.device("cpu")
+    autocast: torch.dtype | None = None
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def precision(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+
+@dataclass
+class Candidate:
+    name: str
+    module: nn.Module
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda m, x: m(x)
+
+
+def _step(candidate: Candidate, x: torch.Tensor, grad: torch.Tensor, backend: Backend) -> float:
+    for p in candidate.module.parameters():
+        p.grad = None
+    x.grad = None
+    backend.sync()
+    start = time.perf_counter()
+    with backend.precision():
+        y = candidate.forward(candidate.module, x)
+    y.backward(grad)
+    backend.sync()
+    return time.perf_counter() - start
+
+
+def time_candidates(
+    candidates: list[Candidate], x: torch.Tensor, rounds: int, backend: Backend = Backend()
+) -> dict[str, float]:
+    """Median forward+backward seconds of each candidate, measured in interleaved rounds after one
+    warm-up step. A candidate more than 20x slower than the fastest is timed once (its ratio is
+    then far from any target; the rounds would only cost minutes). ``x`` must be on
+    ``backend.device``; the candidates' modules are moved there."""
+    grads, warm = {}, {}
+    for c in list(candidates):
+        try:
+            c.module.to(backend.device).train()
+            with torch.no_grad(), backend.precision():
+                grads[c.name] = torch.randn_like(c.forward(c.module, x))
+            warm[c.name] = _step(c, x, grads[c.name], backend)
+        except (RuntimeError, MemoryError) as err:  # e.g. a reference that gathers a weight copy per token
+            print(f"({c.name}: skipped, {str(err).splitlines()[0][:120]})")
+            candidates.remove(c)
+            c.module.to("cpu")
+    fastest = min(warm.values())
+    times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    for r in range(rounds):
+        for c in candidates:
+            if r == 0 or warm[c.name] < 20 * fastest:
+                times[c.name].append(_step(c, x, grads[c.name], backend))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def print_table(title: str, rows: list[tuple[str, float]], baseline: str) -> None:
+    base = dict(rows)[baseline]
+    print(f"\n### {title}\n")
+    print(f"| layer | fwd+bwd ms | vs {baseline} |")
+    print("|---|---:|---:|")
+    for name, t in rows:
+        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+def table_soft(args) -> None:
+    """Soft MoE at the ViT-S/16 shape, 128 slots in total, vs soft-moe-pytorch and the dense MLP."""
+    batch, tokens, dim, hidden, slots = (32, 196, 384, 1536, 128) if not args.quick else (4, 49, 64, 256, 16)
+    batch *= args.batch_scale
+    x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
+    try:
+        from soft_moe_pytorch import SoftMoE as LucidSoftMoE
+    except ImportError:
+        LucidSoftMoE = None
+        print("\n(soft-moe-pytorch not installed: pip install -e .[bench])")
+    for experts in (8, 32, 128) if not args.quick else (4, 16):
+        per = slots // experts
+        ours = SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)
+        dense_same_flops = Mlp(dim, round(hidden * slots / tokens))
+        cands = [
+            Candidate("dense Mlp (same hidden)", Mlp(dim, hidden)),
+            Candidate(f"dense Mlp (same expert FLOPs, h={round(hidden * slots / tokens)})", dense_same_flops),
+            Candidate("moekit SoftMoE", ours),
+        ]
+        if LucidSoftMoE is not None:
+            ref = LucidSoftMoE(dim, num_experts=experts, num_slots=per, expert_mult=hidden // dim)
+            cands.append(Candidate("soft-moe-pytorch SoftMoE", ref))
+        t = time_candidates(cands, x, args.rounds, args.backend)
+        print_table(
+            f"Soft MoE, {experts} experts x {per} slots, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
+            [(c.name, t[c.name]) for c in cands if c.name in t],
+            "moekit SoftMoE",
+        )
+        if "soft-moe-pytorch SoftMoE" in t:
+            print(f"\nsoft-moe-pytorch / moekit: {t['soft-moe-pytorch SoftMoE'] / t['moekit SoftMoE']:.2f}x")
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mixtral_blocks(dim: int, hidden: int, experts: int, top_k: int, tokens: int, device: torch.device):
+    try:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    except ImportError:
+        print("\n(transformers not installed: pip install -e .[bench])")
+        return []
+    blocks = []
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        # batched_mm gathers the 3 SwiGLU matrices of its expert for every routed token (float32), and
+        # backward holds about twice that again: skip it where that cannot fit (the OOM killer would
+        # end the whole benchmark, not raise).
+        gathered = tokens * top_k * 3 * dim * hidden * 4
+        if impl == "batched_mm" and 3 * gathered > _available_bytes(device):
+            print(f"(Mixtral block, experts=batched_mm: skipped, needs ~{3 * gathered / 2**30:.0f} GiB)")
+            continue
+        config = MixtralConfig(
+            hidden_size=dim,
+            intermediate_size=hidden,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            hidden_act="silu",
+        )
+        try:
+            config._experts_implementation = impl
+            block = MixtralSparseMoeBlock(config)
+        except Exception as err:  # an implementation this transformers version lacks
+            print(f"(MixtralSparseMoeBlock experts={impl}: {err})")
+            continue
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.02)
+        blocks.append((impl, block))
+    return blocks
+
+
+def table_topk(args) -> None:
+    """Tokens-choice top-2 SwiGLU experts vs Mixtral's block and the dense SwiGLU of equal active FLOPs."""
+    tokens, dim = (4096, 512) if not args.quick else (512, 64)
+    tokens *= args.batch_scale
+    shapes = [(64, 2048), (256, 256)] if not args.quick else [(8, 128), (32, 32)]
+    x = torch.randn(1, tokens, dim, device=args.backend.device, requires_grad=True)
+    for experts, hidden in shapes:
+        cands = [
+            Candidate(f"dense SwiGLU (h={2 * hidden}, same active FLOPs)", SwiGLU(dim, 2 * hidden, bias=False)),
+            Candidate(
+                "moekit TopKMoE",
+                TopKMoE(
+                    dim,
+                    hidden,
+                    num_experts=experts,
+                    top_k=2,
+                    normalize_gates=True,
+                    gated=True,
+                    act_layer=nn.SiLU,
+                    bias=False,
+                ),
+            ),
+        ]
+        for impl, block in _mixtral_blocks(dim, hidden, experts, 2, tokens, args.backend.device):
+            cands.append(Candidate(f"Mixtral block, experts={impl}", block))
+        t = time_candidates(cands, x, args.rounds, args.backend)
+        dense = cands[0].name
+        cands = [c for c in cands if c.name in t]
+        print_table(
+            f"Tokens-choice top-2, {experts} SwiGLU experts of hidden {hidden}, {tokens} tokens, d={dim} (dropless)",
+            [(c.name, t[c.name]) for c in cands],
+            dense,
+        )
+        mixtral = [t[c.name] for c in cands if c.name.startswith("Mixtral")]
+        if mixtral:
+            print(f"\nbest Mixtral block / moekit: {min(mixtral) / t['moekit TopKMoE']:.2f}x")
+        print(f"moekit / dense: {t['moekit TopKMoE'] / t[dense]:.2f}x")
+
+
+def table_recipes(args) -> None:
+    """Every MoE recipe (:mod:`moekit.recipes`) as shipped, at one ViT-like shape, against the dense MLP it
+    replaces; each row names the recipe's expert compute relative to that MLP (its comment line)."""
+    batch, tokens, dim, hidden = (8, 196, 384, 1536) if not args.quick else (2, 49, 64, 256)
+    batch *= args.batch_scale
+    x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
+    ids = torch.randint(0, 1000, (batch, tokens), device=args.backend.device)
+    cands = [Candidate("dense Mlp", Mlp(dim, hidden))]
+    for name in list_recipes():
+        spec = load_recipe(name)
+        layer = build_moe_layer(
+            name, in_features=dim, hidden_features=hidden, model_settings={"num_tokens": tokens, "vocab_size": 1000}
+        )
+        compute = re.search(r"expert compute ([0-9.]+x)", recipe_citation(name))
+        label = f"{name} ({layer.experts.num_experts} experts, compute {compute.group(1) if compute else '?'})"
+        forward = (lambda m, x: m(x, token_ids=ids)) if needs_token_ids(spec) else (lambda m, x: m(x))
+        cands.append(Candidate(label, layer, forward))
+    t = time_candidates(cands, x, args.rounds, args.backend)
+    print_table(
+        f"Every recipe as shipped, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
+        [(c.name, t[c.name]) for c in cands],
+        "dense Mlp",
+    )
+
+
+def table_scaling(args) -> None:
+    """Step time as experts grow at a fixed number of slots (Soft MoE) or fixed capacity (sparse)."""
+    batch, tokens, dim, hidden = (8, 196, 384, 1536) if not args.quick else (2, 49, 64, 128)
+    batch *= args.batch_scale
+    slots = 128 if not args.quick else 16
+    expert_counts = (8, 16, 32, 64, 128, 256) if not args.quick else (4, 8, 16)
+    x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
+    print(f"\n### Scaling experts, batch {batch} x {tokens} tokens, d={dim}, expert mlp {hidden}\n")
+    print(
+        "Soft MoE: 128 slots in total; tokens-choice top-1 and experts-choice: capacity factor 1.0 "
+        "(total expert work fixed). Times are fwd+bwd ms; ratios are against the dense Mlp of the same run.\n"
+    )
+    print("| experts | dense Mlp | SoftMoE | TopKMoE top-1 cf1 | ExpertsChoice cf1 |")
+    print("|---:|---:|---:|---:|---:|")
+    for experts in expert_counts:
+        per = max(1, slots // experts)
+        cands = [
+            Candidate("dense", Mlp(dim, hidden)),
+            Candidate("soft", SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)),
+            Candidate("top1", TopKMoE(dim, hidden, num_experts=experts, top_k=1, capacity_factor=1.0)),
+            Candidate("ec", ExpertsChoiceMoE(dim, hidden, num_experts=experts, capacity_factor=1.0)),
+        ]
+        t = time_candidates(cands, x, args.rounds, args.backend)
+        d = t["dense"]
+        cells = [f"{t[k] * 1e3:.0f} ({t[k] / d:.2f}x)" for k in ("soft", "top1", "ec")]
+        print(f"| {experts} | {d * 1e3:.0f} | " + " | ".join(cells) + " |")
+        sys.stdout.flush()
+        del cands
+
+
+TABLES = {"soft": table_soft, "topk": table_topk, "recipes": table_recipes, "scaling": table_scaling}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tables", nargs="+", choices=sorted(TABLES), default=list(TABLES))
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (median reported)")
+    parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run of the script")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: the forward under bf16 autocast"
+    )
+    parser.add_argument(
+        "--batch-scale", type=int, default=1, help="multiply every table's batch (or token count) by this"
+    )
+    add_allocator_argument(parser)
+    args = parser.parse_args(argv)
+    if args.batch_scale < 1:
+        parser.error(f"--batch-scale must be a positive integer, got {args.batch_scale}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available (use --device cpu)")
+    apply_allocator(args)
+    torch.manual_seed(args.seed)
+    args.backend = Backend(torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else None)
+    machine = machine_info()
+    where = f"GPU {machine['gpu']}" if args.device == "cuda" else f"{machine['cpu']} x{machine['cpu_cores']}"
+    print(
+        f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{where}, {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, forward + backward, "
+        f"batch x{args.batch_scale}, allocator: {active_allocator()}"
+    )
+    for name in args.tables:
+        TABLES[name](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,474 @@
+"""Benchmark of whole models: the training-step time of each MoE model against its dense twin.
+
+A benchmark, not a test: it prints tables of step times and of ratios measured in the same run. A
+step is what ``scripts/train.py`` trains, built from the same Hydra configs: the task's
+``training_step`` (forward, task loss + MoE auxiliary losses) under the trainer's precision
+(``bf16-mixed``: bf16 autocast), backward, gradient clipping at ``trainer.gradient_clip_val``, an
+optimizer step with the task's optimizer (AdamW, its parameter groups; no schedule), the loss-free
+balancing update and ``zero_grad``, on a random batch of the data config's shapes and batch size.
+The models of a table are timed in interleaved rounds, so that a slow phase of the machine hits all of
+them alike: in each round every model takes ``--warmup`` untimed steps, then ``--steps`` timed ones in a
+row; its time is the median over all its timed steps. The warm-up step matters: a model's first step
+after another model's runs slow (the five width-64 ViTs in turn, 4 rounds: Soft MoE +13 %, experts-choice
++6 % at the median, up to +30 % in the first round). The table
+also shows the step's parameter update alone (clipping, optimizer step, balancing update, zero_grad),
+which grows with a model's total parameters where the forward and backward grow with the active ones.
+
+    python scripts/bench_models.py                          # both groups (ViTs at width 128, LMs)
+    python scripts/bench_models.py --groups vit --vit-width 64 96 128
+    python scripts/bench_models.py --groups vit --override moe.num_experts=32
+    python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s
+    python scripts/bench_models.py --groups vit --models soft_moe --sweep moe.slots_per_expert=1,2,4
+    python scripts/bench_models.py --groups scaling --sweep moe.num_experts=8,16,32,64,128,256
+    python scripts/bench_models.py --groups vit --vit-width 64 96 128 --json logs/bench_models/pareto.json
+    python scripts/bench_models.py --quick                  # tiny shapes, a smoke run
+
+Groups: ``vit`` - the Pareto sweep's models (``results=pareto``: each ``moe=`` recipe of the sweep), against
+its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language``), against
+``dense_transformer_lm``; ``scaling`` - the expert-scaling sweep's routers (``results=scaling``; not run by
+default), against its ``moe=none`` twin. ``--quick`` adds ``debug=tiny`` (the tiny model of each family).
+Parameters and forward FLOPs are those ``results.json`` records (:func:`moekit.models.summary.model_summary` /
+``lm_summary``: FLOPs measured in eval mode). An ``--override`` whose key a model's config lacks
+(``moe.num_experts`` for the dense twin) is left out for that model, and said so. ``--models`` keeps some of
+a group's MoE models (the dense baseline always runs); ``--sweep key=v1,v2`` times each kept MoE model once
+per value, in the same interleaved rounds (the step-time side of an ablation, e.g. slots per expert).
+
+``--json PATH`` also writes the tables as JSON, each row with its model's resolved config, batch size and
+precision: ``scripts/plot_results.py --step-times PATH`` matches them to a sweep's runs and draws the
+time axes from these step times, measured side by side, rather than from the runs' recorded times,
+which drift with the machine between sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning import LightningDataModule
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+from moekit.analysis.step_times import STEP_TIMES_KIND
+from moekit.commands.train import _summary
+from moekit.configs import CONFIG_DIR, compose, instantiate
+from moekit.models.summary import LMSummary, ModelSummary
+from moekit.moe import update_balancing_biases
+from moekit.tasks import LanguageModel, MoETask
+from moekit.tasks.optim import build_optimizer, param_groups
+from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
+from moekit.utils.atomic import write_json_atomic
+from moekit.utils.format import si
+from moekit.utils.machine import machine_info
+
+GROUPS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
+    # group: (overrides of every model, {model: its overrides}; the first model is the dense baseline)
+    "vit": (
+        ["results=pareto"],
+        {
+            "dense": ["moe=none"],
+            "soft_moe": ["moe=results/pareto_soft_moe"],
+            "top1": ["moe=results/pareto_top1"],
+            "top2": ["moe=results/pareto_top2"],
+            "experts_choice": ["moe=results/pareto_experts_choice"],
+        },
+    ),
+    "lm": (
+        [],
+        {
+            "dense_transformer_lm": ["experiment=dense_transformer_lm"],
+            "moe_transformer_lm": ["experiment=moe_transformer_lm"],
+            "moe_lstm_lm_matched": ["experiment=results/moe_lstm_lm_matched"],
+        },
+    ),
+    "scaling": (
+        ["results=scaling"],
+        {
+            "dense": ["moe=none"],
+            "soft_moe": ["moe=results/scaling_soft_moe"],
+            "top1": ["moe=results/scaling_top1"],
+            "experts_choice": ["moe=results/scaling_experts_choice"],
+        },
+    ),
+}
+DEFAULT_GROUPS = ["vit", "lm"]
+
+QUICK = ["debug=tiny"]  # the tiny model of each family (configs/debug/models/)
+QUICK_BATCH = 8
+
+_MISSING = object()
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16}
+_FULL = {"32-true", "32"}
+
+
+@dataclass
+class Candidate:
+    """One model ready to train: the task (its ``net``), the optimizer the run would build, a random
+    batch on ``device``, the trainer's precision and clipping, and the model's summary; ``name`` is
+    its row in the table, ``overrides`` what built it."""
+
+    name: str
+    overrides: list[str]
+    cfg: DictConfig
+    task: MoETask
+    optimizer: torch.optim.Optimizer
+    batch: tuple[Tensor, Tensor]
+    precision: str
+    clip_val: float | None
+    summary: ModelSummary | LMSummary | None
+    examples_per_step: int  # images, or tokens for a language model
+    device: torch.device
+
+    @property
+    def unit(self) -> str:
+        return "token" if isinstance(self.task, LanguageModel) else "image"
+
+    @property
+    def flops_per_example(self) -> float | None:
+        if self.summary is None:
+            return None
+        return float(self.summary.flops_per_token if self.unit == "token" else self.summary.flops_per_image)
+
+
+def compose_run(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """The config ``scripts/train.py <overrides>`` trains (nothing is written to its output folder)."""
+    output_dir = Path(config_dir).parent / "logs" / "bench_models"
+    return compose(config_dir, "train", [f"paths.root_dir={Path(config_dir).parent}", *overrides], output_dir)
+
+
+def applicable_overrides(model: Sequence[str], overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``overrides`` into those that apply to the config of ``model`` (its overrides) and those whose
+    key it lacks (``key=value`` of a missing key; ``+key``, ``++key``, ``~key`` and group choices always
+    apply)."""
+    if not overrides:
+        return [], []
+    cfg = compose_run(model)
+    kept, dropped = [], []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key.startswith(("+", "~")) or OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING:
+            kept.append(override)
+        else:
+            dropped.append(override)
+    return kept, dropped
+
+
+def _precision(value: Any) -> str:
+    precision = str(value)
+    if precision not in _AUTOCAST and precision not in _FULL:
+        raise ValueError(
+            f"trainer.precision={precision!r} is not supported by this benchmark; use bf16-mixed or 32-true"
+        )
+    return precision
+
+
+def _random_batch(task: MoETask, datamodule: LightningDataModule, batch_size: int, device) -> tuple[Tensor, Tensor]:
+    """A batch of the data module's shapes: ``(images [B, C, S, S], labels [B])`` or
+    ``(input_ids [B, T], targets [B, T])``."""
+    if isinstance(task, LanguageModel):
+        tokens = torch.randint(datamodule.vocab_size, (batch_size, datamodule.seq_len + 1))
+        batch = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    else:
+        size = datamodule.img_size
+        images = torch.randn(batch_size, datamodule.in_chans, size, size)
+        batch = images, torch.randint(datamodule.num_classes, (batch_size,))
+    return tuple(t.to(device) for t in batch)
+
+
+def build_candidate(
+    name: str, overrides: Sequence[str], batch_size: int | None = None, device: str | torch.device = "cpu"
+) -> Candidate:
+    """Build what ``scripts/train.py <overrides>`` would train: the task (seeded with the config's seed), its
+    optimizer, and a random batch of the data config's batch size (or ``batch_size``)."""
+    cfg = compose_run(overrides)
+    L.seed_everything(cfg.seed, verbose=False)
+    datamodule = instantiate(cfg.data, _convert_="all")  # no data is read: the shapes only
+    run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    task: MoETask = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
+    summary = _summary(task, datamodule)  # measured on the CPU, as train() does before fit
+    device = torch.device(device)
+    task.to(device).train()
+    # MoETask.configure_optimizers without the schedule (that needs a trainer for its length).
+    config = dict(task.optimizer_config)
+    weight_decay = config.pop("weight_decay")
+    decay_1d = config.pop("decay_1d", False)
+    optimizer = build_optimizer(param_groups(task.net, weight_decay, decay_1d), **config)
+    batch = _random_batch(task, datamodule, batch_size or datamodule.batch_size, device)
+    examples = batch[1].numel()  # images, or target tokens
+    clip_val = cfg.trainer.get("gradient_clip_val")
+    return Candidate(
+        name=name,
+        overrides=list(overrides),
+        cfg=cfg,
+        task=task,
+        optimizer=optimizer,
+        batch=batch,
+        precision=_precision(cfg.trainer.precision),
+        clip_val=float(clip_val) if clip_val else None,
+        summary=summary,
+        examples_per_step=examples,
+        device=device,
+    )
+
+
+@contextlib.contextmanager
+def _no_trainer_warnings():
+    """``self.log`` without a trainer only warns (and logs nothing): silence that warning alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.log\(\).*trainer.*")
+        yield
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds of a training step, and of its parameter update alone (gradient clipping, the optimizer
+    step, the balancing update, ``zero_grad``: the part that grows with the total parameters, not the
+    active ones)."""
+
+    seconds: float
+    update_seconds: float
+
+
+def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
+    """One training step of ``c`` as Lightning runs it; returns its timing and the loss it minimised."""
+    autocast = (
+        torch.autocast(c.device.type, dtype=_AUTOCAST[c.precision])
+        if c.precision in _AUTOCAST
+        else contextlib.nullcontext()
+    )
+    _sync(c.device)
+    start = time.perf_counter()
+    with autocast, _no_trainer_warnings():
+        loss = c.task.training_step(c.batch, 0)
+    loss.backward()
+    _sync(c.device)
+    update_start = time.perf_counter()
+    if c.clip_val:  # Lightning's norm clipping (precision plugin): over the optimizer's parameters
+        params = [p for group in c.optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, c.clip_val)
+    c.optimizer.step()
+    update_balancing_biases(c.task.net)  # MoETask.optimizer_step
+    c.optimizer.zero_grad(set_to_none=True)
+    _sync(c.device)
+    end = time.perf_counter()
+    return StepTiming(seconds=end - start, update_seconds=end - update_start), loss.detach()
+
+
+def time_models(candidates: list[Candidate], rounds: int, steps: int = 3, warmup: int = 1) -> dict[str, StepTiming]:
+    """Each candidate's median step time (and median update time) over ``rounds x steps`` timed steps:
+    in each round, every candidate in turn takes ``warmup`` untimed steps, then ``steps`` timed ones."""
+    timings: dict[str, list[StepTiming]] = {c.name: [] for c in candidates}
+    for _ in range(rounds):
+        for c in candidates:
+            for _ in range(warmup):
+                train_step(c)
+            timings[c.name].extend(train_step(c)[0] for _ in range(steps))
+    return {
+        name: StepTiming(
+            seconds=statistics.median(t.seconds for t in ts),
+            update_seconds=statistics.median(t.update_seconds for t in ts),
+        )
+        for name, ts in timings.items()
+    }
+
+
+def print_table(title: str, candidates: list[Candidate], times: dict[str, StepTiming], gpu: bool) -> None:
+    """A markdown table: sizes, FLOPs, the median step time (and its parameter update), throughput and
+    the ratio to the first candidate (the dense baseline) of the same run."""
+    base = times[candidates[0].name].seconds
+    unit = candidates[0].unit
+    header = (
+        f"| model | total params | active params / token | fwd FLOPs / {unit} | ms / step | update ms | {unit}s/s "
+        "| vs dense |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
+    if gpu:
+        header += " TFLOP/s |"
+        rule += "---:|"
+    print(f"\n### {title}\n\n{header}\n{rule}")
+    for c in candidates:
+        t = times[c.name].seconds
+        s = c.summary
+        cells = [
+            c.name,
+            si(None if s is None else s.total_params),
+            si(None if s is None else s.active_params_per_token),
+            si(c.flops_per_example),
+            f"{t * 1e3:.1f}",
+            f"{times[c.name].update_seconds * 1e3:.1f}",
+            f"{c.examples_per_step / t:,.0f}",
+            f"{t / base:.2f}x",
+        ]
+        if gpu:
+            flops = c.flops_per_example
+            cells.append("n/a" if flops is None else f"{3 * flops * c.examples_per_step / t / 1e12:.2f}")
+        print("| " + " | ".join(cells) + " |")
+    sys.stdout.flush()
+
+
+def table_record(title: str, candidates: list[Candidate], times: dict[str, StepTiming]) -> dict[str, Any]:
+    """A table as JSON: a row per model with its median step time, what it ran (the model's resolved
+    config, batch size, precision: :func:`moekit.analysis.records.step_time_key`) and its sizes."""
+    base = times[candidates[0].name].seconds
+    rows = []
+    for c in candidates:
+        s = c.summary
+        rows.append(
+            {
+                "name": c.name,
+                "overrides": c.overrides,
+                "model_config": OmegaConf.to_container(c.cfg.model, resolve=True),
+                "batch_size": int(c.batch[1].shape[0]),
+                "precision": c.precision,
+                "seconds_per_step": times[c.name].seconds,
+                "update_seconds": times[c.name].update_seconds,
+                "vs_dense": times[c.name].seconds / base,
+                "examples_per_step": c.examples_per_step,
+                "unit": c.unit,
+                "flops_per_example": c.flops_per_example,
+                "total_params": None if s is None else int(s.total_params),
+                "active_params_per_token": None if s is None else float(s.active_params_per_token),
+            }
+        )
+    return {"title": title, "rows": rows}
+
+
+def _describe(c: Candidate) -> str:
+    images, targets = c.batch
+    if c.unit == "token":
+        shape = f"batch {targets.shape[0]} x {targets.shape[1]} tokens"
+    else:
+        shape = f"batch {images.shape[0]} images {'x'.join(map(str, images.shape[1:]))}"
+    optim = type(c.optimizer).__name__
+    clip = f", clip {c.clip_val:g}" if c.clip_val else ""
+    return f"{shape}, {c.precision}, {optim}{clip}"
+
+
+def parse_sweep(sweep: str | None) -> tuple[str, list[str]] | None:
+    """``"key=v1,v2"`` -> ``("key", ["v1", "v2"])``; None stays None."""
+    if sweep is None:
+        return None
+    key, _, values = sweep.partition("=")
+    choices = [v.strip() for v in values.split(",") if v.strip()]
+    if not key or not choices:
+        raise SystemExit(f"--sweep {sweep!r}: write key=value1,value2 (e.g. moe.slots_per_expert=1,2,4)")
+    return key, choices
+
+
+def group_models(group: str, keep: Sequence[str] | None) -> list[str]:
+    """The group's dense baseline followed by its MoE models (those named in ``keep``, if given)."""
+    models = list(GROUPS[group][1])
+    if not keep:
+        return models
+    unknown = [m for m in keep if m not in models[1:]]
+    if unknown:
+        raise SystemExit(f"--models {' '.join(unknown)}: not a MoE model of group {group!r}; choose from {models[1:]}")
+    return [models[0], *[m for m in models[1:] if m in keep]]
+
+
+def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time the group's models (one table per ViT width); print each table and return them as
+    :func:`table_record` s."""
+    shared, model_overrides = GROUPS[group]
+    models = group_models(group, args.models)
+    sweep = parse_sweep(args.sweep)
+    base = [*shared, *(QUICK if args.quick else [])]
+    widths = args.vit_width or ([] if args.quick else [128])
+    variants = [[f"model.embed_dim={w}"] for w in widths] if group != "lm" and widths else [[]]
+    batch_size = args.batch_size or (QUICK_BATCH if args.quick else None)
+    tables = []
+    for variant in variants:
+        candidates = []
+        for i, model in enumerate(models):
+            overrides = [*base, *model_overrides[model], *variant]
+            kept, dropped = applicable_overrides(overrides, list(args.override))
+            if dropped:
+                print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
+            settings = [None] if sweep is None or i == 0 else sweep[1]  # the dense baseline runs once
+            for value in settings:
+                swept = [] if value is None else [f"{sweep[0]}={value}"]
+                name = model if value is None else f"{model} {sweep[0].rsplit('.', 1)[-1]}={value}"
+                candidates.append(build_candidate(name, [*overrides, *kept, *swept], batch_size, args.device))
+        times = time_models(candidates, args.rounds, args.steps, args.warmup)
+        what = f", width {variant[0].split('=')[1]}" if variant else ""
+        extras = f", overrides: {' '.join(args.override)}" if args.override else ""
+        setup = " ".join(base) or "experiments"
+        title = f"{group}: {setup}{what}, {_describe(candidates[0])}{extras}"
+        print_table(title, candidates, times, gpu=args.device == "cuda")
+        tables.append(table_record(title, candidates, times))
+        del candidates
+        gc.collect()
+    return tables
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", nargs="+", choices=list(GROUPS), default=DEFAULT_GROUPS)
+    parser.add_argument("--models", nargs="+", help="MoE models of the group to time (default: all)")
+    parser.add_argument("--sweep", help="key=v1,v2,...: time each MoE model once per value, in the same rounds")
+    parser.add_argument("--vit-width", type=int, nargs="+", help="model.embed_dim of the ViTs, one table each")
+    parser.add_argument("--batch-size", type=int, help="default: the data config's batch size")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per table (median reported)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps in a row per model and round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per model before its timed ones")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script")
+    parser.add_argument("--json", type=Path, help="also write the tables here (for plot_results.py --step-times)")
+    parser.add_argument(
+        "--override", nargs="+", default=[], help="Hydra overrides for every model (e.g. moe.num_experts=32)"
+    )
+    add_allocator_argument(parser)
+    args = parser.parse_args(argv)
+    apply_allocator(args)
+    for name in ("rounds", "steps", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={value} must be positive")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup={args.warmup} must be 0 or more")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # fail now, not after the timing
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    machine = machine_info()
+    print(
+        f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}; one training step "
+        f"(forward, backward, clip, AdamW step), median of {args.rounds} interleaved rounds x {args.steps} steps "
+        f"after {args.warmup} warm-up step(s) each"
+    )
+    tables = [table for group in args.groups for table in run_group(group, args)]
+    if args.json:
+        record = {
+            "kind": STEP_TIMES_KIND,
+            "version": 1,
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "device": args.device,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "allocator": active_allocator(),
+            "machine": machine,
+            "tables": tables,
+        }
+        print(f"wrote {write_json_atomic(args.json, record)}")
+
+
+if __name__ == "__main__":
+    main()

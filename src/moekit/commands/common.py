@@ -1,0 +1,53 @@
+"""What the commands share: the dataset a checkpoint is tested on, and the lines a command prints at its end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning import LightningDataModule, Trainer
+from omegaconf import DictConfig, OmegaConf
+
+from moekit.configs import instantiate
+from moekit.tasks import MoETask
+
+__all__ = ["datamodule_for", "where", "floats"]
+
+
+def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
+    """``cfg.data`` when given, else the dataset the checkpoint was trained on."""
+    data_cfg = cfg.get("data")
+    if data_cfg is None:
+        run_config = module.hparams.get("run_config") or {}
+        if "data" not in run_config:
+            raise ValueError(f"the checkpoint {cfg.ckpt_path!r} does not record its dataset; pass data=<dataset>")
+        data_cfg = OmegaConf.create(run_config["data"])
+        return instantiate(data_cfg, _convert_="all")
+    datamodule = instantiate(data_cfg, _convert_="all")
+    # A dataset other than the checkpoint's must have the shapes its network was built for.
+    net_cfg = module.hparams.get("net") or {}
+    for key in ("num_classes", "in_chans", "img_size", "vocab_size"):
+        trained, given = net_cfg.get(key), getattr(datamodule, key, None)
+        if trained is not None and given is not None and trained != given:
+            raise ValueError(
+                f"data={datamodule.hparams.get('dataset', type(datamodule).__name__)!r} has {key}={given} but the "
+                f"checkpoint {cfg.ckpt_path!r} was trained with {key}={trained}; evaluate it on data of the same "
+                "shape, or leave data unset to use the checkpoint's own dataset"
+            )
+    return datamodule
+
+
+def where(trainer: Trainer) -> str:
+    lines = [f"outputs: {trainer.default_root_dir}"]
+    for logger in trainer.loggers:
+        lines.append(f"{type(logger).__name__}: {logger.log_dir}")
+    if trainer.checkpoint_callback is not None and getattr(trainer.checkpoint_callback, "dirpath", None):
+        lines.append(f"checkpoints: {trainer.checkpoint_callback.dirpath}")
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+        if best:
+            lines.append(f"best checkpoint: {best}")
+    return "\n  ".join(lines)
+
+
+def floats(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (torch.Tensor, float, int))}

@@ -1,0 +1,26 @@
+"""``scripts/linear_probe.py``: the few-shot linear probe of a checkpoint's frozen network (the Soft MoE paper's
+10-shot protocol, :mod:`moekit.tasks.fewshot`)."""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import DictConfig
+
+from moekit.checkpoint import load_task
+from moekit.tasks.fewshot import fewshot_linear_probe
+
+from .common import datamodule_for
+
+log = logging.getLogger("moekit")
+
+__all__ = ["linear_probe"]
+
+
+def linear_probe(cfg: DictConfig) -> float:
+    """Few-shot linear probe of a checkpoint's frozen network (see :mod:`moekit.tasks.fewshot`)."""
+    module = load_task(cfg.ckpt_path)
+    datamodule = datamodule_for(cfg, module)
+    result = fewshot_linear_probe(module.net, datamodule, shots=cfg.shots, seed=cfg.seed)
+    log.info("%s", result)
+    return result.accuracy

@@ -1,0 +1,56 @@
+"""``scripts/sample.py``: text from a language-model checkpoint (the tokenizer comes from its data config)."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from moekit.checkpoint import load_task
+from moekit.models.generate import generate
+from moekit.tasks import LanguageModel
+
+from .common import datamodule_for
+
+__all__ = ["sample"]
+
+
+def sample(cfg: DictConfig) -> list[str]:
+    """Generate ``num_samples`` continuations of ``prompt`` with a language-model checkpoint (the
+    tokenizer comes from the checkpoint's data config). Prints and returns the texts."""
+    module = load_task(cfg.ckpt_path)
+    if not isinstance(module, LanguageModel):
+        raise ValueError(
+            f"ckpt_path={cfg.ckpt_path!r} holds a {type(module).__name__}, not a language model; "
+            "sample from a checkpoint of a language-model experiment (e.g. experiment=moe_transformer_lm)"
+        )
+    tokenizer = datamodule_for(cfg, module).tokenizer
+    prompt_ids = tokenizer.encode(cfg.prompt)
+    if not prompt_ids:
+        raise ValueError(f"prompt={cfg.prompt!r} encodes to no tokens; give a prompt of at least one character")
+    if cfg.num_samples < 1:
+        raise ValueError(f"num_samples={cfg.num_samples} must be >= 1")
+    max_seq_len = getattr(module.net, "max_seq_len", None)
+    if max_seq_len is not None and len(prompt_ids) + cfg.max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceed the model's "
+            f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len - len(prompt_ids))} "
+            "or shorten the prompt"
+        )
+    device = torch.device(cfg.device)
+    net = module.net.to(device)
+    prompt = torch.tensor([prompt_ids] * cfg.num_samples, device=device)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    tokens = generate(
+        net,
+        prompt,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        use_cache=cfg.use_cache,
+        generator=generator,
+    )
+    texts = [tokenizer.decode(row.tolist()) for row in tokens.cpu()]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ---\n{text}")
+    return texts

@@ -1,0 +1,93 @@
+"""``scripts/train.py``: fit the task on the data, test the best checkpoint, write the run record."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from lightning import Callback, LightningDataModule, Trainer
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+
+from moekit.analysis.records import RESULTS_FILE, build_run_record
+from moekit.callbacks import ThroughputMonitor
+from moekit.checkpoint import check_ckpt_path, check_resume_checkpoint
+from moekit.configs import check_target_keys, instantiate, instantiate_group
+from moekit.errors import check_writable_dir, storage_errors
+from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_summary
+from moekit.tasks import ImageClassifier, LanguageModel, MoETask
+from moekit.utils.atomic import write_json_atomic
+
+from .common import floats, where
+
+log = logging.getLogger("moekit")
+
+__all__ = ["train"]
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit the task on the data, then test the best checkpoint. Returns the final metrics and writes
+    them with the model's size, FLOPs, time and machine to ``<paths.output_dir>/results.json``."""
+    L.seed_everything(cfg.seed, workers=True)
+    check_ckpt_path(cfg.get("ckpt_path"), sharded_ok=True)
+    for name in ("data", "model", "task", "trainer"):
+        check_target_keys(cfg.get(name), name)
+    output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
+    datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
+    run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
+    if cfg.get("ckpt_path"):
+        check_resume_checkpoint(cfg.ckpt_path, module)
+    callbacks: list[Callback] = instantiate_group(cfg.get("callbacks"), "callbacks")
+    counter = next((c for c in callbacks if isinstance(c, ThroughputMonitor)), None)
+    if counter is None:  # the run record needs the counts even without the throughput logs
+        counter = ThroughputMonitor(count="elements" if isinstance(module, LanguageModel) else "rows", log=False)
+        callbacks.append(counter)
+    loggers: list[Logger] = instantiate_group(cfg.get("logger"), "logger")
+    trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    summary = _summary(module, datamodule)
+    log.info("model: %s", summary if summary is not None else f"{type(module.net).__name__} (summary unavailable)")
+    metrics: dict[str, float] = {}
+    with storage_errors(output_dir):
+        if cfg.get("train", True):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            metrics.update(floats(trainer.callback_metrics))
+        if cfg.get("test", True):
+            best = getattr(trainer.checkpoint_callback, "best_model_path", "") if cfg.get("train", True) else ""
+            trainer.test(module, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
+            metrics.update(floats(trainer.callback_metrics))
+        if trainer.is_global_zero:
+            record = build_run_record(
+                run_config=run_config,
+                overrides=_hydra_overrides(),
+                net=module.net,
+                summary=summary,
+                counter=counter,
+                metrics=metrics,
+                trainer=trainer,
+            )
+            write_json_atomic(output_dir / RESULTS_FILE, record)
+    log.info("done.\n  %s\n  run record: %s", where(trainer), output_dir / RESULTS_FILE)
+    return metrics
+
+
+def _summary(module: MoETask, datamodule: LightningDataModule) -> ModelSummary | LMSummary | None:
+    """The network's parameters and forward FLOPs per image (:func:`~moekit.models.summary.model_summary`)
+    or per token (:func:`~moekit.models.summary.lm_summary`); None when they cannot be measured (the
+    summary is informative: the run goes on)."""
+    try:
+        if isinstance(module, ImageClassifier):
+            size = (datamodule.in_chans, datamodule.img_size, datamodule.img_size)
+            return model_summary(module.net, input_size=size)
+        return lm_summary(module.net, seq_len=datamodule.seq_len)
+    except Exception as err:
+        log.warning("model summary unavailable: %s: %s", type(err).__name__, err)
+        return None
+
+
+def _hydra_overrides() -> list[str]:
+    """The run's command-line and sweep overrides (``hydra.overrides.task``); [] outside Hydra."""
+    if not HydraConfig.initialized():
+        return []
+    return list(HydraConfig.get().overrides.task)

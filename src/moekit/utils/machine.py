@@ -1,0 +1,52 @@
+"""What a run or a benchmark ran on, recorded with every figure: speed and float rounding depend on it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["cpu_model", "machine_info", "machine_label"]
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from ``/proc/cpuinfo`` (``platform.processor()`` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
+    threads, torch / Python versions, the OS, and the GPU's name (None without CUDA)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+
+
+def machine_label(machine: Mapping[str, Any]) -> str:
+    """``"AMD EPYC, 1 torch thread"`` (``, NVIDIA H100 x1`` with a GPU) from :func:`machine_info`'s dict:
+    what decides a run's speed, and its float rounding (one machine and thread count repeats a seeded
+    run bit for bit; another gives another draw)."""
+    threads = machine.get("torch_threads")
+    label = f"{machine.get('cpu', 'unknown CPU')}, {threads} torch thread{'s' if threads != 1 else ''}"
+    if machine.get("gpu"):
+        label += f", {machine['gpu']} x{machine.get('gpu_count', 1)}"
+    return label
