@@ -178,7 +178,7 @@ def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
     ]
     assert [f"{row['seconds_per_step'] * 1e3:.1f}" for row in rows] == [row[4] for row in printed]
     assert [f"{row['update_seconds'] * 1e3:.1f}" for row in rows] == [row[5] for row in printed]
-    assert rows[0]["vs_dense"] == 1.0 and rows[0]["model_config"]["moe"] is None
+    assert rows[0]["vs_dense"] == 1.0 and rows[0]["model_config"]["moe"]["name"] == "none"
     assert [row["model_config"]["moe"]["num_experts"] for row in rows[1:]] == [4, 8]
     assert all(
         row["model_config"]["moe"]["top_k"] == 1 == row["model_config"]["moe"]["capacity_factor"] for row in rows[1:]

@@ -8,11 +8,12 @@ import re
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 import moekit.models  # noqa: F401  (registers the models with timm)
 from conftest import CONFIGS, compose_config
 from moekit.models import lm_summary, model_summary
-from moekit.moe import ExpertsChoiceMoE, HierarchicalMoE, MoELayer, SoftMoE, TokensChoiceMoE, get_moe_layer
+from moekit.moe import ExpertsChoiceMoE, HierarchicalMoE, MoELayer, SoftMoE, TokensChoiceMoE, get_moe_layer, moe_layers
 from moekit.moe.capacity import experts_choice_capacity, soft_moe_slots
 from moekit.recipes import _FOLDER, check_fits, list_recipes, load_recipe, mixes_tokens, recipe_citation, resolve_recipe
 
@@ -186,6 +187,19 @@ def test_deepseek_routed_and_shared_experts_match_the_dense_mlp_flops(tmp_path):
     extra = moe_summary.flops_per_token - dense_summary.flops_per_token - len(net.blocks) * routing
     _, mlp_flops = _dense_mlp(32, 128, gated=True)
     assert abs(extra) <= 0.10 * len(net.blocks) * mlp_flops
+
+
+@pytest.mark.parametrize(
+    "experiment", ["soft_moe_vit", "tokens_choice_vit", "experts_choice_vit", "moe_transformer_lm"]
+)
+def test_moe_none_gives_the_dense_twin_of_an_experiment_that_sizes_its_recipe(experiment, tmp_path):
+    """`moe=none` over an experiment that sets its recipe's settings (moe.num_experts=16) is the dense model:
+    the settings have nothing to apply to, and every other key of the run is the experiment's."""
+    moe = compose_config("train", [f"experiment={experiment}", "debug=tiny"], tmp_path)
+    dense = compose_config("train", [f"experiment={experiment}", "debug=tiny", "moe=none"], tmp_path)
+    assert list(moe_layers(instantiate(moe.model))) and not list(moe_layers(instantiate(dense.model)))
+    for key in ("data", "task", "trainer", "task_name"):
+        assert OmegaConf.select(dense, key) == OmegaConf.select(moe, key), key
 
 
 def test_check_fits_names_the_reason_and_the_fix():

@@ -225,7 +225,7 @@ def test_the_scaling_sweeps_dense_reference_trains_the_dense_twin_on_the_same_bu
     for key in ("task_name", "data", "trainer", "task", "hydra.sweep.dir"):
         assert OmegaConf.select(dense, key) == OmegaConf.select(moe, key), f"{key}: the same as the MoE runs"
     dense_model, moe_model = (OmegaConf.to_container(c.model, resolve=True) for c in (dense, moe))
-    assert dense_model.pop("moe") is None and moe_model.pop("moe") is not None
+    assert dense_model.pop("moe")["name"] == "none" and moe_model.pop("moe")["name"] == "soft_moe"
     assert dense_model == moe_model, "the same network but its MoE layers"
 
 

@@ -113,8 +113,8 @@ def _with_file_num_classes(overlay: dict[str, Any] | None) -> dict[str, Any] | N
 
 def _moe_override(default: Mapping[str, Any] | None, moe: Any) -> Any:
     """The MoE a user's ``moe=`` override means: settings alone (no ``recipe``/``layer``) change the model's
-    own recipe; anything else replaces it."""
-    if isinstance(moe, Mapping) and "recipe" not in moe and "layer" not in moe:
+    own recipe; ``none`` (also as the mapping ``{"name": "none", ...}``) and anything else replaces it."""
+    if isinstance(moe, Mapping) and "recipe" not in moe and "layer" not in moe and moe.get("name") != "none":
         if default is None:
             raise ValueError(f"moe={dict(moe)!r} changes settings of a dense model; name a recipe (moe='switch', ...)")
         return {**default, **moe}

@@ -68,7 +68,12 @@ def recipe_citation(name: str) -> str:
 def resolve_recipe(moe: str | Mapping[str, Any] | None, **overrides: Any) -> dict[str, Any] | None:
     """An MoE spec from what a model is given: None or ``"none"`` (no MoE), a recipe name, or a mapping (a
     recipe already loaded, e.g. the template's ``moe`` config, or ``{"recipe": name, **changes}``);
-    ``overrides`` change single settings (``num_experts=16``). Returns a new dict with a ``layer`` key."""
+    ``overrides`` change single settings (``num_experts=16``). Returns a new dict with a ``layer`` key.
+
+    The ``none`` recipe as a mapping (``{"name": "none", ...}``: the template's ``moe=none`` with the settings
+    an experiment gave its own recipe merged in) is no MoE too: those settings have nothing to apply to."""
+    if isinstance(moe, Mapping) and moe.get("name") == _NO_MOE and "layer" not in moe and "recipe" not in moe:
+        moe = None
     if moe is None or moe == _NO_MOE:
         if overrides:
             raise ValueError(f"MoE settings {sorted(overrides)} given without an MoE recipe (moe=None)")
