@@ -45,6 +45,7 @@ TRANSFORMER_ROUTERS = {
         recipe="hierarchical", num_experts=4, num_groups=2, top_k_groups=1, capacity_factor=1.0, **POSITION
     ),
     "dense_moe": dict(recipe="dense_moe", num_experts=3),
+    "strictly_balanced_position": dict(recipe="strictly_balanced", num_experts=4, top_k=2, balance_scope="position"),
     "dense_model": None,
 }
 
@@ -58,6 +59,7 @@ LSTM_ROUTERS = {
     "hierarchical_position_capacity": dict(recipe="hierarchical", num_experts=4, capacity_factor=1.0, **POSITION),
     "hash": dict(recipe="hash", num_experts=4),
     "dense_moe": dict(recipe="dense_moe", num_experts=3),
+    "strictly_balanced_position": dict(recipe="strictly_balanced", num_experts=4, top_k=2, balance_scope="position"),
 }
 
 
@@ -151,6 +153,7 @@ def test_the_causality_check_catches_a_capacity_over_the_batch():
         ("base", "use a per-token router"),
         ("switch", "set moe.capacity_scope=position"),
         (dict(recipe="mixtral", eval_capacity_factor=2.0), "set moe.capacity_scope=position"),
+        ("strictly_balanced", "set moe.balance_scope=position"),
     ],
 )
 def test_token_mixing_recipes_are_refused(moe, fix):

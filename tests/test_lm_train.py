@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
 from conftest import CONFIGS, REPO, compose_config, run_script
 from moekit.checkpoint import load_task
 from moekit.commands.evaluate import evaluate
 from moekit.commands.sample import sample
 from moekit.commands.train import train
+from moekit.moe import HashMoE
 from moekit.tasks import LanguageModel
 
 LM_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_lm.yaml"))
@@ -133,7 +135,6 @@ def test_bad_lm_input_raises_a_clear_error(overrides, match, repeated_corpus, tm
 
 
 @pytest.mark.e2e
-@pytest.mark.e2e
 def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):
     out, _ = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
@@ -151,6 +152,25 @@ def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):
 
 
 # The empty-corpus command-line case is in test_bad_input.py (text_corpus_empty).
+
+
+@pytest.mark.e2e
+def test_frequency_hash_tables_are_fitted_on_the_training_split(repeated_corpus, tmp_path):
+    overrides = lm_overrides(
+        "moe_transformer_lm", repeated_corpus, "moe=hash", "moe.num_experts=4", "moe.hash_method=frequency"
+    )
+    cfg = compose_config("train", [*overrides, "trainer.max_epochs=1"], tmp_path)
+    train(cfg)
+    task = load_task(tmp_path / "checkpoints" / "last.ckpt")
+    datamodule = instantiate(cfg.data)
+    datamodule.setup()
+    counts = torch.bincount(datamodule.split_tokens["train"], minlength=task.net.vocab_size)
+    routers = [m.router for m in task.net.modules() if isinstance(m, HashMoE)]
+    assert routers
+    for router in routers:
+        expected = HashMoE(8, 16, num_experts=4, vocab_size=task.net.vocab_size, hash_method="frequency").router
+        expected.fit_frequency(counts)
+        assert not router.needs_fit and torch.equal(router.expert_of_token, expected.expert_of_token)
 
 
 @pytest.mark.e2e

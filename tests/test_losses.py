@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from moekit.moe.losses import (
+    batchwise_threshold_loss,
+    bengio_batchwise_loss,
+    bengio_examplewise_loss,
+    bengio_variance_loss,
     cv_squared,
     importance_loss,
     load_loss,
@@ -109,3 +113,40 @@ def test_losses_are_differentiable(fn):
     logits = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     f = {"importance": lambda z: importance_loss(torch.softmax(z, -1)), "z": router_z_loss}[fn]
     assert torch.autograd.gradcheck(f, (logits,))
+
+
+# Bengio et al. 2015 on three tokens x two experts, target rate 0.25.
+SIGMA = torch.tensor([[0.9, 0.1], [0.5, 0.3], [0.1, 0.2]])
+
+
+def test_bengio_batchwise_loss_hand_computed():
+    # expert means over the batch: 0.5 and 0.2 -> |0.5 - 0.25| + |0.2 - 0.25|
+    torch.testing.assert_close(bengio_batchwise_loss(SIGMA, 0.25), torch.tensor(0.25 + 0.05))
+
+
+def test_bengio_examplewise_loss_hand_computed():
+    # token means over the experts: 0.5, 0.4, 0.15 -> mean of |. - 0.25| = (0.25 + 0.15 + 0.1) / 3
+    torch.testing.assert_close(bengio_examplewise_loss(SIGMA, 0.25), torch.tensor(0.5 / 3))
+
+
+def test_bengio_variance_loss_hand_computed():
+    # population variances per expert: 0.32 / 3 (values .9 .5 .1) and 0.02 / 3 (values .1 .3 .2)
+    torch.testing.assert_close(bengio_variance_loss(SIGMA), torch.tensor(-(0.32 + 0.02) / 3))
+    assert bengio_variance_loss(torch.full((4, 3), 0.3)) == 0, "the same policy for every token: no variance"
+
+
+def test_batchwise_threshold_loss_hand_computed_and_zero_when_the_masks_agree():
+    scores = torch.tensor([[0.6, 0.1], [0.3, 0.4], [0.2, 0.7]])
+    batchwise = torch.tensor([[True, False], [True, False], [False, True]])  # each expert's top 1-2 tokens
+    thresholds = torch.tensor([0.25, 0.5], requires_grad=True)
+    # threshold mask: [[1, 0], [1, 0], [0, 1]] agrees everywhere -> 0
+    assert batchwise_threshold_loss(scores, thresholds, batchwise) == 0
+    # T = [0.35, 0.05]: expert 0 misses token 1 (batch takes it, 0.3 <= 0.35: term 0.35 - 0.3), expert 1 lets in
+    # tokens 0 and 1 (0.1 - 0.05 and 0.4 - 0.05); the sum over tokens is averaged over the 3 tokens
+    thresholds = torch.tensor([0.35, 0.05], requires_grad=True)
+    loss = batchwise_threshold_loss(scores, thresholds, batchwise)
+    torch.testing.assert_close(loss, torch.tensor((0.05 + 0.05 + 0.35) / 3))
+    loss.backward()
+    # dL/dT_e = -sum_n (M_threshold - M_batchwise)_ne / N: +1/3 for expert 0's missing token (descent lowers T_0),
+    # -2/3 for expert 1's two extra tokens (descent raises T_1)
+    torch.testing.assert_close(thresholds.grad, torch.tensor([1 / 3, -2 / 3]))

@@ -5,9 +5,12 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from conftest import reference_expert, reference_tokens_choice
+from moekit.models import TransformerLM, fit_hash_routing
 from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE
 from moekit.moe.assignment import balanced_assignment, balanced_capacities
 from moekit.moe.losses import cv_squared, load_probabilities, smooth_load
+
+TINY_LM = dict(max_seq_len=24, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
 
 # ----------------------------------------------------------------------------- experts-choice
@@ -107,6 +110,61 @@ def test_hash_routing_is_fixed_balanced_and_needs_ids():
         layer(x, token_ids=torch.tensor([[1, 2]]))
     with pytest.raises(ValueError, match="vocab_size"):
         HashMoE(8, 16, num_experts=4, vocab_size=0)
+
+
+def test_modulo_hash():
+    layer = HashMoE(8, 16, num_experts=4, vocab_size=10, hash_method="modulo")
+    assert layer.router.expert_of_token.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+
+
+def test_frequency_hash_balances_the_corpus_tokens_not_the_vocabulary():
+    # Zipf-like counts: the random table, balanced over ids, is unbalanced over tokens
+    counts = torch.tensor([400, 200, 130, 100, 80, 65, 57, 50, 44, 40, 36, 33, 30, 28, 26, 25])
+    tokens = torch.repeat_interleave(torch.arange(16), counts)
+    model = TransformerLM(
+        **{**TINY_LM, "vocab_size": 16}, moe=dict(recipe="hash", num_experts=4, hash_method="frequency")
+    )
+    layer = model.blocks[1].mlp
+    with pytest.raises(ValueError, match="has no table yet: fit it first with moekit.models.fit_hash_routing"):
+        model(tokens[None, :8])
+    assert fit_hash_routing(model, tokens) == ["blocks.0.mlp", "blocks.1.mlp"]
+    table = layer.router.expert_of_token
+    per_expert = torch.zeros(4, dtype=torch.long).index_add_(0, table, counts)
+    # the greedy assignment by hand (each count, largest first, to the lightest expert, ties to the lower index):
+    # 400 | 200 44 36 26 25 | 130 65 50 33 28 | 100 80 57 40 30
+    assert per_expert.tolist() == [400, 331, 306, 307]
+    random_table = HashMoE(8, 16, num_experts=4, vocab_size=16).router.expert_of_token
+    random_load = torch.zeros(4, dtype=torch.long).index_add_(0, random_table, counts)
+    assert per_expert.float().std() < random_load.float().std()
+    assert fit_hash_routing(model, tokens) == [], "a fitted table is kept"
+    restored = TransformerLM(
+        **{**TINY_LM, "vocab_size": 16}, moe=dict(recipe="hash", num_experts=4, hash_method="frequency")
+    )
+    restored.load_state_dict(model.state_dict())
+    assert not restored.blocks[1].mlp.router.needs_fit and torch.equal(
+        restored.blocks[1].mlp.router.expert_of_token, table
+    )
+
+
+def test_clustered_hash_sends_each_embedding_cluster_to_one_expert():
+    torch.manual_seed(0)
+    model = TransformerLM(
+        **{**TINY_LM, "vocab_size": 40}, moe=dict(recipe="hash", num_experts=4, hash_method="clustered")
+    )
+    centres = torch.randn(4, 32) * 10
+    true_cluster = torch.arange(40) % 4
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(centres[true_cluster] + torch.randn(40, 32))
+    fit_hash_routing(model)
+    table = model.blocks[1].mlp.router.expert_of_token
+    # the same partition as the true clusters, up to the names of the experts
+    for cluster in range(4):
+        assert table[true_cluster == cluster].unique().numel() == 1
+    assert table.unique().numel() == 4
+    with pytest.raises(ValueError, match="fit_clusters is for hash_method='clustered'; this router's is 'random'"):
+        HashMoE(8, 16, num_experts=4, vocab_size=10).router.fit_clusters(torch.randn(10, 8))
+    with pytest.raises(ValueError, match="hash_method='md5'; allowed: 'random', 'modulo', 'frequency', 'clustered'"):
+        HashMoE(8, 16, num_experts=4, vocab_size=10, hash_method="md5")
 
 
 # ----------------------------------------------------------------------------- hierarchical

@@ -32,7 +32,8 @@ FAMILIES = {
 REFUSED = {
     "vit": {"hash": "has no token ids"},
     "transformer_lm": {
-        name: "would see the future" for name in ("soft_moe", "experts_choice", "base", "switch", "top2", "vmoe")
+        name: "would see the future"
+        for name in ("soft_moe", "experts_choice", "base", "switch", "top2", "vmoe", "strictly_balanced")
     },
 }
 REFUSED["lstm_lm"] = REFUSED["transformer_lm"]
@@ -85,10 +86,11 @@ def test_resolve_recipe_forms():
 @pytest.mark.parametrize("name", RECIPES)
 def test_token_mixing_follows_the_built_layer(name):
     """The torch-free rule the configs are checked with agrees with the layers' own causality, for every recipe
-    as it is and with its capacity per position."""
-    for spec in (load_recipe(name), {**load_recipe(name), "capacity_scope": "position"}):
-        if "capacity_scope" in spec and "capacity_scope" not in get_moe_layer(spec["layer"]).settings():
-            continue
+    as it is and with its capacity or balance per position."""
+    recipe = load_recipe(name)
+    settings_of_layer = get_moe_layer(recipe["layer"]).settings()
+    variants = [{**recipe, key: "position"} for key in ("capacity_scope", "balance_scope") if key in settings_of_layer]
+    for spec in (recipe, *variants):
         settings = {k: v for k, v in spec.items() if k not in ("name", "layer", "granularity")}
         extra = (
             {"vocab_size": 10} if spec["layer"] == "hash" else {"num_tokens": 16} if spec["layer"] == "soft_moe" else {}
@@ -208,3 +210,14 @@ def test_check_fits_names_the_reason_and_the_fix():
     with pytest.raises(ValueError, match=r"set moe.capacity_scope=position .* or make it dropless"):
         check_fits(load_recipe("switch"), model="the LM", causal=True, token_ids=True)
     check_fits({**load_recipe("switch"), "capacity_scope": "position"}, model="the LM", causal=True, token_ids=True)
+
+
+def test_gating_options_are_overrides_of_any_recipe(tmp_path):
+    options = ["+moe.jitter_eps=0.01", "+moe.overpower_margin=2.0", "+moe.bengio_variance_loss_weight=0.01"]
+    cfg = compose_config("train", [*FAMILIES["transformer_lm"], "moe=deepseek", "debug=tiny", *options], tmp_path)
+    net = instantiate(cfg.model)
+    routers = [layer.router for _, layer in moe_layers(net)]
+    assert routers
+    for router in routers:
+        assert (router.config.jitter_eps, router.overpowering.margin) == (0.01, 2.0)
+        assert router.config.bengio_variance_loss_weight == 0.01

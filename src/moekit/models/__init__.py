@@ -7,7 +7,7 @@
   the dense ``vit_tiny_patch4_28``, ...), so ``timm.create_model(name, **overrides)`` builds them.
 * :class:`TransformerLM` (decoder-only, MoE feed-forwards, KV cache) and :class:`LSTMMoELM`
   (Shazeer et al. 2017) - causal language models; :func:`generate` / :func:`sample_next_token` sample
-  from them.
+  from them; :func:`fit_hash_routing` fits the hash tables that come from data (token frequency, clusters).
 * :func:`model_summary` - total / expert / active-per-token parameters and measured FLOPs per image;
   :func:`lm_summary` - the same per token for language models.
 * :func:`upcycle_vit` - sparse upcycling from a dense ViT.
@@ -21,6 +21,7 @@ from torch import nn
 from . import registry
 from .export import export_safetensors
 from .generate import generate, sample_next_token
+from .lm_common import fit_hash_routing
 from .lstm_lm import LSTMCache, LSTMMoELM
 from .placement import MoEBlocks, resolve_moe_blocks
 from .summary import LMSummary, ModelSummary, MoELayerSummary, lm_summary, model_summary
@@ -60,6 +61,7 @@ __all__ = [
     "LSTMCache",
     "generate",
     "sample_next_token",
+    "fit_hash_routing",
     "upcycle_vit",
     "export_safetensors",
 ]

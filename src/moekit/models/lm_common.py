@@ -1,5 +1,5 @@
 """What the language models share: their input checks, the sequence-length limit, and how an MoE layer
-that routes by token id (hash routing) is recognised and fed."""
+that routes by token id (hash routing) is recognised, fed and fitted."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ __all__ = [
     "check_dropout",
     "check_cache_batch",
     "takes_token_ids",
+    "fit_hash_routing",
     "INIT_STD",
 ]
 
@@ -60,3 +61,28 @@ def check_cache_batch(cache, batch: int, name: str) -> None:
 def takes_token_ids(layer: nn.Module) -> bool:
     """Whether ``layer`` routes by token id (its router reads ids: hash routing) and must get them."""
     return getattr(getattr(layer, "router", None), "needs_token_ids", False)
+
+
+@torch.no_grad()
+def fit_hash_routing(model: nn.Module, token_ids: Tensor | None = None, *, refit: bool = False) -> list[str]:
+    """Fit the tables of the hash routers of ``model`` that are fitted from data
+    (:class:`~moekit.moe.routers.HashRouter`): ``hash_method="frequency"`` from the counts of ``token_ids`` (the
+    training corpus, any shape), ``"clustered"`` from the model's token embeddings
+    (``model.get_input_embeddings()``). Routers already fitted are left alone unless ``refit``. Returns the names of
+    the layers fitted."""
+    fitted = []
+    for name, module in model.named_modules():
+        router = getattr(module, "router", None)
+        method = getattr(router, "hash_method", None)
+        if method not in ("frequency", "clustered") or not (refit or router.needs_fit):
+            continue
+        if method == "frequency":
+            if token_ids is None:
+                raise ValueError(
+                    f"{name}: hash_method='frequency' is fitted from token counts; pass the training token ids"
+                )
+            router.fit_frequency(torch.bincount(token_ids.reshape(-1).cpu(), minlength=router.vocab_size))
+        else:
+            router.fit_clusters(model.get_input_embeddings().weight)
+        fitted.append(name)
+    return fitted

@@ -59,9 +59,9 @@ class LSTMMoELM(nn.Module):
     The experts are feed-forward networks with one ReLU hidden layer (``expert_hidden``, divided by the
     recipe's ``granularity``; the paper: 512 -> 1024 -> 512). The MoE is a recipe of :mod:`moekit.recipes`,
     by default ``noisy_top_k``, the paper's: noisy top-4 gating with the importance and load losses,
-    ``w_importance = w_load = 0.1`` as in its language-model experiments. As in the paper's appendix A, the
-    gating weights (``W_g`` and ``W_noise``) start at zero (equal load: no signal, only noise) when the gating
-    has learned noise. The losses are batch-level: over all ``batch * tokens`` positions of the forward.
+    ``w_importance = w_load = 0.1`` as in its language-model experiments, and the gating weights ``W_g`` and
+    ``W_noise`` starting at zero as in its appendix A (the recipes' ``router_init: zeros``: equal load, no signal,
+    only noise). The losses are batch-level: over all ``batch * tokens`` positions of the forward.
     ``moe="hierarchical"`` is the paper's two-level MoE. Only recipes that route each token on its own are
     accepted (:func:`moekit.recipes.check_fits`); hash routing reads these token ids.
 
@@ -137,10 +137,6 @@ class LSTMMoELM(nn.Module):
         with torch.no_grad():
             nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
             nn.init.zeros_(self.head.bias)
-            router = getattr(self.moe, "router", None)
-            if getattr(getattr(router, "config", None), "noisy_gating", False):
-                for param in router.parameters():
-                    param.zero_()
         if tie_embeddings:
             self.head.weight = self.embedding.weight
         require_causal(self)
@@ -148,6 +144,10 @@ class LSTMMoELM(nn.Module):
     @property
     def num_lstm_layers(self) -> int:
         return len(self.lstm_before) + len(self.lstm_after)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (transformers' method name)."""
+        return self.embedding
 
     def init_cache(self, batch_size: int) -> LSTMCache:
         """Zero LSTM states for ``batch_size`` sequences, on the model's device and in its dtype."""

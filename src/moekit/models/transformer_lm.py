@@ -318,6 +318,10 @@ class TransformerLM(nn.Module):
         """Activation checkpointing of every block in training (timm's method name)."""
         self.grad_checkpointing = enable
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (transformers' method name)."""
+        return self.token_embedding
+
     def init_cache(self, batch_size: int) -> LMCache:
         """An empty :class:`LMCache` for ``batch_size`` sequences, on the model's device and in its dtype."""
         check_positive_int(batch_size, "batch_size", "TransformerLM.init_cache")

@@ -10,6 +10,8 @@ Layers (all built from the timm ``Mlp`` keywords plus their settings; registry n
 * :class:`HashMoE` [``hash``] - fixed token-id hashing (needs ``token_ids``: language models).
 * :class:`DenseMoE` [``dense_moe``] - every expert on every token, softmax-gated.
 * :class:`HierarchicalMoE` [``hierarchical``] - Shazeer's two-level gating.
+* :class:`StrictlyBalancedMoE` [``strictly_balanced``] - Shazeer's strictly balanced gating (batchwise mask in
+  training, learned thresholds at inference).
 
 The papers' settings are recipes (:mod:`moekit.recipes`); :func:`build_moe_layer` builds a recipe's layer
 in place of an MLP.
@@ -22,6 +24,7 @@ Training-loop helpers: :func:`collect_moe_outputs` (aux losses + statistics of t
 for a skipped step), :func:`require_causal` (reject token-mixing routers in causal models).
 """
 
+from .balanced_gating import StrictlyBalancedMoE
 from .base import (
     MlpSpec,
     MoELayer,
@@ -70,4 +73,5 @@ __all__ = [
     "HierarchicalMoE",
     "ExpertsChoiceMoE",
     "DenseMoE",
+    "StrictlyBalancedMoE",
 ]

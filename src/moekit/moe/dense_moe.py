@@ -1,8 +1,10 @@
 """Dense soft mixture of experts: every expert processes every token, and the outputs are mixed
 with softmax gates, ``y = sum_e softmax(x W^T)_e * expert_e(x)``.
 
-This is the "continuous" MoE baseline (Jacobs et al. 1991 style): it pays ``E`` times the compute
-of one expert and drops nothing; each token's output depends on that token only (causal).
+This is the "continuous" MoE (Jacobs et al. 1991; Eigen et al. 2013): it pays ``E`` times the compute of one
+expert and drops nothing; each token's output depends on that token only (causal). The gate is one linear layer,
+or with ``gate_hidden`` a two-layer network ``W_2 relu(W_1 x + b_1) + b_2`` (Eigen et al.'s gating network), and
+``overpower_margin`` drops experts that run ahead in training (:mod:`moekit.moe.expert_dropping`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
+from .expert_dropping import OverpoweringExperts, check_margin
 from .experts import ExpertsConfig
 from .losses import router_z_loss
 from .routing import logit_checksum, router_logits, router_weight
@@ -24,15 +27,23 @@ __all__ = ["DenseMoE"]
 @register_moe_layer("dense_moe")
 class DenseMoE(MoELayer):
     """Dense soft mixture of ``num_experts`` experts (default 4), a drop-in replacement for timm's ``Mlp``.
-    Settings: ``z_loss_weight`` (ST-MoE router z-loss, 0 = off) and :class:`~moekit.moe.experts.ExpertsConfig`."""
+    Settings: ``z_loss_weight`` (ST-MoE router z-loss, 0 = off), ``gate_hidden`` (the hidden width of a two-layer
+    gating network; None: one linear layer), ``overpower_margin`` (Eigen et al.'s expert dropping; None: off) and
+    :class:`~moekit.moe.experts.ExpertsConfig`."""
 
     @dataclass(kw_only=True)
     class Config:
         z_loss_weight: float = 0.0
+        gate_hidden: int | None = None
+        overpower_margin: float | None = None
 
         def __post_init__(self) -> None:
             if not self.z_loss_weight >= 0:
                 raise ValueError(f"z_loss_weight={self.z_loss_weight!r} must be >= 0")
+            hidden = self.gate_hidden
+            if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1):
+                raise ValueError(f"gate_hidden={hidden!r} must be a positive int (a two-layer gate) or null (linear)")
+            check_margin(self.overpower_margin)
 
     configs = (Config, ExpertsConfig)
     defaults = {"num_experts": 4}
@@ -40,8 +51,27 @@ class DenseMoE(MoELayer):
     def build(self, mlp: MlpSpec, config: Config, experts: ExpertsConfig, *, device=None, dtype=None) -> None:
         self.num_experts = experts.num_experts
         self.z_loss_weight = config.z_loss_weight
-        self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
+        if config.gate_hidden is None:
+            self.gate_hidden_weight = self.gate_hidden_bias = self.router_bias = None
+            self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
+        else:
+            self.gate_hidden_weight = router_weight(config.gate_hidden, mlp.in_features, device, dtype)
+            self.gate_hidden_bias = nn.Parameter(torch.zeros(config.gate_hidden, device=device, dtype=dtype))
+            self.router_weight = router_weight(self.num_experts, config.gate_hidden, device, dtype)
+            self.router_bias = nn.Parameter(torch.zeros(self.num_experts, device=device, dtype=dtype))
+        self.overpowering = (
+            None
+            if config.overpower_margin is None
+            else OverpoweringExperts(self.num_experts, config.overpower_margin, device=device)
+        )
         self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    def gate_logits(self, x_ND: Tensor) -> Tensor:
+        """The gating network's logits ``[N, E]`` in float32."""
+        if self.gate_hidden_weight is None:
+            return router_logits(x_ND, self.router_weight)
+        hidden_NH = torch.relu(router_logits(x_ND, self.gate_hidden_weight) + self.gate_hidden_bias.float())
+        return router_logits(hidden_NH, self.router_weight) + self.router_bias.float()
 
     @property
     def causal_safe(self) -> bool:
@@ -54,9 +84,13 @@ class DenseMoE(MoELayer):
         self._check_input(x)
         batch, tokens, dim = x.shape
         x_flat = x.reshape(batch * tokens, dim)
-        logits = router_logits(x_flat, self.router_weight)
+        logits = self.gate_logits(x_flat)
         gates = torch.softmax(logits, dim=-1)  # [N, E]
         num_tokens = x_flat.shape[0]
+        if self.overpowering is not None:  # Eigen et al.: leave out the experts that ran ahead, renormalise
+            gates = gates * self.overpowering.keep_E()
+            gates = gates / gates.sum(dim=-1, keepdim=True)
+            self.overpowering.received(gates.detach().sum(dim=0), num_tokens)
         expert_in = x_flat.unsqueeze(0).expand(self.num_experts, -1, -1).reshape(-1, dim)
         expert_out = self.experts(expert_in, num_tokens).view(self.num_experts, num_tokens, -1)  # [E, N, o]
         out = torch.einsum("ne,eno->no", gates.to(expert_out.dtype), expert_out)

@@ -79,6 +79,7 @@ def plan_dispatch(
     priority: Tensor | None = None,
     group_ids: Tensor | None = None,
     num_groups: int = 1,
+    keep: Tensor | None = None,
 ) -> DispatchPlan:
     """Plan the dispatch of ``expert_ids: [N, k]``.
 
@@ -94,8 +95,14 @@ def plan_dispatch(
             tokens by sequence position makes dropping causal: a token competes only with the tokens at
             its own position.
         num_groups: the number of groups ``group_ids`` uses.
+        keep: ``[N, k]`` bool, the assignments the router made (a router with a variable number of experts per
+            token passes ``k = E`` candidates and marks the real ones); only with ``capacity`` None.
     """
-    if capacity is None:
+    if keep is not None:
+        if capacity is not None:
+            raise ValueError("plan_dispatch: pass either keep (a router's own mask) or a capacity, not both")
+        key = torch.where(keep, expert_ids, num_experts).reshape(-1)
+    elif capacity is None:
         keep = torch.ones_like(expert_ids, dtype=torch.bool)
         key = expert_ids.reshape(-1)
     else:

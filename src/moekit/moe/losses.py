@@ -19,6 +19,10 @@ __all__ = [
     "vmoe_load_probabilities",
     "vmoe_load_loss",
     "router_z_loss",
+    "bengio_batchwise_loss",
+    "bengio_examplewise_loss",
+    "bengio_variance_loss",
+    "batchwise_threshold_loss",
 ]
 
 
@@ -118,3 +122,47 @@ def vmoe_load_loss(clean_logits: Tensor, noisy_logits: Tensor, noise_std: Tensor
 def router_z_loss(logits: Tensor) -> Tensor:
     """ST-MoE (Zoph et al. 2022) router z-loss ``mean_x (logsumexp_i logits_x,i)^2``."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+# Bengio, Bacon, Pineau and Precup 2015, "Conditional computation in neural networks for faster models": three
+# regularisers of the probabilities ``sigma [N, E]`` that each of ``E`` units (here: experts) is on for each of ``N``
+# examples (here: tokens), towards a target rate ``tau`` of units on.
+
+
+def bengio_batchwise_loss(probs: Tensor, target: float) -> Tensor:
+    """``L_b = sum_e | mean_n sigma_ne - tau |``: every expert on for a fraction ``tau`` of the batch (balance).
+
+    Args:
+        probs: ``[N, E]`` probabilities that expert ``e`` is used for token ``n``.
+        target: ``tau``.
+    """
+    return (probs.mean(dim=0) - target).abs().sum()
+
+
+def bengio_examplewise_loss(probs: Tensor, target: float) -> Tensor:
+    """``L_e = mean_n | mean_e sigma_ne - tau |``: every token uses a fraction ``tau`` of the experts (sparsity
+    per example). Constant for probabilities that sum to 1 over experts (a softmax router)."""
+    return (probs.mean(dim=1) - target).abs().mean()
+
+
+def bengio_variance_loss(probs: Tensor) -> Tensor:
+    """``L_v = -sum_e Var_n(sigma_ne)`` (population variance): minimised by experts that are on for some tokens and
+    off for others, so that routing depends on the token rather than being the same for all."""
+    return -probs.var(dim=0, unbiased=False).sum()
+
+
+def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, batchwise_mask: Tensor) -> Tensor:
+    """Shazeer et al. 2017, appendix F: ``L_batchwise = sum_n sum_e (M_threshold - M_batchwise)_ne (X_ne - T_e)``,
+    here averaged over the ``N`` tokens so that its weight does not depend on the batch size.
+
+    Args:
+        scores: ``X [N, E]``, the gate scores the masks are taken of.
+        thresholds: ``T [E]``; ``M_threshold = X > T``.
+        batchwise_mask: ``M_batchwise [N, E]`` bool, each expert's top ``m`` tokens of the batch.
+
+    Every term is ``>= 0`` (a token the threshold lets in but the batch does not has ``X > T``, one the batch
+    takes but the threshold does not has ``X <= T``), so the loss is zero exactly when the masks agree; its
+    gradient moves each ``T_e`` by the number of disagreements in each direction.
+    """
+    threshold_mask = (scores > thresholds).to(scores.dtype)
+    return ((threshold_mask - batchwise_mask.to(scores.dtype)) * (scores - thresholds)).sum(dim=1).mean()

@@ -7,6 +7,7 @@ autocast. Each returns a :class:`Routing`; the layers turn it into capacity, dis
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -17,7 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .assignment import balanced_assignment, balanced_capacities
+from .expert_dropping import OverpoweringExperts, check_margin
 from .losses import (
+    bengio_batchwise_loss,
+    bengio_examplewise_loss,
+    bengio_variance_loss,
     cv_squared,
     importance_loss,
     load_loss,
@@ -27,7 +32,7 @@ from .losses import (
     switch_load_balancing_loss,
     vmoe_load_loss,
 )
-from .routing import Router, Routing, logit_checksum, router_logits, router_weight
+from .routing import Router, Routing, logit_checksum, router_logits, router_precision, router_weight
 
 __all__ = ["TopKRouter", "HashRouter", "BalancedRouter", "HierarchicalRouter"]
 
@@ -37,6 +42,11 @@ def _check_k(num_experts: int, top_k: int, what: str = "top_k") -> None:
         raise ValueError(f"num_experts={num_experts!r} must be a positive int")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"{what}={top_k!r} must be an int in [1, {num_experts}]")
+
+
+def _check_init(router_init: str) -> None:
+    if router_init not in ("default", "zeros"):
+        raise ValueError(f"router_init={router_init!r}; allowed: 'default', 'zeros'")
 
 
 def _check_weights(**weights: float) -> None:
@@ -64,10 +74,20 @@ class TopKRouter(Router):
     Token counts accumulate during forwards; :meth:`balancing_step` applies
     ``b_i += rate * sign(mean load - load_i)`` and is called once per optimizer step.
 
+    Router jitter (Switch, ``jitter_eps > 0``): in training the router's input is multiplied by noise drawn
+    uniformly from ``[1 - eps, 1 + eps]`` (the experts see the clean input). ``router_init="zeros"`` starts
+    ``W_g`` at zero (Shazeer et al. 2017, appendix A: "no signal and some noise" with learned noise).
+
+    Dropping overpowering experts (Eigen et al. 2013, ``overpower_margin``): in training an expert whose running
+    total of received gate mass is more than the margin ahead of the mean is left out of the choice for the
+    step (softmax scores are renormalised over the others; :mod:`moekit.moe.expert_dropping`).
+
     Auxiliary losses, each on when its weight is non-zero: ``switch`` (Fedus et al.), ``importance``
     (``CV^2`` of the summed gates: over the sparse gates, Shazeer's, or with ``importance_over="probs"``
     over the clean softmax of all experts, V-MoE's), ``load`` (needs noise: Shazeer's estimator with
-    learned noise, V-MoE's with fixed noise; :mod:`moekit.moe.losses`), ``z`` (ST-MoE router z-loss).
+    learned noise, V-MoE's with fixed noise; :mod:`moekit.moe.losses`), ``z`` (ST-MoE router z-loss), and
+    Bengio et al. 2015's ``bengio_batchwise``, ``bengio_examplewise`` and ``bengio_variance`` on the scores,
+    towards the rate ``bengio_target`` (default: ``top_k / E`` of sigmoid scores, ``1 / E`` of softmax ones).
     """
 
     @dataclass(kw_only=True)
@@ -80,15 +100,29 @@ class TopKRouter(Router):
         noise_std: float = 0.0
         importance_over: Literal["gates", "probs"] = "gates"
         bias_update_rate: float = 0.0
+        jitter_eps: float = 0.0
+        router_init: Literal["default", "zeros"] = "default"
+        overpower_margin: float | None = None
         switch_loss_weight: float = 0.0
         importance_loss_weight: float = 0.0
         load_loss_weight: float = 0.0
         z_loss_weight: float = 0.0
+        bengio_batchwise_loss_weight: float = 0.0
+        bengio_examplewise_loss_weight: float = 0.0
+        bengio_variance_loss_weight: float = 0.0
+        bengio_target: float | None = None
 
         def __post_init__(self) -> None:
             _check_k(self.num_experts, self.top_k)
+            _check_init(self.router_init)
+            if not (isinstance(self.jitter_eps, (int, float)) and 0 <= self.jitter_eps < 1):
+                raise ValueError(
+                    f"jitter_eps={self.jitter_eps!r} must lie in [0, 1) (the router input is scaled by U[1-eps, 1+eps])"
+                )
             if self.score_func not in ("softmax", "sigmoid"):
                 raise ValueError(f"score_func={self.score_func!r}; allowed: 'softmax', 'sigmoid'")
+            check_margin(self.overpower_margin)
+            self._check_bengio()
             if self.importance_over not in ("gates", "probs"):
                 raise ValueError(f"importance_over={self.importance_over!r}; allowed: 'gates', 'probs'")
             _check_weights(
@@ -101,7 +135,7 @@ class TopKRouter(Router):
             )
             if self.noisy_gating and self.noise_std:
                 raise ValueError(
-                    "noisy_gating=True (learned noise, Shazeer) and noise_std={self.noise_std} (fixed noise, "
+                    f"noisy_gating=True (learned noise, Shazeer) and noise_std={self.noise_std} (fixed noise, "
                     "V-MoE) both set; choose one"
                 )
             if self.load_loss_weight and not (self.noisy_gating or self.noise_std):
@@ -111,16 +145,43 @@ class TopKRouter(Router):
                     "switch_loss_weight instead"
                 )
 
+        def _check_bengio(self) -> None:
+            _check_weights(
+                bengio_batchwise_loss_weight=self.bengio_batchwise_loss_weight,
+                bengio_examplewise_loss_weight=self.bengio_examplewise_loss_weight,
+                bengio_variance_loss_weight=self.bengio_variance_loss_weight,
+            )
+            softmax = self.score_func == "softmax"
+            if softmax and self.bengio_examplewise_loss_weight:
+                raise ValueError(
+                    f"bengio_examplewise_loss_weight={self.bengio_examplewise_loss_weight}: softmax scores sum to 1 "
+                    "over the experts, so the examplewise loss is a constant; use score_func=sigmoid (independent "
+                    "expert probabilities, as in Bengio et al.) or set the weight to 0"
+                )
+            uniform = 1.0 / self.num_experts
+            if self.bengio_target is None:
+                self.bengio_target = uniform if softmax else self.top_k / self.num_experts
+            elif not 0 < self.bengio_target < 1 or (softmax and abs(self.bengio_target - uniform) > 1e-12):
+                allowed = f"1/num_experts = {uniform:g} with softmax scores" if softmax else "in (0, 1)"
+                raise ValueError(f"bengio_target={self.bengio_target!r} must be {allowed}; null picks it")
+
     def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
         super().__init__()
         self.config = config
         self.num_experts = config.num_experts
         self.top_k = config.top_k
         self.weight = router_weight(config.num_experts, in_features, device, dtype)
+        if config.router_init == "zeros":
+            nn.init.zeros_(self.weight)
         self.noise_weight = (
             nn.Parameter(torch.zeros(config.num_experts, in_features, device=device, dtype=dtype))
             if config.noisy_gating
             else None
+        )
+        self.overpowering = (
+            None
+            if config.overpower_margin is None
+            else OverpoweringExperts(config.num_experts, config.overpower_margin, device=device)
         )
         if config.bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device))
@@ -145,6 +206,9 @@ class TopKRouter(Router):
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
         """``x: [N, d]`` -> :class:`Routing` with ``k`` experts per token."""
         cfg = self.config
+        if self.training and cfg.jitter_eps:
+            x = router_precision(x)
+            x = x * torch.empty_like(x).uniform_(1.0 - cfg.jitter_eps, 1.0 + cfg.jitter_eps)
         clean_NE = router_logits(x, self.weight)
         logits_NE, noise_std = self._noisy_logits(clean_NE, x)
         if cfg.score_func == "softmax":
@@ -153,16 +217,27 @@ class TopKRouter(Router):
         else:
             scores_NE = torch.sigmoid(logits_NE)
             probs_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
+        losses = self._score_losses(scores_NE)
+        if self.overpowering is not None:  # Eigen et al.: leave out the experts that ran ahead
+            scores_NE = scores_NE * self.overpowering.keep_E()
+            if cfg.score_func == "softmax":
+                scores_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
         choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias
         expert_ids_NK = choice_NE.topk(self.top_k, dim=-1).indices
         gates_NK = scores_NE.gather(1, expert_ids_NK)
         if cfg.normalize_gates:
-            gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+            gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates_NK.dtype).tiny)
+        if self.overpowering is not None:
+            self.overpowering.received(
+                torch.zeros_like(self.overpowering.gate_mass_total).index_add_(
+                    0, expert_ids_NK.reshape(-1), gates_NK.detach().reshape(-1)
+                ),
+                num_tokens=expert_ids_NK.shape[0],
+            )
         if self.pending_counts is not None and self.training:
             with torch.no_grad():
                 self.pending_counts += torch.bincount(expert_ids_NK.reshape(-1), minlength=self.num_experts).float()
 
-        losses: dict[str, Tensor] = {}
         if cfg.switch_loss_weight:
             losses["switch"] = cfg.switch_loss_weight * switch_load_balancing_loss(
                 probs_NE, expert_ids_NK, self.num_experts
@@ -187,6 +262,19 @@ class TopKRouter(Router):
             logit_checksum=logit_checksum(logits_NE),
         )
 
+    def _score_losses(self, scores_NE: Tensor) -> dict[str, Tensor]:
+        """Bengio et al.'s losses of the scores (before any expert is dropped), those with a non-zero weight."""
+        cfg, target = self.config, self.config.bengio_target
+        terms = {
+            "bengio_batchwise": (cfg.bengio_batchwise_loss_weight, lambda: bengio_batchwise_loss(scores_NE, target)),
+            "bengio_examplewise": (
+                cfg.bengio_examplewise_loss_weight,
+                lambda: bengio_examplewise_loss(scores_NE, target),
+            ),
+            "bengio_variance": (cfg.bengio_variance_loss_weight, lambda: bengio_variance_loss(scores_NE)),
+        }
+        return {name: weight * loss() for name, (weight, loss) in terms.items() if weight}
+
     @torch.no_grad()
     def balancing_step(self) -> None:
         """Loss-free balancing update from the token counts since the previous call."""
@@ -207,10 +295,22 @@ class TopKRouter(Router):
 
 
 class HashRouter(Router):
-    """Hash routing (Roller et al. 2021): a fixed, balanced random map token id -> expert.
+    """Hash routing (Roller et al. 2021): a fixed map token id -> expert, gate 1. No parameters are learned.
 
-    ``vocab_size`` ids are split into ``num_experts`` groups of (nearly) equal size by a permutation seeded
-    with ``hash_seed``; a token goes to its id's expert with gate 1. No parameters are learned.
+    The map (``hash_method``) over the ``vocab_size`` ids:
+
+    * ``"random"``: a random permutation (seed ``hash_seed``) cut into ``num_experts`` groups of (nearly) equal
+      size - the paper's random hash, balanced over the vocabulary;
+    * ``"modulo"``: ``id mod num_experts``;
+    * ``"frequency"``: balanced over the *tokens* of a corpus rather than over the vocabulary: ids in decreasing
+      order of their count go, one at a time, to the expert with the smallest total count so far (the paper's
+      "balanced assignment" by token frequency); :meth:`fit_frequency` takes the counts;
+    * ``"clustered"``: k-means of the token embeddings, one cluster per expert (the paper's clustered hash, on the
+      embeddings of a trained model); :meth:`fit_clusters` takes the embeddings.
+
+    ``frequency`` and ``clustered`` routers must be fitted before they route
+    (:func:`moekit.models.fit_hash_routing`; the training template fits them from the training split or the
+    model's token embeddings when training starts). The table is a buffer, saved with the model.
     """
 
     needs_token_ids = True
@@ -219,6 +319,7 @@ class HashRouter(Router):
     class Config:
         num_experts: int = 8
         vocab_size: int | None = None
+        hash_method: Literal["random", "modulo", "frequency", "clustered"] = "random"
         hash_seed: int = 0
 
         def __post_init__(self) -> None:
@@ -228,17 +329,70 @@ class HashRouter(Router):
                     f"vocab_size={self.vocab_size!r} must be a positive int (the token vocabulary; "
                     "the language models set it)"
                 )
+            if self.hash_method not in HASH_METHODS:
+                raise ValueError(f"hash_method={self.hash_method!r}; allowed: {', '.join(map(repr, HASH_METHODS))}")
 
     def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = 1
         self.vocab_size = config.vocab_size
-        generator = torch.Generator().manual_seed(config.hash_seed)
-        perm = torch.randperm(config.vocab_size, generator=generator)
-        table = torch.empty(config.vocab_size, dtype=torch.long)
-        table[perm] = torch.arange(config.vocab_size) % config.num_experts
+        self.hash_method = config.hash_method
+        self.hash_seed = config.hash_seed
+        ids = torch.arange(config.vocab_size)
+        if config.hash_method == "modulo":
+            table = ids % config.num_experts
+        else:  # random, and the starting table of the fitted methods
+            generator = torch.Generator().manual_seed(config.hash_seed)
+            table = torch.empty(config.vocab_size, dtype=torch.long)
+            table[torch.randperm(config.vocab_size, generator=generator)] = ids % config.num_experts
         self.register_buffer("expert_of_token", table.to(device))
+        self.register_buffer("table_fitted", torch.tensor(config.hash_method in ("random", "modulo"), device=device))
+        self._fitted = bool(self.table_fitted)  # host copy: forwards never read the device
+        self.register_load_state_dict_post_hook(_read_fitted_flag)
+
+    @property
+    def needs_fit(self) -> bool:
+        """Whether the table still has to be fitted (``frequency`` or ``clustered`` before :meth:`fit_frequency` /
+        :meth:`fit_clusters` or loading a fitted state)."""
+        return not self._fitted
+
+    def _set_table(self, table: Tensor) -> None:
+        self.expert_of_token.copy_(table)
+        self.table_fitted.fill_(True)
+        self._fitted = True
+
+    @torch.no_grad()
+    def fit_frequency(self, token_counts: Tensor) -> None:
+        """Balance the experts' token counts: ``token_counts [vocab_size]`` occurrences of each id in the corpus.
+        Greedy longest-processing-time assignment (one pass over the vocabulary, at setup)."""
+        if self.hash_method != "frequency":
+            raise ValueError(f"fit_frequency is for hash_method='frequency'; this router's is {self.hash_method!r}")
+        if token_counts.shape != (self.vocab_size,):
+            raise ValueError(
+                f"token_counts of shape {tuple(token_counts.shape)}; expected [vocab_size] = [{self.vocab_size}]"
+            )
+        counts = token_counts.detach().double().cpu()
+        order = torch.sort(counts, descending=True, stable=True).indices.tolist()
+        loads = [(0.0, e) for e in range(self.num_experts)]  # a heap of (total count, expert)
+        table = torch.empty(self.vocab_size, dtype=torch.long)
+        for token in order:
+            load, expert = heapq.heappop(loads)
+            table[token] = expert
+            heapq.heappush(loads, (load + counts[token].item(), expert))
+        self._set_table(table)
+
+    @torch.no_grad()
+    def fit_clusters(self, embeddings: Tensor, iterations: int = 50) -> None:
+        """Cluster ``embeddings [vocab_size, d]`` into ``num_experts`` groups by k-means (k-means++ seeding with
+        ``hash_seed``, Lloyd iterations) and send each id to its cluster's expert. Clusters are not balanced."""
+        if self.hash_method != "clustered":
+            raise ValueError(f"fit_clusters is for hash_method='clustered'; this router's is {self.hash_method!r}")
+        if embeddings.dim() != 2 or embeddings.shape[0] != self.vocab_size:
+            raise ValueError(
+                f"embeddings of shape {tuple(embeddings.shape)}; expected [vocab_size = {self.vocab_size}, dim]"
+            )
+        self._set_table(kmeans(embeddings.detach().float().cpu(), self.num_experts, iterations, self.hash_seed))
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
         """``token_ids: [N]`` long -> :class:`Routing` with ``k = 1`` and gates 1 (``x`` is not read)."""
@@ -252,9 +406,50 @@ class HashRouter(Router):
                 f"HashMoE: token_ids hold {token_ids.numel()} ids for {x.shape[0]} tokens; pass [batch, tokens] ids "
                 "matching x"
             )
+        if not self._fitted:
+            raise ValueError(
+                f"HashMoE with hash_method={self.hash_method!r} has no table yet: fit it first with "
+                "moekit.models.fit_hash_routing(model, token_ids) (the training template does this when training "
+                "starts), or load a fitted checkpoint"
+            )
         expert_ids = self.expert_of_token.index_select(0, token_ids.reshape(-1)).unsqueeze(1)
         gates = torch.ones(expert_ids.shape, device=token_ids.device)
         return Routing(expert_ids, gates)
+
+
+HASH_METHODS = ("random", "modulo", "frequency", "clustered")
+
+
+def _read_fitted_flag(module: HashRouter, incompatible_keys) -> None:
+    module._fitted = bool(module.table_fitted)
+
+
+def kmeans(points: Tensor, k: int, iterations: int, seed: int) -> Tensor:
+    """Cluster ids ``[n]`` of ``points [n, d]`` into ``k`` clusters: k-means++ seeding, then Lloyd iterations (an
+    emptied cluster restarts at the point farthest from its centre)."""
+    n = points.shape[0]
+    if n < k:
+        raise ValueError(f"k-means of {n} points into {k} clusters: need at least as many points as clusters")
+    generator = torch.Generator().manual_seed(seed)
+    centres = points[torch.randint(n, (1,), generator=generator)]
+    for _ in range(1, k):
+        distance = torch.cdist(points, centres).min(dim=1).values.pow(2)
+        weights = distance if distance.sum() > 0 else torch.ones(n)
+        centres = torch.cat([centres, points[torch.multinomial(weights, 1, generator=generator)]])
+    for _ in range(iterations):
+        distance = torch.cdist(points, centres)
+        assignment = distance.argmin(dim=1)
+        sums = torch.zeros_like(centres).index_add_(0, assignment, points)
+        sizes = torch.bincount(assignment, minlength=k)
+        for cluster in (sizes == 0).nonzero().flatten().tolist():
+            far = distance.min(dim=1).values.argmax()
+            sums[cluster], sizes[cluster] = points[far], 1
+            distance[far] = 0.0
+        updated = sums / sizes.unsqueeze(1)
+        if torch.equal(updated, centres):
+            break
+        centres = updated
+    return torch.cdist(points, centres).argmin(dim=1)
 
 
 class BalancedRouter(Router):
@@ -312,7 +507,8 @@ class HierarchicalRouter(Router):
 
     Losses (appendix B): ``importance`` is ``CV^2`` of ``Importance_H[i, j] = sum_x G_p(x)_i G_i(x)_j``,
     ``load`` is ``CV^2`` of ``Load_H[i, j] = Load_p(X)_i * Load_i(X^(i))_j / |X^(i)|``, ``X^(i)``
-    being the tokens the primary gate sends to group ``i``.
+    being the tokens the primary gate sends to group ``i``. ``router_init="zeros"`` starts both gates at zero
+    (appendix A).
     """
 
     @dataclass(kw_only=True)
@@ -322,11 +518,13 @@ class HierarchicalRouter(Router):
         top_k_groups: int = 1
         top_k: int = 2
         noisy_gating: bool = True
+        router_init: Literal["default", "zeros"] = "default"
         importance_loss_weight: float = 0.0
         load_loss_weight: float = 0.0
 
         def __post_init__(self) -> None:
             _check_k(self.num_experts, 1)
+            _check_init(self.router_init)
             if self.num_groups is None:
                 self.num_groups = _balanced_divisor(self.num_experts)
             if (
@@ -362,6 +560,9 @@ class HierarchicalRouter(Router):
             self.secondary_noise = nn.Parameter(torch.zeros(self.num_experts, in_features, **dd))
         else:
             self.primary_noise = self.secondary_noise = None
+        if config.router_init == "zeros":
+            nn.init.zeros_(self.primary_weight)
+            nn.init.zeros_(self.secondary_weight)
 
     def _noisy(self, x: Tensor, weight: Tensor, noise_weight: Tensor | None):
         clean = router_logits(x, weight)

@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["entropy", "tokens_choice_stats", "experts_choice_stats", "soft_moe_stats", "dense_mixture_stats"]
+__all__ = [
+    "entropy",
+    "tokens_choice_stats",
+    "experts_choice_stats",
+    "strictly_balanced_stats",
+    "soft_moe_stats",
+    "dense_mixture_stats",
+]
 
 
 def entropy(probs: Tensor, dim: int = -1) -> Tensor:
@@ -58,6 +65,34 @@ def experts_choice_stats(router_probs: Tensor, experts_per_token: Tensor, gates:
         "router_entropy": entropy(router_probs.float()).mean(),
         "mean_top_gate": gates.float().max(dim=-1).values.mean(),
     }
+
+
+@torch.no_grad()
+def strictly_balanced_stats(
+    router_probs: Tensor, mask: Tensor, counts: Tensor, thresholds: Tensor | None
+) -> dict[str, Tensor]:
+    """Statistics of strictly balanced gating (:class:`~moekit.moe.StrictlyBalancedMoE`).
+
+    Args:
+        router_probs: ``[N, E]`` gate scores; mask: ``[N, E]`` bool, the (batchwise or threshold) mask used;
+        counts: ``[E]`` tokens each expert processed; thresholds: ``[E]`` in training (then
+        ``threshold_agreement`` is the fraction of ``(token, expert)`` entries where the threshold mask equals
+        the batchwise one), None at inference.
+    """
+    per_token = mask.sum(dim=-1)
+    kept_probs = router_probs * mask
+    stats = {
+        "expert_load": counts.float() / counts.sum().clamp_min(1).float(),
+        "load_cv": _cv(counts.float()),
+        "unused_experts": (counts == 0).float().mean(),
+        "dropped_fraction": (per_token == 0).float().mean(),
+        "mean_experts_per_token": per_token.float().mean(),
+        "router_entropy": entropy(router_probs.float()).mean(),
+        "mean_top_gate": (kept_probs.max(dim=-1).values / kept_probs.sum(dim=-1).clamp_min(1e-30)).mean(),
+    }
+    if thresholds is not None:
+        stats["threshold_agreement"] = ((router_probs > thresholds) == mask).float().mean()
+    return stats
 
 
 @torch.no_grad()

@@ -184,7 +184,8 @@ class HashMoE(TokensChoiceMoE):
     ``forward(x, token_ids)`` needs the ``[batch, tokens]`` ids of the input tokens (so it serves language
     models, not a timm ``Block``, which passes none); ``vocab_size`` bounds them. The routing is fixed and
     per token, so the layer is causal. Settings: :class:`~moekit.moe.routers.HashRouter`'s (``num_experts``,
-    ``vocab_size``, ``hash_seed``), the experts' and :class:`SharedExperts`.
+    ``vocab_size``, ``hash_method`` - random, modulo, frequency-balanced or clustered - and ``hash_seed``), the
+    experts' and :class:`SharedExperts`.
     """
 
     Router = HashRouter

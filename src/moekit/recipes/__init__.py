@@ -40,6 +40,8 @@ _NO_MOE = "none"
 _TOKEN_MIXING_LAYERS = frozenset({"soft_moe", "experts_choice", "base"})
 # Tokens-choice layers: with a capacity over the whole batch a token's drop depends on the other tokens.
 _CAPACITY_LAYERS = frozenset({"top_k", "hierarchical"})
+# Layers that balance over the batch in training unless ``balance_scope: position``.
+_BALANCE_SCOPE_LAYERS = frozenset({"strictly_balanced"})
 # Layers that route by token id (a model must pass ``token_ids``).
 _TOKEN_ID_LAYERS = frozenset({"hash"})
 
@@ -108,11 +110,14 @@ def needs_token_ids(spec: Mapping[str, Any]) -> bool:
 
 def mixes_tokens(spec: Mapping[str, Any]) -> bool:
     """Whether the recipe's routing of a token depends on other tokens of the forward (then a causal language
-    model would let a token see the future): Soft MoE, experts-choice, BASE, and tokens-choice capacity over
-    the whole batch (``capacity_scope: position`` keeps it per token)."""
+    model would let a token see the future): Soft MoE, experts-choice, BASE, tokens-choice capacity over the whole
+    batch (``capacity_scope: position`` keeps it per token) and strictly balanced gating over the whole batch
+    (``balance_scope: position``)."""
     layer = spec["layer"]
     if layer in _TOKEN_MIXING_LAYERS:
         return True
+    if layer in _BALANCE_SCOPE_LAYERS:
+        return spec.get("balance_scope", "batch") != "position"
     if layer not in _CAPACITY_LAYERS:
         return False
     has_capacity = spec.get("capacity_factor") is not None or spec.get("eval_capacity_factor") not in (None, "same")
@@ -136,7 +141,9 @@ def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: 
             "moe=soft_moe; hash routing serves the language models"
         )
     if causal and mixes_tokens(spec):
-        if spec["layer"] in _CAPACITY_LAYERS:
+        if spec["layer"] in _BALANCE_SCOPE_LAYERS:
+            fix = "set moe.balance_scope=position (each expert takes its share of the tokens at each position)"
+        elif spec["layer"] in _CAPACITY_LAYERS:
             fix = (
                 "set moe.capacity_scope=position (tokens compete per position) or make it dropless "
                 "(moe.capacity_factor=null moe.eval_capacity_factor=null)"

@@ -12,6 +12,7 @@ The network config must build a causal LM (:class:`~moekit.models.TransformerLM`
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,10 +22,13 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from moekit.checkpoint import load_weights, read_state_dict
+from moekit.models import fit_hash_routing
 
 from .base import MoETask, plain
 
 __all__ = ["LanguageModel"]
+
+log = logging.getLogger("moekit")
 
 
 class LanguageModel(MoETask):
@@ -86,6 +90,10 @@ class LanguageModel(MoETask):
                 f"data.seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; set data.seq_len <= "
                 f"{max_seq_len} or model.max_seq_len >= {seq_len}"
             )
+        if stage == "fit":  # hash tables fitted from the training split (a resumed run restores its own)
+            train_tokens = getattr(datamodule, "split_tokens", {}).get("train")
+            for name in fit_hash_routing(self.net, train_tokens):
+                log.info("fitted the hash routing table of %s", name)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """``input_ids: [batch, tokens]`` -> logits ``[batch, tokens, vocab_size]``."""

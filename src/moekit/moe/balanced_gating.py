@@ -1,0 +1,189 @@
+"""Strictly balanced gating (Shazeer et al. 2017, appendix F).
+
+Gate scores ``G_sigma(x) = softmax(x W_g)`` over ``E`` experts; the gates are the scores a mask keeps, renormalised
+per token, ``G(x)_e = G_sigma(x)_e M_e / sum_e' G_sigma(x)_e' M_e'`` (a token the mask gives no expert gets a zero
+output, so the block's residual carries it).
+
+* Training - the batchwise mask: each expert takes the ``m = R(k N / E)`` tokens of the batch with its highest
+  scores, so every expert gets exactly the same number of tokens and a token gets ``k`` experts on average.
+  ``balance_scope="position"`` applies it to the tokens of each sequence position separately (``m = R(k B / E)``
+  of the ``B`` tokens at that position): the routing of a token then never looks at later tokens, so a causal
+  language model can train with it.
+* Inference - the threshold mask ``M_threshold(x)_e = [G_sigma(x)_e > T_e]``, per token, so it runs at batch size
+  1 and in a decoder. The thresholds ``T`` are parameters trained by ``L_batchwise`` (the ``threshold`` aux loss,
+  :func:`~moekit.moe.losses.batchwise_threshold_loss`, on detached scores: it trains the thresholds only) to make
+  the threshold mask agree with the batchwise one. They start at the cut-offs of the first training batch; a
+  layer that has never trained has no thresholds yet and routes with the batchwise mask in eval mode too.
+
+Shapes: ``B`` batch, ``T`` tokens per sequence, ``N = B * T``, ``D`` width, ``E`` experts, ``C`` tokens per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .base import MlpSpec, MoELayer, register_moe_layer
+from .capacity import experts_choice_capacity
+from .dispatch import combine, dispatch, plan_dispatch
+from .experts import ExpertsConfig
+from .losses import batchwise_threshold_loss, router_z_loss
+from .routing import logit_checksum, router_logits, router_weight
+from .stats import strictly_balanced_stats
+
+__all__ = ["StrictlyBalancedMoE"]
+
+
+@register_moe_layer("strictly_balanced")
+class StrictlyBalancedMoE(MoELayer):
+    """Strictly balanced gating: the batchwise mask in training, learned per-expert thresholds at inference.
+
+    Settings: :class:`StrictlyBalancedMoE.Config` and :class:`~moekit.moe.experts.ExpertsConfig` (``num_experts``).
+    """
+
+    @dataclass(kw_only=True)
+    class Config:
+        """Attributes:
+        top_k: ``k``, the average number of experts per token (each expert takes ``R(k N / E)`` tokens).
+        balance_scope: ``"batch"`` (the paper's: all tokens of the forward) or ``"position"`` (the tokens of each
+            sequence position; causal).
+        threshold_loss_weight: the weight of ``L_batchwise``, which trains the thresholds.
+        z_loss_weight: ST-MoE router z-loss weight (0 = off).
+        """
+
+        top_k: int = 2
+        balance_scope: Literal["batch", "position"] = "batch"
+        threshold_loss_weight: float = 1.0
+        z_loss_weight: float = 0.0
+
+        def __post_init__(self) -> None:
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+                raise ValueError(f"top_k={self.top_k!r} must be a positive int (the average experts per token)")
+            if self.balance_scope not in ("batch", "position"):
+                raise ValueError(f"balance_scope={self.balance_scope!r}; allowed: 'batch', 'position' (causal)")
+            for name in ("threshold_loss_weight", "z_loss_weight"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns it off)")
+
+    configs = (Config, ExpertsConfig)
+
+    def build(self, mlp: MlpSpec, config: Config, experts: ExpertsConfig, *, device=None, dtype=None) -> None:
+        self.num_experts = experts.num_experts
+        if config.top_k > self.num_experts:
+            raise ValueError(f"top_k={config.top_k} must be at most num_experts={self.num_experts}")
+        self.top_k = config.top_k
+        self.balance_scope = config.balance_scope
+        self.threshold_loss_weight = config.threshold_loss_weight
+        self.z_loss_weight = config.z_loss_weight
+        self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
+        self.thresholds = nn.Parameter(torch.zeros(self.num_experts, device=device, dtype=torch.float32))
+        self.register_buffer("thresholds_set", torch.zeros((), dtype=torch.bool, device=device))
+        self._thresholds_set = False  # host copy of the buffer, so that forwards never read it from the device
+        self.register_load_state_dict_post_hook(_read_host_flag)
+        self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    @property
+    def causal_safe(self) -> bool:
+        return self.balance_scope == "position"
+
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        # Training and an untrained layer: exactly C * E / N; trained thresholds aim at the same average.
+        return self.tokens_per_expert(num_tokens) * self.num_experts / num_tokens
+
+    def tokens_per_expert(self, num_tokens: int) -> int:
+        """``m = R(k N / E)``: the tokens each expert takes from ``num_tokens`` competing tokens."""
+        return experts_choice_capacity(num_tokens, self.num_experts, self.top_k)
+
+    def has_thresholds(self) -> bool:
+        """Whether the thresholds have been set by a training batch."""
+        return self._thresholds_set
+
+    def batchwise_token_ids(self, scores_NE: Tensor, batch: int, tokens: int) -> Tensor:
+        """``[E, C]``: the tokens each expert takes, its top ``m`` of the batch (or of each position's ``B``)."""
+        if self.balance_scope == "batch":
+            return scores_NE.t().topk(self.tokens_per_expert(batch * tokens), dim=-1).indices
+        scores_TEB = scores_NE.view(batch, tokens, -1).permute(1, 2, 0)
+        rows_TEM = scores_TEB.topk(self.tokens_per_expert(batch), dim=-1).indices  # batch rows per position
+        positions = torch.arange(tokens, device=scores_NE.device).view(tokens, 1, 1)
+        return (rows_TEM * tokens + positions).permute(1, 0, 2).reshape(self.num_experts, -1)
+
+    @torch.no_grad()
+    def _set_thresholds(self, scores_NE: Tensor) -> None:
+        """Start each threshold at the largest score its expert did not take: the threshold mask then keeps
+        ``m`` tokens per expert of this batch (up to ties); averaged over the processes of a distributed run."""
+        num_tokens = scores_NE.shape[0]
+        below = max(num_tokens - self.tokens_per_expert(num_tokens), 1)
+        self.thresholds.copy_(scores_NE.t().kthvalue(below, dim=-1).values)
+        if dist.is_available() and dist.is_initialized():  # every rank starts from the same thresholds
+            dist.all_reduce(self.thresholds)
+            self.thresholds /= dist.get_world_size()
+        self.thresholds_set.fill_(True)
+        self._thresholds_set = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
+        self._check_input(x)
+        B, T, D = x.shape
+        x_ND = x.reshape(B * T, D)
+        logits_NE = router_logits(x_ND, self.router_weight)
+        scores_NE = torch.softmax(logits_NE, dim=-1)
+        if self.training and not self.has_thresholds():
+            self._set_thresholds(scores_NE.detach())
+
+        losses: dict[str, Tensor] = {}
+        if not self.training and self.has_thresholds():
+            mask_NE = scores_NE > self.thresholds
+            out_NO, counts_E = self._threshold_forward(x_ND, scores_NE, mask_NE)
+        else:
+            token_ids_EC = self.batchwise_token_ids(scores_NE, B, T)
+            mask_NE = torch.zeros_like(scores_NE, dtype=torch.bool).t().scatter_(1, token_ids_EC, True).t()
+            out_NO = self._batchwise_forward(x_ND, scores_NE, mask_NE, token_ids_EC)
+            counts_E = torch.full((self.num_experts,), token_ids_EC.shape[1], device=x.device)
+            if self.training and self.threshold_loss_weight:
+                losses["threshold"] = self.threshold_loss_weight * batchwise_threshold_loss(
+                    scores_NE.detach(), self.thresholds, mask_NE
+                )
+        if self.z_loss_weight:
+            losses["z"] = self.z_loss_weight * router_z_loss(logits_NE)
+
+        probs, mask, thresholds = scores_NE.detach(), mask_NE, self.thresholds.detach()
+        self._record(
+            losses,
+            lambda: strictly_balanced_stats(probs, mask, counts_E, thresholds if self.training else None),
+            B * T,
+            logit_checksum(logits_NE),
+        )
+        return out_NO.view(B, T, -1)
+
+    @staticmethod
+    def _gates(scores_NE: Tensor, mask_NE: Tensor) -> Tensor:
+        """``G = G_sigma M / sum_e G_sigma M`` (zero for a token with no expert)."""
+        kept_NE = scores_NE * mask_NE
+        return kept_NE / kept_NE.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(kept_NE.dtype).tiny)
+
+    def _batchwise_forward(self, x_ND: Tensor, scores_NE: Tensor, mask_NE: Tensor, token_ids_EC: Tensor) -> Tensor:
+        flat = token_ids_EC.reshape(-1)
+        expert_out = self.experts(x_ND.index_select(0, flat), token_ids_EC.shape[1])  # [E * C, O]
+        gates_EC = self._gates(scores_NE, mask_NE).t().gather(1, token_ids_EC)
+        weighted = expert_out * gates_EC.reshape(-1, 1).to(expert_out.dtype)
+        return weighted.new_zeros(x_ND.shape[0], weighted.shape[-1]).index_add_(0, flat, weighted)
+
+    def _threshold_forward(self, x_ND: Tensor, scores_NE: Tensor, mask_NE: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens-choice dispatch with a variable number of experts per token (the ``E`` candidates of every token,
+        the masked ones dropped)."""
+        expert_ids_NE = torch.arange(self.num_experts, device=x_ND.device).expand_as(mask_NE)
+        plan = plan_dispatch(expert_ids_NE, self.num_experts, keep=mask_NE)
+        expert_out = self.experts(dispatch(x_ND, plan), plan.counts)
+        return combine(expert_out, plan, self._gates(scores_NE, mask_NE)), plan.counts
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, balance_scope={self.balance_scope!r}"
+
+
+def _read_host_flag(module: StrictlyBalancedMoE, incompatible_keys) -> None:
+    module._thresholds_set = bool(module.thresholds_set)
