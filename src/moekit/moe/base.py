@@ -307,9 +307,9 @@ def collect_moe_outputs(model: nn.Module) -> MoEOutputs:
 
 
 def update_balancing_biases(model: nn.Module) -> None:
-    """Apply the per-step updates that live outside autograd (loss-free balancing biases) in every
-    MoE layer of ``model``. Call once after each optimizer step; under ``torch.distributed`` the token
-    counts are summed over ranks first so every rank applies the same update."""
+    """Apply the per-step updates that live outside autograd (loss-free balancing biases, the global-batch
+    Switch fractions) in every MoE layer of ``model``. Call once after each optimizer step; under
+    ``torch.distributed`` the token counts are summed over ranks first so every rank applies the same update."""
     for _, layer in moe_layers(model):
         layer.balancing_step()
 

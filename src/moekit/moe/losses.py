@@ -11,6 +11,7 @@ from torch import Tensor
 
 __all__ = [
     "switch_load_balancing_loss",
+    "switch_loss_from_fractions",
     "cv_squared",
     "importance_loss",
     "load_loss",
@@ -39,9 +40,14 @@ def switch_load_balancing_loss(router_probs: Tensor, expert_ids: Tensor, num_exp
     of expert ``i``. The loss is 1 at perfect balance and ``E`` when all tokens collapse onto one expert.
     """
     counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(router_probs.dtype)
-    fraction = counts / expert_ids.numel()
-    mean_prob = router_probs.mean(dim=0)
-    return num_experts * torch.sum(fraction * mean_prob)
+    return switch_loss_from_fractions(router_probs, counts / expert_ids.numel())
+
+
+def switch_loss_from_fractions(router_probs: Tensor, fraction: Tensor) -> Tensor:
+    """``E * sum_i f_i * P_i`` with given assignment fractions ``f [E]`` (no gradient flows through them) and
+    ``P_i`` the mean of ``router_probs [N, E]`` over the tokens: the Switch loss with ``f`` counted elsewhere, e.g.
+    over a whole global batch."""
+    return router_probs.shape[-1] * torch.sum(fraction.to(router_probs.dtype) * router_probs.mean(dim=0))
 
 
 def cv_squared(values: Tensor, eps: float = 1e-10) -> Tensor:

@@ -30,6 +30,7 @@ from .losses import (
     router_z_loss,
     smooth_load,
     switch_load_balancing_loss,
+    switch_loss_from_fractions,
     vmoe_load_loss,
 )
 from .routing import Router, Routing, logit_checksum, router_logits, router_precision, router_weight
@@ -82,6 +83,13 @@ class TopKRouter(Router):
     total of received gate mass is more than the margin ahead of the mean is left out of the choice for the
     step (softmax scores are renormalised over the others; :mod:`moekit.moe.expert_dropping`).
 
+    Balancing that does not depend on the parallel layout (``switch_loss_scope="global_batch"``): the Switch
+    loss's assignment fractions ``f`` are those of the previous optimizer step's whole batch - token counts
+    summed over the micro-batches of gradient accumulation and over the ranks in :meth:`balancing_step` - so
+    that, ``P`` being a mean, the loss and its gradient are the same for any split of a batch into processes
+    and micro-batches (the first step, with no counts yet, uses ``f = 1/E``: no pull). The default,
+    ``"micro_batch"``, counts ``f`` in each forward, as the paper and most code do.
+
     Auxiliary losses, each on when its weight is non-zero: ``switch`` (Fedus et al.), ``importance``
     (``CV^2`` of the summed gates: over the sparse gates, Shazeer's, or with ``importance_over="probs"``
     over the clean softmax of all experts, V-MoE's), ``load`` (needs noise: Shazeer's estimator with
@@ -100,6 +108,7 @@ class TopKRouter(Router):
         noise_std: float = 0.0
         importance_over: Literal["gates", "probs"] = "gates"
         bias_update_rate: float = 0.0
+        switch_loss_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
         jitter_eps: float = 0.0
         router_init: Literal["default", "zeros"] = "default"
         overpower_margin: float | None = None
@@ -123,6 +132,15 @@ class TopKRouter(Router):
                 raise ValueError(f"score_func={self.score_func!r}; allowed: 'softmax', 'sigmoid'")
             check_margin(self.overpower_margin)
             self._check_bengio()
+            if self.switch_loss_scope not in ("micro_batch", "global_batch"):
+                raise ValueError(
+                    f"switch_loss_scope={self.switch_loss_scope!r}; allowed: 'micro_batch', 'global_batch'"
+                )
+            if self.switch_loss_scope == "global_batch" and not self.switch_loss_weight:
+                raise ValueError(
+                    "switch_loss_scope='global_batch' changes the Switch loss, which is off (switch_loss_weight=0); "
+                    "set switch_loss_weight > 0 (e.g. 0.01)"
+                )
             if self.importance_over not in ("gates", "probs"):
                 raise ValueError(f"importance_over={self.importance_over!r}; allowed: 'gates', 'probs'")
             _check_weights(
@@ -183,12 +201,19 @@ class TopKRouter(Router):
             if config.overpower_margin is None
             else OverpoweringExperts(config.num_experts, config.overpower_margin, device=device)
         )
-        if config.bias_update_rate > 0:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device))
-            self.register_buffer("pending_counts", torch.zeros(config.num_experts, device=device))
-        else:
-            self.expert_bias = None
-            self.pending_counts = None
+        global_switch = config.switch_loss_weight > 0 and config.switch_loss_scope == "global_batch"
+        uniform = torch.full((config.num_experts,), 1.0 / config.num_experts, device=device)
+        buffers = {
+            "expert_bias": torch.zeros(config.num_experts, device=device) if config.bias_update_rate > 0 else None,
+            # f of the previous optimizer step's global batch
+            "switch_fraction": uniform if global_switch else None,
+            # token counts since the last optimizer step
+            "pending_counts": (
+                torch.zeros(config.num_experts, device=device) if config.bias_update_rate > 0 or global_switch else None
+            ),
+        }
+        for name, value in buffers.items():
+            self.register_buffer(name, value)
 
     def _noisy_logits(self, clean: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(logits, noise_std)``: the logits with this router's noise in training (std per entry, or None)."""
@@ -238,7 +263,9 @@ class TopKRouter(Router):
             with torch.no_grad():
                 self.pending_counts += torch.bincount(expert_ids_NK.reshape(-1), minlength=self.num_experts).float()
 
-        if cfg.switch_loss_weight:
+        if cfg.switch_loss_weight and self.switch_fraction is not None:
+            losses["switch"] = cfg.switch_loss_weight * switch_loss_from_fractions(probs_NE, self.switch_fraction)
+        elif cfg.switch_loss_weight:
             losses["switch"] = cfg.switch_loss_weight * switch_load_balancing_loss(
                 probs_NE, expert_ids_NK, self.num_experts
             )
@@ -277,13 +304,19 @@ class TopKRouter(Router):
 
     @torch.no_grad()
     def balancing_step(self) -> None:
-        """Loss-free balancing update from the token counts since the previous call."""
-        if self.expert_bias is None:
-            return
+        """From the token counts since the previous call, summed over ranks: the loss-free balancing update and
+        the global-batch Switch fractions."""
         counts = self.pending_counts
+        if counts is None:
+            return
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts)
-        self.expert_bias += self.config.bias_update_rate * torch.sign(counts.mean() - counts)
+        if self.expert_bias is not None:
+            self.expert_bias += self.config.bias_update_rate * torch.sign(counts.mean() - counts)
+        if self.switch_fraction is not None:
+            total = counts.sum()
+            fresh = counts / total.clamp_min(1.0)
+            self.switch_fraction.copy_(torch.where(total > 0, fresh, self.switch_fraction))
         counts.zero_()
 
     @torch.no_grad()
