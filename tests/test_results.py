@@ -31,7 +31,7 @@ from moekit.callbacks import ThroughputMonitor
 from moekit.commands.train import train
 from moekit.models.summary import lm_summary, model_summary
 from moekit.moe import moe_layers
-from moekit.utils.atomic import write_json_atomic
+from moekit.utils.atomic import _TEMPORARY, atomic_write, remove_stale_temporaries, write_json_atomic
 from moekit.utils.machine import machine_label
 
 SWEEPS = sorted(p.stem for p in (CONFIGS / "results").glob("*.yaml"))
@@ -153,6 +153,20 @@ def test_write_json_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
         write_json_atomic(path, {(1, 2): "a tuple key JSON cannot hold"})
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == [RESULTS_FILE], "the temporary file is removed"
+
+
+def test_stale_temporaries_of_interrupted_writes_are_removed_and_nothing_else(tmp_path):
+    keep = ["last.ckpt", ".hidden.tmp", "notes.tmp", ".last.ckpt.short.tmp"]
+    stale = [".last.ckpt.k3j9x0ab.tmp", ".epoch_001.ckpt.a_b1c2d3.tmp"]
+    for name in keep + stale:
+        (tmp_path / name).write_text("x")
+    with atomic_write(tmp_path / "results.json") as file:  # the name atomic_write really gives its temporary
+        assert _TEMPORARY.match(Path(file.name).name)
+        file.write("{}")
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*keep, "results.json"])
+    assert remove_stale_temporaries(tmp_path / "missing") == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,6 +88,8 @@ def test_killed_runs_resume_to_the_same_weights_and_metrics(fake_fashion, refere
     # 3. Resume to the end: the same weights, optimizer state, schedule and test metrics as without kills.
     status, output = finish(start(_args(fake_fashion, out, f"ckpt_path={last}")))
     assert status == 0, output[-3000:]
+    assert not list(last.parent.glob(".*.tmp")), "the stale temporary file is removed when the run starts again"
+    assert "left by a checkpoint write that was interrupted" in output
     _assert_same_training_state(load_checkpoint(last), ref_ckpt)
     assert printed_test_metrics(output) == ref_metrics
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from lightning import Callback, LightningDataModule, Trainer
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from moekit.analysis.records import RESULTS_FILE, build_run_record
@@ -17,7 +19,7 @@ from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_summary
 from moekit.tasks import ImageClassifier, LanguageModel, MoETask
-from moekit.utils.atomic import write_json_atomic
+from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
 
 from .common import floats, where
 
@@ -34,6 +36,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     for name in ("data", "model", "task", "trainer"):
         check_target_keys(cfg.get(name), name)
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
+    _remove_stale_checkpoint_writes(output_dir, cfg.get("ckpt_path"))
     datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
@@ -70,6 +73,19 @@ def train(cfg: DictConfig) -> dict[str, float]:
             write_json_atomic(output_dir / RESULTS_FILE, record)
     log.info("done.\n  %s\n  run record: %s", where(trainer), output_dir / RESULTS_FILE)
     return metrics
+
+
+def _remove_stale_checkpoint_writes(output_dir: Path, ckpt_path: str | None) -> None:
+    """Rank 0 removes the temporary files of checkpoint writes that a kill interrupted, in this run's checkpoint
+    folder and in the folder of the checkpoint it resumes from."""
+    if rank_zero_only.rank != 0:
+        return
+    folders = {output_dir / "checkpoints"}
+    if ckpt_path and Path(ckpt_path).is_file():
+        folders.add(Path(ckpt_path).parent)
+    for folder in sorted(folders):
+        for path in remove_stale_temporaries(folder):
+            log.info("removed %s, left by a checkpoint write that was interrupted", path)
 
 
 def _summary(module: MoETask, datamodule: LightningDataModule) -> ModelSummary | LMSummary | None:

@@ -291,16 +291,17 @@ class TopKRouter(Router):
 
     def _score_losses(self, scores_NE: Tensor) -> dict[str, Tensor]:
         """Bengio et al.'s losses of the scores (before any expert is dropped), those with a non-zero weight."""
-        cfg, target = self.config, self.config.bengio_target
-        terms = {
-            "bengio_batchwise": (cfg.bengio_batchwise_loss_weight, lambda: bengio_batchwise_loss(scores_NE, target)),
-            "bengio_examplewise": (
-                cfg.bengio_examplewise_loss_weight,
-                lambda: bengio_examplewise_loss(scores_NE, target),
-            ),
-            "bengio_variance": (cfg.bengio_variance_loss_weight, lambda: bengio_variance_loss(scores_NE)),
-        }
-        return {name: weight * loss() for name, (weight, loss) in terms.items() if weight}
+        cfg = self.config
+        losses = {}
+        if cfg.bengio_batchwise_loss_weight:
+            loss = bengio_batchwise_loss(scores_NE, cfg.bengio_target)
+            losses["bengio_batchwise"] = cfg.bengio_batchwise_loss_weight * loss
+        if cfg.bengio_examplewise_loss_weight:
+            loss = bengio_examplewise_loss(scores_NE, cfg.bengio_target)
+            losses["bengio_examplewise"] = cfg.bengio_examplewise_loss_weight * loss
+        if cfg.bengio_variance_loss_weight:
+            losses["bengio_variance"] = cfg.bengio_variance_loss_weight * bengio_variance_loss(scores_NE)
+        return losses
 
     @torch.no_grad()
     def balancing_step(self) -> None:

@@ -93,7 +93,15 @@ class LanguageModel(MoETask):
         if stage == "fit":  # hash tables fitted from the training split (a resumed run restores its own)
             train_tokens = getattr(datamodule, "split_tokens", {}).get("train")
             for name in fit_hash_routing(self.net, train_tokens):
-                log.info("fitted the hash routing table of %s", name)
+                method = self.net.get_submodule(name).router.hash_method
+                log.info("fitted the %s hash routing table of %s", method, name)
+                if method == "clustered" and not self.hparams.init_from:
+                    log.warning(
+                        "%s: hash_method=clustered clusters the token embeddings of a model that starts from random "
+                        "weights, so its table is random too; start from a trained model (task.init_from=<ckpt>) "
+                        "to cluster embeddings that mean something",
+                        name,
+                    )
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """``input_ids: [batch, tokens]`` -> logits ``[batch, tokens, vocab_size]``."""

@@ -12,13 +12,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic"]
+__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "remove_stale_temporaries"]
+
+# The name atomic_write gives its temporary file: ".<target name>.<8 random characters><suffix>" (mkstemp).
+_TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -75,3 +79,16 @@ def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
     """Replace ``path`` by ``data`` as indented JSON (see :func:`atomic_write`). Returns the path."""
     text = json.dumps(data, indent=2, default=str, allow_nan=True) + "\n"  # serialise first: a bad value
     return write_text_atomic(path, text)  # leaves the old file untouched
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files of :func:`atomic_write` that a process killed in the middle of a write left in
+    ``folder`` (``.last.ckpt.k3j9x0ab.tmp``), and return them. Call it when nothing writes to the folder, at the
+    start of a run: such a file is never renamed onto its target, only wastes the disk."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [path for path in folder.iterdir() if _TEMPORARY.match(path.name) and path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
