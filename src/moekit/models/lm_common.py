@@ -66,7 +66,7 @@ def takes_token_ids(layer: nn.Module) -> bool:
 @torch.no_grad()
 def fit_hash_routing(model: nn.Module, token_ids: Tensor | None = None, *, refit: bool = False) -> list[str]:
     """Fit the tables of the hash routers of ``model`` that are fitted from data
-    (:class:`~moekit.moe.routers.HashRouter`): ``hash_method="frequency"`` from the counts of ``token_ids`` (the
+    (:class:`~moekit.moe.hash_routing.HashRouter`): ``hash_method="frequency"`` from the counts of ``token_ids`` (the
     training corpus, any shape), ``"clustered"`` from the model's token embeddings
     (``model.get_input_embeddings()``). Routers already fitted are left alone unless ``refit``. Returns the names of
     the layers fitted."""

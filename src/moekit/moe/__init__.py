@@ -16,7 +16,8 @@ Layers (all built from the timm ``Mlp`` keywords plus their settings; registry n
 The papers' settings are recipes (:mod:`moekit.recipes`); :func:`build_moe_layer` builds a recipe's layer
 in place of an MLP.
 
-Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`, capacity in
+Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`,
+:mod:`moekit.moe.hash_routing` and :mod:`moekit.moe.hierarchical_routing`, capacity in
 :mod:`moekit.moe.capacity`, dispatch in :mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`.
 
 Training-loop helpers: :func:`collect_moe_outputs` (aux losses + statistics of the latest forward),

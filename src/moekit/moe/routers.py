@@ -1,4 +1,6 @@
-"""Routers for tokens-choice layers: each maps tokens ``x: [N, d]`` to ``k`` experts per token.
+"""Routers for tokens-choice layers: each maps tokens ``x: [N, d]`` to ``k`` experts per token. Here the top-k
+router (Switch, GShard, Mixtral, noisy top-k, V-MoE, DeepSeek) and BASE layers' balanced router; hash routing is
+in :mod:`moekit.moe.hash_routing`, Shazeer's hierarchical gating in :mod:`moekit.moe.hierarchical_routing`.
 
 Each router is built from its own small config dataclass (``TopKRouter.Config``, ...), whose fields are
 settings of the layers in :mod:`moekit.moe.tokens_choice`. All routers compute in float32, also under
@@ -7,8 +9,6 @@ autocast. Each returns a :class:`Routing`; the layers turn it into capacity, dis
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,37 +23,26 @@ from .losses import (
     bengio_batchwise_loss,
     bengio_examplewise_loss,
     bengio_variance_loss,
-    cv_squared,
     importance_loss,
     load_loss,
-    load_probabilities,
     router_z_loss,
-    smooth_load,
     switch_load_balancing_loss,
     switch_loss_from_fractions,
     vmoe_load_loss,
 )
-from .routing import Router, Routing, logit_checksum, router_logits, router_precision, router_weight
+from .routing import (
+    Router,
+    Routing,
+    check_loss_weights,
+    check_router_init,
+    check_top_k,
+    logit_checksum,
+    router_logits,
+    router_precision,
+    router_weight,
+)
 
-__all__ = ["TopKRouter", "HashRouter", "BalancedRouter", "HierarchicalRouter"]
-
-
-def _check_k(num_experts: int, top_k: int, what: str = "top_k") -> None:
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts={num_experts!r} must be a positive int")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"{what}={top_k!r} must be an int in [1, {num_experts}]")
-
-
-def _check_init(router_init: str) -> None:
-    if router_init not in ("default", "zeros"):
-        raise ValueError(f"router_init={router_init!r}; allowed: 'default', 'zeros'")
-
-
-def _check_weights(**weights: float) -> None:
-    for name, value in weights.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns it off)")
+__all__ = ["TopKRouter", "BalancedRouter"]
 
 
 class TopKRouter(Router):
@@ -122,8 +111,8 @@ class TopKRouter(Router):
         bengio_target: float | None = None
 
         def __post_init__(self) -> None:
-            _check_k(self.num_experts, self.top_k)
-            _check_init(self.router_init)
+            check_top_k(self.num_experts, self.top_k)
+            check_router_init(self.router_init)
             if not (isinstance(self.jitter_eps, (int, float)) and 0 <= self.jitter_eps < 1):
                 raise ValueError(
                     f"jitter_eps={self.jitter_eps!r} must lie in [0, 1) (the router input is scaled by U[1-eps, 1+eps])"
@@ -143,7 +132,7 @@ class TopKRouter(Router):
                 )
             if self.importance_over not in ("gates", "probs"):
                 raise ValueError(f"importance_over={self.importance_over!r}; allowed: 'gates', 'probs'")
-            _check_weights(
+            check_loss_weights(
                 noise_std=self.noise_std,
                 bias_update_rate=self.bias_update_rate,
                 switch_loss_weight=self.switch_loss_weight,
@@ -164,7 +153,7 @@ class TopKRouter(Router):
                 )
 
         def _check_bengio(self) -> None:
-            _check_weights(
+            check_loss_weights(
                 bengio_batchwise_loss_weight=self.bengio_batchwise_loss_weight,
                 bengio_examplewise_loss_weight=self.bengio_examplewise_loss_weight,
                 bengio_variance_loss_weight=self.bengio_variance_loss_weight,
@@ -328,164 +317,6 @@ class TopKRouter(Router):
             self.pending_counts.zero_()
 
 
-class HashRouter(Router):
-    """Hash routing (Roller et al. 2021): a fixed map token id -> expert, gate 1. No parameters are learned.
-
-    The map (``hash_method``) over the ``vocab_size`` ids:
-
-    * ``"random"``: a random permutation (seed ``hash_seed``) cut into ``num_experts`` groups of (nearly) equal
-      size - the paper's random hash, balanced over the vocabulary;
-    * ``"modulo"``: ``id mod num_experts``;
-    * ``"frequency"``: balanced over the *tokens* of a corpus rather than over the vocabulary: ids in decreasing
-      order of their count go, one at a time, to the expert with the smallest total count so far (the paper's
-      "balanced assignment" by token frequency); :meth:`fit_frequency` takes the counts;
-    * ``"clustered"``: k-means of the token embeddings, one cluster per expert (the paper's clustered hash, on the
-      embeddings of a trained model); :meth:`fit_clusters` takes the embeddings.
-
-    ``frequency`` and ``clustered`` routers must be fitted before they route
-    (:func:`moekit.models.fit_hash_routing`; the training template fits them from the training split or the
-    model's token embeddings when training starts). The table is a buffer, saved with the model.
-    """
-
-    needs_token_ids = True
-
-    @dataclass(kw_only=True)
-    class Config:
-        num_experts: int = 8
-        vocab_size: int | None = None
-        hash_method: Literal["random", "modulo", "frequency", "clustered"] = "random"
-        hash_seed: int = 0
-
-        def __post_init__(self) -> None:
-            _check_k(self.num_experts, 1)
-            if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
-                raise ValueError(
-                    f"vocab_size={self.vocab_size!r} must be a positive int (the token vocabulary; "
-                    "the language models set it)"
-                )
-            if self.hash_method not in HASH_METHODS:
-                raise ValueError(f"hash_method={self.hash_method!r}; allowed: {', '.join(map(repr, HASH_METHODS))}")
-
-    def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.top_k = 1
-        self.vocab_size = config.vocab_size
-        self.hash_method = config.hash_method
-        self.hash_seed = config.hash_seed
-        ids = torch.arange(config.vocab_size)
-        if config.hash_method == "modulo":
-            table = ids % config.num_experts
-        else:  # random, and the starting table of the fitted methods
-            generator = torch.Generator().manual_seed(config.hash_seed)
-            table = torch.empty(config.vocab_size, dtype=torch.long)
-            table[torch.randperm(config.vocab_size, generator=generator)] = ids % config.num_experts
-        self.register_buffer("expert_of_token", table.to(device))
-        self.register_buffer("table_fitted", torch.tensor(config.hash_method in ("random", "modulo"), device=device))
-        self._fitted = bool(self.table_fitted)  # host copy: forwards never read the device
-        self.register_load_state_dict_post_hook(_read_fitted_flag)
-
-    @property
-    def needs_fit(self) -> bool:
-        """Whether the table still has to be fitted (``frequency`` or ``clustered`` before :meth:`fit_frequency` /
-        :meth:`fit_clusters` or loading a fitted state)."""
-        return not self._fitted
-
-    def _set_table(self, table: Tensor) -> None:
-        self.expert_of_token.copy_(table)
-        self.table_fitted.fill_(True)
-        self._fitted = True
-
-    @torch.no_grad()
-    def fit_frequency(self, token_counts: Tensor) -> None:
-        """Balance the experts' token counts: ``token_counts [vocab_size]`` occurrences of each id in the corpus.
-        Greedy longest-processing-time assignment (one pass over the vocabulary, at setup)."""
-        if self.hash_method != "frequency":
-            raise ValueError(f"fit_frequency is for hash_method='frequency'; this router's is {self.hash_method!r}")
-        if token_counts.shape != (self.vocab_size,):
-            raise ValueError(
-                f"token_counts of shape {tuple(token_counts.shape)}; expected [vocab_size] = [{self.vocab_size}]"
-            )
-        counts = token_counts.detach().double().cpu()
-        order = torch.sort(counts, descending=True, stable=True).indices.tolist()
-        loads = [(0.0, e) for e in range(self.num_experts)]  # a heap of (total count, expert)
-        table = torch.empty(self.vocab_size, dtype=torch.long)
-        for token in order:
-            load, expert = heapq.heappop(loads)
-            table[token] = expert
-            heapq.heappush(loads, (load + counts[token].item(), expert))
-        self._set_table(table)
-
-    @torch.no_grad()
-    def fit_clusters(self, embeddings: Tensor, iterations: int = 50) -> None:
-        """Cluster ``embeddings [vocab_size, d]`` into ``num_experts`` groups by k-means (k-means++ seeding with
-        ``hash_seed``, Lloyd iterations) and send each id to its cluster's expert. Clusters are not balanced."""
-        if self.hash_method != "clustered":
-            raise ValueError(f"fit_clusters is for hash_method='clustered'; this router's is {self.hash_method!r}")
-        if embeddings.dim() != 2 or embeddings.shape[0] != self.vocab_size:
-            raise ValueError(
-                f"embeddings of shape {tuple(embeddings.shape)}; expected [vocab_size = {self.vocab_size}, dim]"
-            )
-        self._set_table(kmeans(embeddings.detach().float().cpu(), self.num_experts, iterations, self.hash_seed))
-
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
-        """``token_ids: [N]`` long -> :class:`Routing` with ``k = 1`` and gates 1 (``x`` is not read)."""
-        if token_ids is None:
-            raise ValueError(
-                "HashMoE needs the token ids: call it as layer(x, token_ids=ids) with ids of shape [batch, tokens] "
-                "(hash routing maps each token id to a fixed expert)"
-            )
-        if token_ids.numel() != x.shape[0]:
-            raise ValueError(
-                f"HashMoE: token_ids hold {token_ids.numel()} ids for {x.shape[0]} tokens; pass [batch, tokens] ids "
-                "matching x"
-            )
-        if not self._fitted:
-            raise ValueError(
-                f"HashMoE with hash_method={self.hash_method!r} has no table yet: fit it first with "
-                "moekit.models.fit_hash_routing(model, token_ids) (the training template does this when training "
-                "starts), or load a fitted checkpoint"
-            )
-        expert_ids = self.expert_of_token.index_select(0, token_ids.reshape(-1)).unsqueeze(1)
-        gates = torch.ones(expert_ids.shape, device=token_ids.device)
-        return Routing(expert_ids, gates)
-
-
-HASH_METHODS = ("random", "modulo", "frequency", "clustered")
-
-
-def _read_fitted_flag(module: HashRouter, incompatible_keys) -> None:
-    module._fitted = bool(module.table_fitted)
-
-
-def kmeans(points: Tensor, k: int, iterations: int, seed: int) -> Tensor:
-    """Cluster ids ``[n]`` of ``points [n, d]`` into ``k`` clusters: k-means++ seeding, then Lloyd iterations (an
-    emptied cluster restarts at the point farthest from its centre)."""
-    n = points.shape[0]
-    if n < k:
-        raise ValueError(f"k-means of {n} points into {k} clusters: need at least as many points as clusters")
-    generator = torch.Generator().manual_seed(seed)
-    centres = points[torch.randint(n, (1,), generator=generator)]
-    for _ in range(1, k):
-        distance = torch.cdist(points, centres).min(dim=1).values.pow(2)
-        weights = distance if distance.sum() > 0 else torch.ones(n)
-        centres = torch.cat([centres, points[torch.multinomial(weights, 1, generator=generator)]])
-    for _ in range(iterations):
-        distance = torch.cdist(points, centres)
-        assignment = distance.argmin(dim=1)
-        sums = torch.zeros_like(centres).index_add_(0, assignment, points)
-        sizes = torch.bincount(assignment, minlength=k)
-        for cluster in (sizes == 0).nonzero().flatten().tolist():
-            far = distance.min(dim=1).values.argmax()
-            sums[cluster], sizes[cluster] = points[far], 1
-            distance[far] = 0.0
-        updated = sums / sizes.unsqueeze(1)
-        if torch.equal(updated, centres):
-            break
-        centres = updated
-    return torch.cdist(points, centres).argmin(dim=1)
-
-
 class BalancedRouter(Router):
     """BASE layer routing (Lewis et al. 2021).
 
@@ -500,7 +331,7 @@ class BalancedRouter(Router):
         num_experts: int = 8
 
         def __post_init__(self) -> None:
-            _check_k(self.num_experts, 1)
+            check_top_k(self.num_experts, 1)
 
     def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
         super().__init__()
@@ -521,136 +352,4 @@ class BalancedRouter(Router):
         gates = torch.sigmoid(scores.gather(1, expert_ids))
         return Routing(
             expert_ids, gates, torch.softmax(scores, dim=-1), priority=None, logit_checksum=logit_checksum(scores)
-        )
-
-
-def _balanced_divisor(n: int) -> int:
-    """The largest divisor ``d`` of ``n`` with ``d * d <= n`` (16 -> 4, 8 -> 2, 256 -> 16)."""
-    return max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
-
-
-class HierarchicalRouter(Router):
-    """Two-level noisy top-k gating of Shazeer et al. 2017, appendix B.
-
-    The ``num_experts`` experts come in ``num_groups`` equal groups (None: the largest divisor of
-    ``num_experts`` not above its square root). A primary gate picks ``top_k_groups`` groups; inside each
-    chosen group ``i`` a secondary gate picks ``top_k`` of its experts, so a token uses
-    ``top_k_groups * top_k`` experts (:attr:`top_k`). Expert ``(i, j)`` has flat index
-    ``i * experts_per_group + j`` and gate ``G_primary(x)_i * G_i(x)_j``. Both levels use noisy top-k gating
-    with renormalised gates (Shazeer's ``softmax(KeepTopK(H))``).
-
-    Losses (appendix B): ``importance`` is ``CV^2`` of ``Importance_H[i, j] = sum_x G_p(x)_i G_i(x)_j``,
-    ``load`` is ``CV^2`` of ``Load_H[i, j] = Load_p(X)_i * Load_i(X^(i))_j / |X^(i)|``, ``X^(i)``
-    being the tokens the primary gate sends to group ``i``. ``router_init="zeros"`` starts both gates at zero
-    (appendix A).
-    """
-
-    @dataclass(kw_only=True)
-    class Config:
-        num_experts: int = 16
-        num_groups: int | None = None
-        top_k_groups: int = 1
-        top_k: int = 2
-        noisy_gating: bool = True
-        router_init: Literal["default", "zeros"] = "default"
-        importance_loss_weight: float = 0.0
-        load_loss_weight: float = 0.0
-
-        def __post_init__(self) -> None:
-            _check_k(self.num_experts, 1)
-            _check_init(self.router_init)
-            if self.num_groups is None:
-                self.num_groups = _balanced_divisor(self.num_experts)
-            if (
-                isinstance(self.num_groups, bool)
-                or not isinstance(self.num_groups, int)
-                or self.num_groups < 1
-                or (self.num_experts % self.num_groups)
-            ):
-                raise ValueError(
-                    f"num_groups={self.num_groups!r} must divide num_experts={self.num_experts} (the experts "
-                    "come in equal groups); null picks a divisor"
-                )
-            _check_k(self.num_groups, self.top_k_groups, "top_k_groups")
-            _check_k(self.num_experts // self.num_groups, self.top_k, "top_k (experts per chosen group)")
-            _check_weights(importance_loss_weight=self.importance_loss_weight, load_loss_weight=self.load_loss_weight)
-            if self.load_loss_weight and not self.noisy_gating:
-                raise ValueError(f"load_loss_weight={self.load_loss_weight} needs noisy_gating=True")
-
-    def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
-        super().__init__()
-        self.config = config
-        self.num_experts = config.num_experts
-        self.num_groups = config.num_groups
-        self.experts_per_group = config.num_experts // config.num_groups
-        self.top_k_groups = config.top_k_groups
-        self.top_k_per_group = config.top_k
-        self.top_k = config.top_k_groups * config.top_k
-        dd = {"device": device, "dtype": dtype}
-        self.primary_weight = router_weight(self.num_groups, in_features, **dd)
-        self.secondary_weight = router_weight(self.num_experts, in_features, **dd)
-        if config.noisy_gating:
-            self.primary_noise = nn.Parameter(torch.zeros(self.num_groups, in_features, **dd))
-            self.secondary_noise = nn.Parameter(torch.zeros(self.num_experts, in_features, **dd))
-        else:
-            self.primary_noise = self.secondary_noise = None
-        if config.router_init == "zeros":
-            nn.init.zeros_(self.primary_weight)
-            nn.init.zeros_(self.secondary_weight)
-
-    def _noisy(self, x: Tensor, weight: Tensor, noise_weight: Tensor | None):
-        clean = router_logits(x, weight)
-        if noise_weight is None or not self.training:
-            return clean, clean, None
-        noise_std = F.softplus(router_logits(x, noise_weight))
-        return clean, clean + torch.randn_like(clean) * noise_std, noise_std
-
-    @staticmethod
-    def _keep_top_k_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        top = logits.topk(k, dim=-1)
-        return top.indices, torch.softmax(top.values, dim=-1)
-
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
-        num_tokens = x.shape[0]
-        groups, per_group, k = self.num_groups, self.experts_per_group, self.top_k_per_group
-        p_clean, p_noisy, p_std = self._noisy(x, self.primary_weight, self.primary_noise)
-        group_ids, group_gates = self._keep_top_k_softmax(p_noisy, self.top_k_groups)  # [N, kg]
-        s_clean, s_noisy, s_std = self._noisy(x, self.secondary_weight, self.secondary_noise)
-        s_noisy = s_noisy.view(num_tokens, groups, per_group)
-        local_ids, local_gates = self._keep_top_k_softmax(s_noisy, k)  # [N, G, k]
-        # Keep the secondary choices of the chosen groups only.
-        idx = group_ids.unsqueeze(-1).expand(-1, -1, k)
-        chosen_local = local_ids.gather(1, idx)  # [N, kg, k]
-        chosen_gates = local_gates.gather(1, idx) * group_gates.unsqueeze(-1)
-        expert_ids = (group_ids.unsqueeze(-1) * per_group + chosen_local).reshape(num_tokens, -1)
-        gates = chosen_gates.reshape(num_tokens, -1)
-        order = gates.argsort(dim=-1, descending=True)  # best first, as other routers
-        expert_ids, gates = expert_ids.gather(1, order), gates.gather(1, order)
-
-        cfg = self.config
-        losses: dict[str, Tensor] = {}
-        if cfg.importance_loss_weight:
-            dense = torch.zeros(num_tokens, self.num_experts, device=x.device).scatter(1, expert_ids, gates)
-            losses["importance"] = cfg.importance_loss_weight * importance_loss(dense)
-        if cfg.load_loss_weight and p_std is not None:
-            load_primary = smooth_load(p_clean, p_noisy, p_std, self.top_k_groups)  # [G]
-            in_group = torch.zeros(num_tokens, groups, device=x.device).scatter(1, group_ids, 1.0)  # X^(i) mask
-            flat = (num_tokens * groups, per_group)  # every group's secondary gate as its own row
-            per_token = load_probabilities(s_clean.reshape(flat), s_noisy.reshape(flat), s_std.reshape(flat), k).view(
-                num_tokens, groups, per_group
-            )
-            load_secondary = (per_token * in_group.unsqueeze(-1)).sum(0)  # [G, per_group]
-            group_size = in_group.sum(0).clamp_min(1.0)
-            load_h = load_primary.unsqueeze(-1) * load_secondary / group_size.unsqueeze(-1)
-            losses["load"] = cfg.load_loss_weight * cv_squared(load_h.reshape(-1))
-        probs = torch.softmax(p_noisy, -1).repeat_interleave(per_group, dim=1) * torch.softmax(s_noisy, -1).reshape(
-            num_tokens, -1
-        )
-        return Routing(
-            expert_ids,
-            gates,
-            probs,
-            priority=gates[:, 0],
-            aux_losses=losses,
-            logit_checksum=logit_checksum(p_noisy, s_noisy),
         )

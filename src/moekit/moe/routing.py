@@ -15,7 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Routing", "Router", "logit_checksum", "router_logits", "router_precision", "router_weight"]
+__all__ = [
+    "Routing",
+    "Router",
+    "logit_checksum",
+    "router_logits",
+    "router_precision",
+    "router_weight",
+    "check_top_k",
+    "check_router_init",
+    "check_loss_weights",
+]
 
 
 @dataclass
@@ -88,3 +98,22 @@ class Router(nn.Module):
 
     def discard_balancing_step(self) -> None:
         """Called instead of :meth:`balancing_step` when the optimizer step was skipped."""
+
+
+# Checks of the settings every router config shares.
+def check_top_k(num_experts: int, top_k: int, what: str = "top_k") -> None:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r} must be a positive int")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{what}={top_k!r} must be an int in [1, {num_experts}]")
+
+
+def check_router_init(router_init: str) -> None:
+    if router_init not in ("default", "zeros"):
+        raise ValueError(f"router_init={router_init!r}; allowed: 'default', 'zeros'")
+
+
+def check_loss_weights(**weights: float) -> None:
+    for name, value in weights.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns it off)")

@@ -29,7 +29,9 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import Capacity, tokens_choice_capacity
 from .dispatch import DispatchPlan, combine, dispatch, plan_dispatch
 from .experts import ExpertsConfig
-from .routers import BalancedRouter, HashRouter, HierarchicalRouter, TopKRouter
+from .hash_routing import HashRouter
+from .hierarchical_routing import HierarchicalRouter
+from .routers import BalancedRouter, TopKRouter
 from .routing import Router, Routing
 from .stats import tokens_choice_stats
 
@@ -183,7 +185,7 @@ class HashMoE(TokensChoiceMoE):
 
     ``forward(x, token_ids)`` needs the ``[batch, tokens]`` ids of the input tokens (so it serves language
     models, not a timm ``Block``, which passes none); ``vocab_size`` bounds them. The routing is fixed and
-    per token, so the layer is causal. Settings: :class:`~moekit.moe.routers.HashRouter`'s (``num_experts``,
+    per token, so the layer is causal. Settings: :class:`~moekit.moe.hash_routing.HashRouter`'s (``num_experts``,
     ``vocab_size``, ``hash_method`` - random, modulo, frequency-balanced or clustered - and ``hash_seed``), the
     experts' and :class:`SharedExperts`.
     """
@@ -212,7 +214,7 @@ class HierarchicalMoE(TokensChoiceMoE):
     """Hierarchical MoE (Shazeer et al. 2017, appendix B): ``num_experts`` in ``num_groups`` groups, a primary
     noisy top-``top_k_groups`` gate over groups and a secondary noisy top-``top_k`` gate inside each chosen
     group (``top_k_groups * top_k`` experts per token). Settings: the router's
-    (:class:`~moekit.moe.routers.HierarchicalRouter`), the experts' and capacity."""
+    (:class:`~moekit.moe.hierarchical_routing.HierarchicalRouter`), the experts' and capacity."""
 
     Router = HierarchicalRouter
     configs = (HierarchicalRouter.Config, ExpertsConfig, Capacity)
