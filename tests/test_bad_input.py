@@ -195,6 +195,59 @@ CASES = [
         ["experiment=moe_transformer_lm", "moe=experts_choice"],
         ["recipe 'experts_choice'", "would see the future", "use a per-token router: moe=mixtral"],
     ),
+    Case(
+        "mod_in_the_lstm_lm",
+        "train.py",
+        ["experiment=moe_lstm_lm", "mod=interleaved"],
+        ["mod=interleaved routes tokens around Transformer blocks", "use mod=none with this model"],
+    ),
+    Case(
+        "mod_capacity_zero",
+        "train.py",
+        ["experiment=mod_transformer_lm", "mod.capacity=0"],
+        ["capacity=0 must be a fraction in (0, 1]", "e.g. 0.125"],
+    ),
+    Case(
+        "mod_capacity_above_one",
+        "train.py",
+        ["experiment=soft_moe_vit", "mod=interleaved", "mod.capacity=1.5"],
+        ["capacity=1.5 must be a fraction in (0, 1]", "1 processes every token"],
+    ),
+    # -- numbers out of range, refused before torch is imported --
+    Case("lr_infinite", "train.py", ["task.optimizer.lr=inf"], ["task.optimizer.lr=inf must be a finite number > 0"]),
+    Case("lr_not_a_number", "train.py", ["task.optimizer.lr=fast"], ["task.optimizer.lr='fast'", "e.g. 1e-3"]),
+    Case(
+        "weight_decay_negative",
+        "train.py",
+        ["task.optimizer.weight_decay=-0.1"],
+        ["task.optimizer.weight_decay=-0.1 must be a finite number >= 0", "0 turns it off"],
+    ),
+    Case(
+        "warmup_negative",
+        "train.py",
+        ["task.scheduler.warmup_steps=-5"],
+        ["task.scheduler.warmup_steps=-5", "or 0 for no warm-up"],
+    ),
+    Case(
+        "gradient_clip_negative",
+        "train.py",
+        ["trainer.gradient_clip_val=-1"],
+        ["trainer.gradient_clip_val=-1", "turns clipping off"],
+    ),
+    Case(
+        "accumulate_zero",
+        "train.py",
+        ["trainer.accumulate_grad_batches=0"],
+        ["trainer.accumulate_grad_batches=0 must be a positive int"],
+    ),
+    Case("label_smoothing_one", "train.py", ["task.label_smoothing=1.0"], ["task.label_smoothing=1.0", "[0, 1)"]),
+    Case("drop_path_above_one", "train.py", ["+model.drop_path_rate=1.5"], ["model.drop_path_rate=1.5", "[0, 1)"]),
+    Case(
+        "width_not_divisible_by_heads",
+        "train.py",
+        ["experiment=moe_transformer_lm", "model.dim=100", "model.num_heads=3"],
+        ["model.dim=100 is not divisible by model.num_heads=3", "for 100: 1, 2, 4, 5, 10"],
+    ),
     # -- wrong types and values --
     Case(
         "max_epochs_not_int",

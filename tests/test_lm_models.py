@@ -479,7 +479,7 @@ def test_bad_generate_arguments(kwargs, message):
         (dict(pos_embedding="alibi"), "pos_embedding='alibi'; allowed: 'rope', 'learned'"),
         (dict(norm="batchnorm"), "norm='batchnorm'"),
         (dict(moe_blocks="every_3_last_5"), "asks for 5 MoE blocks but a TransformerLM of depth=2 has only 1"),
-        (dict(moe_blocks=[]), "an MoE TransformerLM needs at least one MoE block"),
+        (dict(moe_blocks=[]), "must select at least one MoE block"),
         (dict(moe=dict(recipe="mixtral", in_features=8)), r"recipe 'mixtral' sets \['in_features'\], which TopKMoE"),
         (dict(moe=dict(recipe="mixtral", slots_per_expert=2)), r"sets \['slots_per_expert'\], which TopKMoE does not"),
         (dict(dropout=1.0), r"dropout=1.0 must lie in \[0, 1\)"),

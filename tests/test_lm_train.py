@@ -48,7 +48,7 @@ def lm_overrides(experiment: str, corpus: Path, *extra: str) -> list[str]:
 
 
 def test_the_lm_experiments_exist():
-    assert LM_EXPERIMENTS == ["dense_transformer_lm", "moe_lstm_lm", "moe_transformer_lm"]
+    assert LM_EXPERIMENTS == ["dense_transformer_lm", "mod_transformer_lm", "moe_lstm_lm", "moe_transformer_lm"]
 
 
 @pytest.mark.parametrize("experiment", LM_EXPERIMENTS)
@@ -152,6 +152,40 @@ def test_cli_sample_prints_the_continuation(trained_lm, tmp_path):
 
 
 # The empty-corpus command-line case is in test_bad_input.py (text_corpus_empty).
+
+
+@pytest.mark.e2e
+def test_mode_lm_learns_logs_its_routing_and_samples_the_same_with_the_cache(repeated_corpus, tmp_path):
+    """MoDE: the MoE LM with Mixture-of-Depths in every other block (half the tokens): it learns the phrase,
+    the routing monitor logs each routed block's processed fraction and the causal decision's agreement with
+    top-C, and cached sampling (per-token decisions, processed-key masks) equals the full forward's."""
+    cfg = compose_config(
+        "train",
+        lm_overrides(
+            "moe_transformer_lm",
+            repeated_corpus,
+            "mod=interleaved",
+            "mod.capacity=0.5",
+            "trainer.max_epochs=6",
+            "trainer.log_every_n_steps=5",
+            "task.optimizer.lr=1e-2",
+            "model.dropout=0.0",
+            "logger=csv",
+        ),
+        tmp_path,
+    )
+    metrics = train(cfg)
+    assert metrics["test/ppl"] < 2.5, metrics
+    logged = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
+    for name in ("processed_fraction", "topc_agreement"):
+        assert f"moe/blocks.1.depth_router/{name}" in logged and f"val_moe/blocks.1.depth_router/{name}" in logged
+    assert "train/aux/mod_bce_step" in logged
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    prompt = ["prompt='the quick '", "max_new_tokens=22", "temperature=0"]
+    cfg = compose_config("sample", [f"ckpt_path={ckpt}", *prompt], tmp_path / "s")
+    (greedy,) = sample(cfg)
+    cfg.use_cache = False
+    assert sample(cfg) == [greedy]
 
 
 @pytest.mark.e2e

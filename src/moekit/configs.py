@@ -3,11 +3,14 @@ the benchmarks build their runs this way), the checks they pass, and instantiati
 
 The checks refuse what Hydra accepts but the run would ignore or fail on much later:
 
-* before torch is imported (:func:`check_composed`): a ``+key=value`` override that nothing reads (``+foo=1``,
+* before torch is imported (:func:`check_composed`): numeric settings out of range (a learning rate of
+  ``inf``, a negative weight decay, gradient accumulation 0: :func:`moekit.config_checks.check_settings`),
+  a ``+key=value`` override that nothing reads (``+foo=1``,
   ``+paths.x=1``: only the settings of the model, MoE recipe, data, task, trainer, callbacks and loggers are
-  read, and each of those refuses unknown keys itself), and an MoE recipe its model cannot serve (hash routing
+  read, and each of those refuses unknown keys itself), an MoE recipe its model cannot serve (hash routing
   in a ViT; a recipe that mixes tokens in a causal language model), with the reason and the alternative
-  (:func:`moekit.recipes.check_fits`);
+  (:func:`moekit.recipes.check_fits`), and Mixture-of-Depths settings out of range or given to a model
+  without Transformer blocks (:func:`moekit.recipes.depth.resolve_depth`);
 * before a ``_target_`` is built (:func:`check_target_keys`): a key its signature does not take, or a plain
   value of the wrong type (``trainer.max_epochs=abc``), with a did-you-mean;
 * a callbacks or logger entry that is not a ``_target_`` config (:func:`instantiate_group`).
@@ -27,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
+from moekit.config_checks import check_settings
 from moekit.recipes import check_fits, resolve_recipe
+from moekit.recipes.depth import resolve_depth
 
 __all__ = [
     "CONFIG_DIR",
@@ -51,7 +57,7 @@ MODEL_KINDS: dict[str, tuple[str, bool, bool]] = {
 """``model._target_ -> (what it is, causal, has token ids)``: what a model's MoE recipe must fit."""
 
 # The config nodes whose keys are read (and checked) by what they build; an added key elsewhere is ignored.
-_READ_NODES = frozenset({"model", "moe", "data", "task", "trainer", "callbacks", "logger"})
+_READ_NODES = frozenset({"model", "moe", "mod", "data", "task", "trainer", "callbacks", "logger"})
 
 
 def compose(config_dir: str | Path, name: str, overrides: Sequence[str], output_dir: str | Path) -> DictConfig:
@@ -72,7 +78,8 @@ def compose(config_dir: str | Path, name: str, overrides: Sequence[str], output_
 
 
 def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """Raise ``ValueError`` for an added key nothing reads and for an MoE recipe its model cannot serve."""
+    """Raise ``ValueError`` for an added key nothing reads, a numeric setting out of range, an MoE recipe its
+    model cannot serve and Mixture-of-Depths settings the model cannot take."""
     for override in overrides:
         if not override.startswith("+") or override.startswith("++"):
             continue
@@ -82,14 +89,38 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
                 f"{override!r} adds {key}, which nothing in the run reads; remove it, or set an existing key "
                 f"without '+' (the settings that are read live under {', '.join(sorted(_READ_NODES))})"
             )
+    check_settings(_resolved_nodes(cfg, ("task", "trainer", "model")))
     model = cfg.get("model")
     if not isinstance(model, DictConfig) or str(model.get("_target_")) not in MODEL_KINDS:
         return
-    moe = OmegaConf.to_container(model, resolve=True).get("moe")
-    spec = resolve_recipe(moe)
+    settings = OmegaConf.to_container(model, resolve=True)
+    what, causal, token_ids = MODEL_KINDS[str(model._target_)]
+    spec = resolve_recipe(settings.get("moe"))
     if spec is not None:
-        what, causal, token_ids = MODEL_KINDS[str(model._target_)]
         check_fits(spec, model=what, causal=causal, token_ids=token_ids)
+    group = cfg.get("mod")
+    depth = resolve_depth(settings["mod"] if "mod" in settings else OmegaConf.to_container(group) if group else None)
+    if depth is not None and "mod" not in settings:
+        raise ValueError(
+            f"mod={group.get('name', 'the chosen config')} routes tokens around Transformer blocks, which {what} "
+            "does not have; use mod=none with this model (Mixture-of-Depths serves the ViT and the Transformer LM)"
+        )
+    if depth is not None and causal:
+        depth.check_causal(what)
+
+
+def _resolved_nodes(cfg: DictConfig, names: Sequence[str]) -> dict[str, Any]:
+    """The nodes ``names`` of ``cfg`` as resolved plain containers (a node that is absent, or whose
+    interpolations do not resolve yet, is left out: what builds it reports that)."""
+    nodes = {}
+    for name in names:
+        node = cfg.get(name)
+        if isinstance(node, DictConfig):
+            try:
+                nodes[name] = OmegaConf.to_container(node, resolve=True)
+            except OmegaConfBaseException:
+                continue
+    return nodes
 
 
 def instantiate(config: Any, *args, **kwargs) -> Any:

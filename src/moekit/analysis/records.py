@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from moekit.moe import moe_layers
+from moekit.moe import depth_routers, moe_layers
 from moekit.utils.atomic import write_json_atomic
 from moekit.utils.machine import machine_info, machine_label
 
@@ -80,14 +80,16 @@ def _moe_layer_settings(net: nn.Module) -> list[dict[str, Any]]:
 
 def model_family(net: nn.Module) -> str:
     """A short name for the kind of network, for grouping runs: the router of its MoE layers
-    (``dense``, ``soft_moe``, ``top1``, ``top2``, ``experts_choice``, ...), prefixed with
-    ``transformer/`` or ``lstm/`` for language models."""
+    (``dense``, ``soft_moe``, ``top1``, ``top2``, ``experts_choice``, ...), with ``+mod`` when blocks route
+    tokens around them (Mixture-of-Depths), prefixed with ``transformer/`` or ``lstm/`` for language models."""
     routers = []
     for _, layer in moe_layers(net):
         name = getattr(layer, "registry_name", type(layer).__name__)
         top_k = getattr(layer, "top_k", None)
         routers.append(f"top{top_k}" if name == "top_k" and top_k is not None else name)
     router = "+".join(dict.fromkeys(routers)) or "dense"
+    if next(depth_routers(net), None) is not None:
+        router += "+mod"
     arch = type(net).__name__
     if arch == "TransformerLM":
         return f"transformer/{router}"

@@ -14,7 +14,7 @@ from lightning import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from moekit.moe import moe_layers
+from moekit.moe import routing_modules
 
 __all__ = ["NonFiniteGuard", "NonFiniteTrainingError", "BadStep"]
 
@@ -225,7 +225,7 @@ class NonFiniteGuard(Callback):
         loss = float(_checksum(self._losses, pl_module.device)) if self._losses else None
         batch_finite = all(bool(torch.isfinite(t).all()) for t in self._batch_tensors) if self._batch_tensors else None
         router_layer, weights_finite = None, None
-        for name, layer in moe_layers(net):
+        for name, layer in routing_modules(net):
             if layer.router_logits_finite() is False:
                 router_layer = name
                 weights_finite = all(bool(torch.isfinite(p).all()) for p in layer.parameters())

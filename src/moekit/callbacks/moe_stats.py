@@ -10,7 +10,9 @@ steps since the previous log:
 * to every logger, ``moe/<layer>/<stat>``: each scalar statistic the layer records - for tokens-choice
   layers ``load_cv``, ``unused_experts``, ``dropped_fraction``, ``router_entropy``,
   ``mean_top_gate``, ...; for Soft MoE ``dispatch_entropy``, ``combine_entropy``,
-  ``max_dispatch_weight``, ``tokens_per_slot``, ... - each auxiliary loss (``moe/<layer>/aux/<name>``,
+  ``max_dispatch_weight``, ``tokens_per_slot``, ...; for a Mixture-of-Depths router
+  (``moe/blocks.<i>.depth_router/...``) ``processed_fraction``, ``mean_gate`` and, in causal models,
+  ``topc_agreement`` - each auxiliary loss (``moe/<layer>/aux/<name>``,
   weighted as in the training loss), and two figures of the interval's mean load:
   ``interval_load_cv`` and ``interval_unused_experts`` (experts that got no token in the whole
   interval, on any rank);
@@ -40,7 +42,7 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.fabric.loggers import TensorBoardLogger
 from torch import Tensor, nn
 
-from moekit.moe import MoELayer, moe_layers
+from moekit.moe import RoutingModule, routing_modules
 
 __all__ = ["ExpertLoadMonitor", "RoutingStatsSums", "LayerFigures", "load_heatmap"]
 
@@ -219,17 +221,17 @@ class ExpertLoadMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.train_sums = RoutingStatsSums()
         self.val_sums = RoutingStatsSums()
-        self._layers: dict[str, MoELayer] = {}
+        self._layers: dict[str, RoutingModule] = {}
         self._last_record: dict[str, dict[str, Tensor]] = {}  # the stats dict each layer had when last added
         self._last_logged_step = -1
 
     # -- gathering -------------------------------------------------------------------------------
-    def watch(self, module: nn.Module) -> dict[str, MoELayer]:
-        """Watch the MoE layers of ``module`` (of ``module.net`` when it has one), named without the
-        segments wrappers insert; called at the start of training and of each validation epoch.
-        Returns ``{name: layer}``."""
+    def watch(self, module: nn.Module) -> dict[str, RoutingModule]:
+        """Watch the MoE layers and Mixture-of-Depths routers of ``module`` (of ``module.net`` when it has
+        one), named without the segments wrappers insert; called at the start of training and of each
+        validation epoch. Returns ``{name: layer}``."""
         root = module.net if isinstance(getattr(module, "net", None), nn.Module) else module
-        self._layers = {_clean_name(name): layer for name, layer in moe_layers(root)}
+        self._layers = {_clean_name(name): layer for name, layer in routing_modules(root)}
         return self._layers
 
     def accumulate(self, sums: RoutingStatsSums) -> None:

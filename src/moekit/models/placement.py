@@ -32,10 +32,13 @@ def _every_k(depth: int, k: int) -> list[int]:
     return [i for i in range(depth) if (depth - 1 - i) % k == 0]
 
 
-def resolve_moe_blocks(moe_blocks: MoEBlocks, depth: int, *, model_name: str = "ViT") -> tuple[int, ...]:
+def resolve_moe_blocks(
+    moe_blocks: MoEBlocks, depth: int, *, model_name: str = "ViT", setting: str = "moe_blocks", kind: str = "MoE"
+) -> tuple[int, ...]:
     """Turn a placement (see the module docstring) into sorted block indices in ``[0, depth)``.
 
-    ``model_name`` names the model in error messages ("a ViT of depth=6 has only ...").
+    ``model_name`` names the model in error messages ("a ViT of depth=6 has only ..."), ``setting`` the
+    setting and ``kind`` the blocks (``mod.blocks`` places Mixture-of-Depths blocks, ``kind="routed"``).
 
     Raises ``ValueError`` for an unknown placement string, an index out of range, a duplicate index,
     more MoE blocks than blocks, or a placement that selects no block.
@@ -51,29 +54,27 @@ def resolve_moe_blocks(moe_blocks: MoEBlocks, depth: int, *, model_name: str = "
             last = int(match["last"] or match["last_only"] or len(candidates))
             if last > len(candidates):
                 raise ValueError(
-                    f"moe_blocks={moe_blocks!r} asks for {last} MoE blocks but a {model_name} of depth={depth} has "
+                    f"{setting}={moe_blocks!r} asks for {last} {kind} blocks but a {model_name} of depth={depth} has "
                     f"only {len(candidates)} such blocks"
                 )
             indices = candidates[len(candidates) - last :]
         else:
-            raise ValueError(f"moe_blocks={moe_blocks!r} is not a placement; use {_PLACEMENT_FORMS}")
+            raise ValueError(f"{setting}={moe_blocks!r} is not a placement; use {_PLACEMENT_FORMS}")
     else:
         if not isinstance(moe_blocks, Sequence) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in moe_blocks
         ):
-            raise ValueError(f"moe_blocks={moe_blocks!r} is not a placement; use {_PLACEMENT_FORMS}")
+            raise ValueError(f"{setting}={moe_blocks!r} is not a placement; use {_PLACEMENT_FORMS}")
         if len(moe_blocks) > depth:
-            raise ValueError(f"moe_blocks={list(moe_blocks)} names {len(moe_blocks)} MoE blocks but depth={depth}")
+            raise ValueError(f"{setting}={list(moe_blocks)} names {len(moe_blocks)} {kind} blocks but depth={depth}")
         for i in moe_blocks:
             if not -depth <= i < depth:
                 raise ValueError(
-                    f"moe_blocks index {i} is out of range for depth={depth} (allowed: {-depth} .. {depth - 1})"
+                    f"{setting} index {i} is out of range for depth={depth} (allowed: {-depth} .. {depth - 1})"
                 )
         indices = [i % depth for i in moe_blocks]
         if len(set(indices)) != len(indices):
-            raise ValueError(f"moe_blocks={list(moe_blocks)} names a block twice (indices {indices} modulo depth)")
+            raise ValueError(f"{setting}={list(moe_blocks)} names a block twice (indices {indices} modulo depth)")
     if not indices:
-        raise ValueError(
-            f"moe_blocks={moe_blocks!r} selects no block; an MoE {model_name} needs at least one MoE block"
-        )
+        raise ValueError(f"{setting}={moe_blocks!r} selects no block; it must select at least one {kind} block")
     return tuple(sorted(indices))

@@ -4,7 +4,9 @@
 FLOPs are measured, not estimated: :func:`model_summary` runs one eval-mode forward under
 ``torch.utils.flop_counter.FlopCounterMode``, so they count what actually runs (Soft MoE's slots,
 experts-choice buffers, the tokens top-k routed, the routers, attention) - matmuls, convolutions and
-attention only, as the counter does (norms, activations and softmaxes are not counted).
+attention only, as the counter does (norms, activations and softmaxes are not counted). Mixture-of-Depths
+blocks are measured with their training-time top-C routing (:func:`moekit.moe.top_c_routing`), which
+processes exactly ``C`` tokens per sequence; a causal model's per-token decisions process about as many.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from moekit.moe import ExpertBank, MoELayer, moe_layers
+from moekit.moe import DepthRouter, ExpertBank, MoELayer, depth_routers, moe_layers, top_c_routing
+from moekit.moe.depth import capacity_tokens
 from moekit.utils.format import si
 
-__all__ = ["MoELayerSummary", "ModelSummary", "model_summary", "LMSummary", "lm_summary"]
+__all__ = ["MoELayerSummary", "DepthBlockSummary", "ModelSummary", "model_summary", "LMSummary", "lm_summary"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,24 @@ class MoELayerSummary:
 
 
 @dataclass(frozen=True)
+class DepthBlockSummary:
+    """One Mixture-of-Depths block of a :class:`ModelSummary` / :class:`LMSummary`.
+
+    Attributes:
+        name: qualified name of the routed block, e.g. ``"blocks.1"``.
+        tokens: tokens per sequence its router chose among.
+        processed_fraction: ``C / tokens``, the share of them the block processes.
+        active_params_per_token: the block's parameters one processed token uses (its MoE layers counted
+            by their active parameters); a token uses them with probability ``processed_fraction``.
+    """
+
+    name: str
+    tokens: int
+    processed_fraction: float
+    active_params_per_token: float
+
+
+@dataclass(frozen=True)
 class ModelSummary:
     """What :func:`model_summary` returns; ``str(summary)`` is a short table.
 
@@ -59,11 +80,13 @@ class ModelSummary:
         input_size: ``(C, H, W)`` of the measured forward.
         total_params: every parameter.
         expert_params: parameters inside expert banks.
-        active_params_per_token: parameters one token uses: everything outside the experts, plus per MoE
-            layer one expert's parameters times its ``expert_rows_per_token``. Equals ``total_params``
-            for a dense model.
+        active_params_per_token: parameters one token uses on average: everything outside the experts,
+            plus per MoE layer one expert's parameters times its ``expert_rows_per_token``; a
+            Mixture-of-Depths block's parameters weighted by the share of tokens it processes. Equals
+            ``total_params`` for a dense model.
         flops_per_image: forward FLOPs per image (eval mode).
         moe_layers: one :class:`MoELayerSummary` per MoE layer, in module order.
+        mod_blocks: one :class:`DepthBlockSummary` per Mixture-of-Depths block.
     """
 
     input_size: tuple[int, ...]
@@ -72,6 +95,7 @@ class ModelSummary:
     active_params_per_token: float
     flops_per_image: float
     moe_layers: tuple[MoELayerSummary, ...]
+    mod_blocks: tuple[DepthBlockSummary, ...] = ()
 
     def format(self) -> str:
         lines = [
@@ -81,7 +105,7 @@ class ModelSummary:
             f"  active params / token  {si(self.active_params_per_token):>9}",
             f"  FLOPs / image          {si(self.flops_per_image):>9}",
         ]
-        lines += _layer_table(self.moe_layers, "FLOPs/img")
+        lines += _layer_table(self.moe_layers, "FLOPs/img") + _depth_table(self.mod_blocks)
         return "\n".join(lines)
 
     __str__ = format
@@ -100,6 +124,18 @@ def _layer_table(layers: Sequence[MoELayerSummary], flops_header: str) -> list[s
             f"  {s.name:<{width}}  {s.layer:<14} {s.num_experts:>7} {s.tokens:>6} "
             f"{s.expert_rows_per_token:>8.3g} {si(s.expert_params):>9} "
             f"{si(s.active_params_per_token):>10} {si(s.flops_per_image):>9}"
+        )
+    return lines
+
+
+def _depth_table(blocks: Sequence[DepthBlockSummary]) -> list[str]:
+    if not blocks:
+        return []
+    width = max(len("MoD block"), *(len(b.name) for b in blocks))
+    lines = [f"  {'MoD block':<{width}}  {'tokens':>6} {'processed':>9} {'params/processed token':>22}"]
+    for b in blocks:
+        lines.append(
+            f"  {b.name:<{width}}  {b.tokens:>6} {b.processed_fraction:>9.1%} {si(b.active_params_per_token):>22}"
         )
     return lines
 
@@ -161,6 +197,7 @@ def model_summary(model: nn.Module, input_size: Sequence[int], batch_size: int =
         active_params_per_token=measured.active_params_per_token,
         flops_per_image=measured.flops / batch_size,
         moe_layers=measured.moe_layers,
+        mod_blocks=measured.mod_blocks,
     )
 
 
@@ -172,15 +209,17 @@ class LMSummary:
         seq_len: tokens per sequence of the measured forward.
         total_params: every parameter (a tied embedding/head matrix counts once).
         expert_params: parameters inside expert banks.
-        active_params_per_token: parameters one token uses: everything outside the experts (the whole
-            embedding matrix included, as is usual), plus per MoE layer one expert's parameters times its
-            ``expert_rows_per_token``. Equals ``total_params`` for a dense model.
+        active_params_per_token: parameters one token uses on average: everything outside the experts (the
+            whole embedding matrix included, as is usual), plus per MoE layer one expert's parameters times its
+            ``expert_rows_per_token``; a Mixture-of-Depths block's parameters weighted by the share of tokens
+            it processes. Equals ``total_params`` for a dense model.
         flops_per_token: forward FLOPs per token (eval mode, sequences of ``seq_len`` tokens): matmuls
             and attention, the routers and the output projection included. Attention is counted as
             full ``seq_len x seq_len`` (as the FLOP counter does, causal or not), so it grows with
             ``seq_len``.
         moe_layers: one :class:`MoELayerSummary` per MoE layer; their ``flops_per_image`` is per
             sequence of ``seq_len`` tokens.
+        mod_blocks: one :class:`DepthBlockSummary` per Mixture-of-Depths block.
     """
 
     seq_len: int
@@ -189,6 +228,7 @@ class LMSummary:
     active_params_per_token: float
     flops_per_token: float
     moe_layers: tuple[MoELayerSummary, ...]
+    mod_blocks: tuple[DepthBlockSummary, ...] = ()
 
     def format(self) -> str:
         lines = [
@@ -198,7 +238,7 @@ class LMSummary:
             f"  active params / token  {si(self.active_params_per_token):>9}",
             f"  FLOPs / token          {si(self.flops_per_token):>9}",
         ]
-        lines += _layer_table(self.moe_layers, "FLOPs/seq")
+        lines += _layer_table(self.moe_layers, "FLOPs/seq") + _depth_table(self.mod_blocks)
         return "\n".join(lines)
 
     __str__ = format
@@ -238,6 +278,7 @@ def lm_summary(model: nn.Module, seq_len: int, batch_size: int = 2) -> LMSummary
         active_params_per_token=measured.active_params_per_token,
         flops_per_token=measured.flops / (batch_size * seq_len),
         moe_layers=measured.moe_layers,
+        mod_blocks=measured.mod_blocks,
     )
 
 
@@ -248,6 +289,7 @@ class _Measured:
     active_params_per_token: float
     flops: float  # the whole batch
     moe_layers: tuple[MoELayerSummary, ...]
+    mod_blocks: tuple[DepthBlockSummary, ...]
 
 
 def _device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -276,7 +318,7 @@ def _measure(model: nn.Module, example: Tensor) -> _Measured:
     counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
     try:
         model.eval()
-        with counter:
+        with counter, top_c_routing(model):
             model(example)
         flops = counter.get_flop_counts()
         root = type(model).__name__
@@ -291,12 +333,44 @@ def _measure(model: nn.Module, example: Tensor) -> _Measured:
 
     total = _param_count(model.parameters())
     experts = _param_count(p for m in model.modules() if isinstance(m, ExpertBank) for p in m.parameters())
+    blocks = tuple(
+        _summarize_depth_block(model, name, router, layer_summaries, batch_size)
+        for name, router in depth_routers(model)
+    )
+    active = total - experts + sum(s.active_params_per_token for s in layer_summaries)
+    active -= sum((1 - b.processed_fraction) * b.active_params_per_token for b in blocks)
     return _Measured(
         total_params=total,
         expert_params=experts,
-        active_params_per_token=total - experts + sum(s.active_params_per_token for s in layer_summaries),
+        active_params_per_token=active,
         flops=counter.get_total_flops(),
         moe_layers=layer_summaries,
+        mod_blocks=blocks,
+    )
+
+
+def _summarize_depth_block(
+    model: nn.Module, router_name: str, router: DepthRouter, layers: Sequence[MoELayerSummary], batch_size: int
+) -> DepthBlockSummary:
+    """The routed block is the router's parent module; its parameters a processed token uses are its own
+    (router and experts aside) plus the active parameters of its MoE layers."""
+    name = router_name.rpartition(".")[0]
+    block = model.get_submodule(name)
+    tokens = router.forward_tokens // batch_size
+    router_params = {id(p) for p in router.parameters()}
+    own = _param_count(
+        p
+        for m in block.modules()
+        if not isinstance(m, ExpertBank)
+        for p in m.parameters(recurse=False)
+        if id(p) not in router_params
+    )
+    inner = sum(s.active_params_per_token for s in layers if s.name.startswith(f"{name}."))
+    return DepthBlockSummary(
+        name=name,
+        tokens=tokens,
+        processed_fraction=capacity_tokens(router.capacity, tokens) / tokens if tokens else 0.0,
+        active_params_per_token=own + inner,
     )
 
 

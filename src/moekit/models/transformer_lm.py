@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -25,8 +25,9 @@ import torch.utils.checkpoint
 from timm.layers import Mlp, SwiGLU, get_act_layer
 from torch import Tensor, nn
 
-from moekit.moe import ExpertBank, MoELayer, build_moe_layer, require_causal
+from moekit.moe import DepthRouter, ExpertBank, MoELayer, build_moe_layer, require_causal
 from moekit.recipes import check_fits, resolve_recipe
+from moekit.recipes.depth import DepthSpec, resolve_depth
 
 from .lm_common import (
     INIT_STD,
@@ -54,6 +55,8 @@ class LMCache:
             positions ``0 .. position - 1`` hold the (rotated, for RoPE) keys and the values of the
             tokens seen so far.
         position: tokens stored so far = the position of the next token.
+        processed: per block, ``[batch, max_seq_len]`` bool for a Mixture-of-Depths block (which of the
+            stored tokens the block processed: the only keys its queries see), None for the others.
 
     Pre-allocated rather than grown by ``torch.cat`` each step: a concatenation copies the whole cache at
     every decoded token.
@@ -62,6 +65,7 @@ class LMCache:
     keys: list[Tensor]
     values: list[Tensor]
     position: int = 0
+    processed: list[Tensor | None] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -72,8 +76,9 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021), rotate-half layout: the first and second halves of
     each head's channels form the pairs rotated by ``position * base^(-2i / head_dim)``.
 
-    ``forward(x: [batch, heads, tokens, head_dim], start)`` rotates tokens at positions
-    ``start .. start + tokens - 1``; the rotation is applied in float32 (then cast back to ``x``'s dtype).
+    ``forward(x: [batch, heads, tokens, head_dim], start, positions=None)`` rotates tokens at positions
+    ``start .. start + tokens - 1``, or at ``positions: [batch, tokens]`` (the tokens a Mixture-of-Depths
+    block chose); the rotation is applied in float32 (then cast back to ``x``'s dtype).
     """
 
     def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0) -> None:
@@ -85,10 +90,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: Tensor, start: int) -> Tensor:
-        tokens = x.shape[-2]
-        cos = self.cos[start : start + tokens].float()
-        sin = self.sin[start : start + tokens].float()
+    def forward(self, x: Tensor, start: int, positions: Tensor | None = None) -> Tensor:
+        if positions is None:
+            tokens = x.shape[-2]
+            cos, sin = self.cos[start : start + tokens], self.sin[start : start + tokens]
+        else:  # [batch, tokens, hd / 2] -> [batch, 1, tokens, hd / 2], broadcast over heads
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = cos.float(), sin.float()
         first, second = x.float().chunk(2, dim=-1)
         rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
         return rotated.to(x.dtype)
@@ -97,10 +105,13 @@ class RotaryEmbedding(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``F.scaled_dot_product_attention``.
 
-    ``forward(x: [batch, tokens, dim], start, kv_cache)`` -> ``[batch, tokens, dim]``. The tokens sit
-    at positions ``start ..``; with ``kv_cache = (keys, values)`` buffers of
+    ``forward(x: [batch, tokens, dim], start, kv_cache, positions, key_mask)`` -> ``[batch, tokens, dim]``.
+    The tokens sit at positions ``start ..``; with ``kv_cache = (keys, values)`` buffers of
     ``[batch, heads, max_seq_len, head_dim]`` their keys and values are written at those positions
-    and the queries attend to everything stored up to themselves.
+    and the queries attend to everything stored up to themselves. For a Mixture-of-Depths block,
+    ``positions: [batch, tokens]`` are the chosen tokens' positions (for RoPE; they attend causally among
+    themselves), and ``key_mask: [batch, keys]`` bool the keys a query may see besides itself (the tokens
+    the block processed).
     """
 
     def __init__(self, dim: int, num_heads: int, *, bias: bool, dropout: float, rope: RotaryEmbedding | None) -> None:
@@ -113,30 +124,40 @@ class CausalSelfAttention(nn.Module):
         self.proj_drop = nn.Dropout(dropout)
         self.rope = rope
 
-    def forward(self, x: Tensor, start: int = 0, kv_cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        start: int = 0,
+        kv_cache: tuple[Tensor, Tensor] | None = None,
+        positions: Tensor | None = None,
+        key_mask: Tensor | None = None,
+    ) -> Tensor:
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).view(batch, tokens, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, tokens, head_dim]
         if self.rope is not None:
-            q, k = self.rope(q, start), self.rope(k, start)
+            q, k = self.rope(q, start, positions), self.rope(k, start, positions)
         dropout_p = self.dropout if self.training else 0.0
-        if kv_cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:
+        end = start + tokens
+        if kv_cache is not None:
             key_buffer, value_buffer = kv_cache
-            end = start + tokens
             key_buffer[:, :, start:end] = k
             value_buffer[:, :, start:end] = v
             k = key_buffer[:, :, :end].to(q.dtype)
             v = value_buffer[:, :, :end].to(q.dtype)
-            if start == 0:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-            else:  # query i (position start + i) sees keys 0 .. start + i; one query sees all of them
-                mask = None
-                if tokens > 1:
-                    query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)
-                    mask = torch.arange(end, device=x.device).unsqueeze(0) <= query_pos
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        if key_mask is not None:  # query i sees key j <= i if the block processed j, and itself
+            query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)  # [tokens, 1]
+            key_pos = torch.arange(end, device=x.device)  # [end]
+            mask = (key_pos <= query_pos) & (key_mask.unsqueeze(1) | (key_pos == query_pos))  # [batch, tokens, end]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p)
+        elif start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:  # cached: query i (position start + i) sees keys 0 .. start + i; one query sees all of them
+            mask = None
+            if tokens > 1:
+                query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)
+                mask = torch.arange(end, device=x.device).unsqueeze(0) <= query_pos
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         out = out.transpose(1, 2).reshape(batch, tokens, dim)
         return self.proj_drop(self.proj(out))
 
@@ -149,22 +170,72 @@ def _make_norm(norm: str, dim: int, bias: bool) -> nn.Module:
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``; ``mlp`` is a dense MLP or
-    an MoE layer (hash layers also get the token ids). ``[batch, tokens, dim] -> [batch, tokens, dim]``."""
+    an MoE layer (hash layers also get the token ids). ``[batch, tokens, dim] -> [batch, tokens, dim]``.
 
-    def __init__(self, attn: CausalSelfAttention, mlp: nn.Module, *, dim: int, norm: str, bias: bool) -> None:
+    With a ``depth_router`` it is a Mixture-of-Depths block (:mod:`moekit.moe.depth`): in training the top-C
+    tokens of each sequence go through it, gathered in sequence order with their positions, and the others
+    pass unchanged; in eval each token is processed when the router decides so on its own (causal), the
+    queries then attending to the processed keys only (``processed`` holds a cache's flags for them).
+    """
+
+    def __init__(
+        self,
+        attn: CausalSelfAttention,
+        mlp: nn.Module,
+        *,
+        dim: int,
+        norm: str,
+        bias: bool,
+        depth_router: DepthRouter | None = None,
+    ) -> None:
         super().__init__()
         self.norm1 = _make_norm(norm, dim, bias)
         self.attn = attn
         self.norm2 = _make_norm(norm, dim, bias)
         self.mlp = mlp
         self.mlp_takes_token_ids = takes_token_ids(mlp)
+        self.depth_router = depth_router
+
+    def _mlp(self, h: Tensor, token_ids: Tensor) -> Tensor:
+        return self.mlp(h, token_ids=token_ids) if self.mlp_takes_token_ids else self.mlp(h)
 
     def forward(
-        self, x: Tensor, token_ids: Tensor, start: int = 0, kv_cache: tuple[Tensor, Tensor] | None = None
+        self,
+        x: Tensor,
+        token_ids: Tensor,
+        start: int = 0,
+        kv_cache: tuple[Tensor, Tensor] | None = None,
+        processed: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.norm1(x), start, kv_cache)
-        h = self.norm2(x)
-        return x + (self.mlp(h, token_ids=token_ids) if self.mlp_takes_token_ids else self.mlp(h))
+        if self.depth_router is None:
+            x = x + self.attn(self.norm1(x), start, kv_cache)
+            return x + self._mlp(self.norm2(x), token_ids)
+        if self.depth_router.routes_top_c and kv_cache is None:
+            return self._forward_top_c(x, token_ids)
+        return self._forward_per_token(x, token_ids, start, kv_cache, processed)
+
+    def _update(self, x: Tensor, token_ids: Tensor, **attn_kwargs) -> Tensor:
+        """``f(x)``, what the block adds to the residual stream."""
+        attended = self.attn(self.norm1(x), **attn_kwargs)
+        return attended + self._mlp(self.norm2(x + attended), token_ids)
+
+    def _forward_top_c(self, x_BSD: Tensor, token_ids_BS: Tensor) -> Tensor:
+        top_BC, gates_BC = self.depth_router.route(x_BSD)
+        index_BCD = top_BC.unsqueeze(-1).expand(-1, -1, x_BSD.shape[-1])
+        chosen_BCD = x_BSD.gather(1, index_BCD)
+        update_BCD = self._update(chosen_BCD, token_ids_BS.gather(1, top_BC), positions=top_BC)
+        return x_BSD.scatter_add(1, index_BCD, (gates_BC.unsqueeze(-1) * update_BCD).to(x_BSD.dtype))
+
+    def _forward_per_token(
+        self, x_BSD: Tensor, token_ids_BS: Tensor, start: int, kv_cache, processed: Tensor | None
+    ) -> Tensor:
+        processed_BS, gates_BS = self.depth_router.decide(x_BSD, whole_sequences=kv_cache is None)
+        key_mask = processed_BS
+        if processed is not None:  # the cache's flags of every stored token
+            processed[:, start : start + x_BSD.shape[1]] = processed_BS
+            key_mask = processed[:, : start + x_BSD.shape[1]]
+        update_BSD = self._update(x_BSD, token_ids_BS, start=start, kv_cache=kv_cache, key_mask=key_mask)
+        return torch.where(processed_BS.unsqueeze(-1), x_BSD + (gates_BS.unsqueeze(-1) * update_BSD), x_BSD)
 
 
 class TransformerLM(nn.Module):
@@ -199,6 +270,11 @@ class TransformerLM(nn.Module):
             limits with ``capacity_scope="position"``.
         moe_blocks: which blocks are MoE (see :func:`~moekit.models.placement.resolve_moe_blocks`:
             ``"all"``, ``"every_2"``, ``"last_<n>"``, indices, ...).
+        mod: Mixture-of-Depths (:mod:`moekit.moe.depth`): None, or the settings of
+            :class:`~moekit.recipes.depth.DepthSpec` (``{"capacity": 0.125, "blocks": "every_2"}``): a router
+            in front of each block of ``mod["blocks"]`` sends the top-C tokens of each sequence through it in
+            training; sampling decides per token with the causal router it trains alongside. Combines with
+            ``moe`` (MoDE: routed blocks whose feed-forwards are MoE layers).
 
     Initialisation (GPT-2): linear and embedding weights ``N(0, 0.02)``, zero biases; the projections
     into the residual stream (attention ``proj``, the MLPs' ``fc2``) ``N(0, 0.02 / sqrt(2 * depth))``.
@@ -208,6 +284,7 @@ class TransformerLM(nn.Module):
     Attributes:
         vocab_size, max_seq_len: as given.
         moe_block_indices: sorted indices of the MoE blocks (``()`` for the dense model).
+        mod_block_indices: sorted indices of the Mixture-of-Depths blocks (``()`` without ``mod``).
     """
 
     def __init__(
@@ -228,6 +305,7 @@ class TransformerLM(nn.Module):
         pos_embedding: PosEmbedding = "rope",
         moe: str | Mapping[str, Any] | None = "mixtral",
         moe_blocks: MoEBlocks = "all",
+        mod: DepthSpec | Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         name = "TransformerLM"
@@ -254,6 +332,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"{name}: mlp_ratio={mlp_ratio!r} must give a positive hidden size int(dim * mlp_ratio)")
         check_dropout(dropout, name)
         spec = resolve_recipe(moe)
+        depth_spec = resolve_depth(mod)
 
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
@@ -272,6 +351,12 @@ class TransformerLM(nn.Module):
         if spec is not None:
             check_fits(spec, model="the Transformer LM", causal=True, token_ids=True)
             self.moe_block_indices = resolve_moe_blocks(moe_blocks, depth, model_name=name)
+        self.mod_block_indices: tuple[int, ...] = ()
+        if depth_spec is not None:
+            depth_spec.check_causal(name)
+            self.mod_block_indices = resolve_moe_blocks(
+                depth_spec.blocks, depth, model_name=name, setting="mod.blocks", kind="routed"
+            )
 
         self.token_embedding = nn.Embedding(vocab_size, dim)
         self.position_embedding = nn.Embedding(max_seq_len, dim) if pos_embedding == "learned" else None
@@ -285,7 +370,8 @@ class TransformerLM(nn.Module):
             else:
                 mlp = SwiGLU(**mlp_kwargs) if gated else Mlp(**mlp_kwargs)
             attn = CausalSelfAttention(dim, num_heads, bias=bias, dropout=dropout, rope=rope)
-            blocks.append(TransformerBlock(attn, mlp, dim=dim, norm=norm, bias=bias))
+            router = DepthRouter(dim, depth_spec, causal=True) if i in self.mod_block_indices else None
+            blocks.append(TransformerBlock(attn, mlp, dim=dim, norm=norm, bias=bias, depth_router=router))
         self.blocks = nn.ModuleList(blocks)
         self.norm = _make_norm(norm, dim, bias)
         self.head = nn.Linear(dim, vocab_size, bias=False)
@@ -329,7 +415,12 @@ class TransformerLM(nn.Module):
         shape = (batch_size, self.num_heads, self.max_seq_len, self.head_dim)
         keys = [weight.new_zeros(shape) for _ in self.blocks]
         values = [weight.new_zeros(shape) for _ in self.blocks]
-        return LMCache(keys=keys, values=values, position=0)
+        flags = (batch_size, self.max_seq_len)
+        processed = [
+            weight.new_zeros(flags, dtype=torch.bool) if i in self.mod_block_indices else None
+            for i in range(self.depth)
+        ]
+        return LMCache(keys=keys, values=values, position=0, processed=processed)
 
     def forward(self, input_ids: Tensor, cache: LMCache | None = None) -> Tensor:
         """``input_ids: [batch, tokens]`` long -> logits ``[batch, tokens, vocab_size]``.
@@ -355,7 +446,8 @@ class TransformerLM(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, input_ids, use_reentrant=False)
                 continue
             kv_cache = None if cache is None else (cache.keys[i], cache.values[i])
-            x = block(x, input_ids, start, kv_cache)
+            processed = cache.processed[i] if cache is not None and cache.processed else None
+            x = block(x, input_ids, start, kv_cache, processed)
         if cache is not None:
             cache.position = start + tokens
         return self.head(self.norm(x))

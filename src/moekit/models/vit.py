@@ -8,6 +8,10 @@ head, timm's forward, ``forward_features``, ``forward_intermediates`` - is timm'
 
 Placement (``moe_blocks``): see :func:`~moekit.models.placement.resolve_moe_blocks` (``"second_half"``,
 ``"all"``, ``"every_<k>"``, ``"last_<n>"``, ``"every_<k>_last_<n>"`` or block indices).
+
+Mixture-of-Depths (``mod``): the blocks of ``mod["blocks"]`` are wrapped in
+:class:`~moekit.moe.MixtureOfDepths` (``model.blocks[i].block`` is then the timm block): each processes the
+top-C patch tokens of its image, the prefix (class) tokens always.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from timm.layers import get_act_layer, to_2tuple
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from moekit.moe import ExpertBank, build_moe_layer
+from moekit.moe import DepthRouter, ExpertBank, MixtureOfDepths, build_moe_layer
+from moekit.moe.depth import capacity_tokens
 from moekit.recipes import check_fits, resolve_recipe
+from moekit.recipes.depth import DepthSpec, resolve_depth
 
 from .placement import MoEBlocks, resolve_moe_blocks
 
@@ -48,6 +54,7 @@ def create_moe_vit(
     *,
     moe: str | Mapping[str, Any] | None = "soft_moe",
     moe_blocks: MoEBlocks = "second_half",
+    mod: DepthSpec | Mapping[str, Any] | None = None,
     **vit_kwargs: Any,
 ) -> VisionTransformer:
     """Build a timm ``VisionTransformer`` whose ``moe_blocks`` use the MoE layer of ``moe`` as their MLP.
@@ -58,12 +65,16 @@ def create_moe_vit(
             settings), or None for the dense ViT. Soft MoE's ``num_tokens`` is the ViT's sequence length
             (patches + prefix tokens). Hash routing is refused: ViT blocks pass no token ids.
         moe_blocks: which blocks get the MoE layer, see :func:`resolve_moe_blocks`.
+        mod: Mixture-of-Depths settings (:class:`~moekit.recipes.depth.DepthSpec`) or None: the blocks of
+            ``mod["blocks"]`` process the top ``ceil(capacity * patches)`` tokens of each image (top-C in
+            training and eval: a ViT is not causal).
         **vit_kwargs: ``timm.models.vision_transformer.VisionTransformer`` keywords (``img_size``,
             ``patch_size``, ``embed_dim``, ``depth``, ...).
 
     Returns:
         The ``VisionTransformer``, mapping images ``[B, in_chans, H, W]`` to logits ``[B, num_classes]``,
-        with ``moe_block_indices``: the sorted indices of its MoE blocks. Experts start from the truncated
+        with ``moe_block_indices`` and ``mod_block_indices``: the sorted indices of its MoE and
+        Mixture-of-Depths blocks. Experts start from the truncated
         normal of :data:`EXPERT_INIT_STD`, as timm's MLPs (``fix_init`` rescales their fc2 as timm's).
 
     Raises:
@@ -71,6 +82,7 @@ def create_moe_vit(
             not divisible by ``patch_size``, or a ViT option MoE experts cannot follow (``scale_mlp_norm``).
     """
     spec = resolve_recipe(moe)
+    depth_spec = resolve_depth(mod)
     for key in vit_kwargs:
         if key not in _VIT_DEFAULTS:
             close = difflib.get_close_matches(key, list(_VIT_DEFAULTS), n=1)
@@ -81,8 +93,24 @@ def create_moe_vit(
         _check_patch_grid(settings["img_size"], settings["patch_size"])
     model = VisionTransformer(**vit_kwargs)
     model.moe_block_indices = ()
-    if spec is None:
-        return model
+    model.mod_block_indices = ()
+    if depth_spec is not None:
+        model.mod_block_indices = resolve_moe_blocks(
+            depth_spec.blocks, settings["depth"], setting="mod.blocks", kind="routed"
+        )
+    if spec is not None:
+        _replace_mlps(model, spec, moe_blocks, settings, depth_spec)
+    for i in model.mod_block_indices:
+        router = DepthRouter(model.embed_dim, depth_spec, causal=False, device=settings["device"])
+        model.blocks[i] = MixtureOfDepths(model.blocks[i], router, prefix_tokens=model.num_prefix_tokens)
+    return model
+
+
+def _replace_mlps(
+    model: VisionTransformer, spec: Mapping[str, Any], moe_blocks: MoEBlocks, settings: dict, depth_spec
+) -> None:
+    """Put the MoE layer of ``spec`` in place of the MLP of the ``moe_blocks``; in a Mixture-of-Depths block
+    it sees the prefix tokens and the top-C patches only (Soft MoE's ``num_tokens``)."""
     check_fits(spec, model="a ViT", causal=False, token_ids=False)
     block_ids = resolve_moe_blocks(moe_blocks, settings["depth"])
     if settings["scale_mlp_norm"]:
@@ -93,19 +121,20 @@ def create_moe_vit(
         act_layer=get_act_layer(settings["act_layer"]) or nn.GELU,
         bias=settings["proj_bias"],
         drop=settings["proj_drop_rate"],
-        model_settings={"num_tokens": model.patch_embed.num_patches + model.num_prefix_tokens},
         device=settings["device"],
         dtype=settings["dtype"],
     )
+    patches, prefix = model.patch_embed.num_patches, model.num_prefix_tokens
     for i in block_ids:
         block = model.blocks[i]
         if not hasattr(block, "mlp"):
             raise ValueError(f"block_fn {type(block).__name__} has no 'mlp' submodule to replace in block {i}")
-        block.mlp = build_moe_layer(spec, **mlp)
+        routed = i in model.mod_block_indices
+        tokens = prefix + (capacity_tokens(depth_spec.capacity, patches) if routed else patches)
+        block.mlp = build_moe_layer(spec, **mlp, model_settings={"num_tokens": tokens})
         # timm's fix_init divides the fc2 it would have drawn by sqrt(2 * (i + 1)); the experts follow it.
         out_std = EXPERT_INIT_STD / math.sqrt(2.0 * (i + 1)) if settings["fix_init"] else EXPERT_INIT_STD
         for bank in block.mlp.modules():
             if isinstance(bank, ExpertBank):
                 bank.init_normal_(EXPERT_INIT_STD, out_std, truncate=True)
     model.moe_block_indices = block_ids
-    return model

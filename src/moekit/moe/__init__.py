@@ -13,6 +13,10 @@ Layers (all built from the timm ``Mlp`` keywords plus their settings; registry n
 * :class:`StrictlyBalancedMoE` [``strictly_balanced``] - Shazeer's strictly balanced gating (batchwise mask in
   training, learned thresholds at inference).
 
+Mixture-of-Depths (:mod:`moekit.moe.depth`): :class:`DepthRouter` sends the top-C tokens of a sequence through
+a whole block and the rest around it; :class:`MixtureOfDepths` wraps a ViT block with one (the language model
+routes inside its own blocks).
+
 The papers' settings are recipes (:mod:`moekit.recipes`); :func:`build_moe_layer` builds a recipe's layer
 in place of an MLP.
 
@@ -30,6 +34,7 @@ from .base import (
     MlpSpec,
     MoELayer,
     MoEOutputs,
+    RoutingModule,
     collect_moe_outputs,
     discard_balancing_updates,
     get_moe_layer,
@@ -37,11 +42,13 @@ from .base import (
     moe_layers,
     register_moe_layer,
     require_causal,
+    routing_modules,
     update_balancing_biases,
 )
 from .build import build_moe_layer, expert_hidden_features
 from .capacity import Capacity
 from .dense_moe import DenseMoE
+from .depth import DepthRouter, MixtureOfDepths, depth_routers, top_c_routing
 from .experts import ExpertBank, ExpertsConfig, grouped_linear
 from .experts_choice import ExpertsChoiceMoE
 from .soft_moe import SoftMoE
@@ -56,6 +63,8 @@ __all__ = [
     "get_moe_layer",
     "list_moe_layers",
     "moe_layers",
+    "routing_modules",
+    "RoutingModule",
     "register_moe_layer",
     "require_causal",
     "update_balancing_biases",
@@ -74,5 +83,9 @@ __all__ = [
     "HierarchicalMoE",
     "ExpertsChoiceMoE",
     "DenseMoE",
+    "DepthRouter",
+    "MixtureOfDepths",
+    "depth_routers",
+    "top_c_routing",
     "StrictlyBalancedMoE",
 ]

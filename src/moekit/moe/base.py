@@ -39,6 +39,8 @@ __all__ = [
     "MoEOutputs",
     "collect_moe_outputs",
     "moe_layers",
+    "routing_modules",
+    "RoutingModule",
     "update_balancing_biases",
     "discard_balancing_updates",
     "require_causal",
@@ -121,76 +123,20 @@ def split_settings(owner: str, settings: Mapping[str, Any], configs: Sequence[ty
         raise ValueError(f"{owner}: {err}") from None
 
 
-class MoELayer(nn.Module):
-    """Base of all MoE layers: the constructor, the latest ``aux_losses`` and ``stats``, the causality flag.
+class RoutingModule(nn.Module):
+    """Base of every module that routes tokens (the MoE layers, Mixture-of-Depths routers): the record of its
+    latest forward that :func:`collect_moe_outputs` and the routing monitor read - ``aux_losses``, ``stats``
+    (computed when first read), ``forward_tokens`` and ``router_logit_checksum`` (see the module docstring) -
+    and the once-per-optimizer-step hooks."""
 
-    ``Layer(in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, norm_layer=None,
-    bias=True, drop=0., use_conv=False, *, compute_stats=True, device=None, dtype=None, **settings)``:
-    the timm ``Mlp`` keywords size the experts (``hidden_features`` is each expert's hidden size), and the
-    settings fill the layer's :attr:`configs` (see each layer's docstring), over its :attr:`defaults`.
-    Subclasses implement :meth:`build` (make the router and experts from the configs) and
-    ``forward(x: [batch, tokens, dim], ...) -> [batch, tokens, out_dim]``, which calls :meth:`_record`.
-    """
-
-    configs: ClassVar[tuple[type, ...]] = ()
-    """The config dataclasses the settings fill, in the order :meth:`build` takes them."""
-    defaults: ClassVar[dict[str, Any]] = {}
-    """Settings of this layer that differ from its configs' field defaults."""
-    registry_name: ClassVar[str]
-
-    def __init__(
-        self,
-        in_features: int,
-        hidden_features: int | None = None,
-        out_features: int | None = None,
-        act_layer: ActLayer = nn.GELU,
-        norm_layer=None,
-        bias=True,
-        drop=0.0,
-        use_conv: bool = False,
-        *,
-        compute_stats: bool = True,
-        device=None,
-        dtype=None,
-        **settings: Any,
-    ) -> None:
+    def __init__(self, *, compute_stats: bool = True) -> None:
         super().__init__()
-        name = type(self).__name__
-        mlp = MlpSpec.from_mlp_kwargs(
-            in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv, name
-        )
-        configs = split_settings(name, {**self.defaults, **settings}, self.configs)
-        self.in_features = mlp.in_features
-        self.out_features = mlp.out_features
         self.compute_stats = compute_stats
         self.aux_losses: dict[str, Tensor] = {}
         self.forward_tokens = 0
         self.router_logit_checksum: Tensor | None = None
         self._stats_fn: Callable[[], dict[str, Tensor]] | None = None
         self._stats: dict[str, Tensor] = {}
-        self.build(mlp, *configs, device=device, dtype=dtype)
-
-    @classmethod
-    def settings(cls) -> list[str]:
-        """The names of the settings the layer takes besides the timm ``Mlp`` keywords."""
-        return sorted({f.name for config in cls.configs for f in dataclasses.fields(config)})
-
-    def build(self, mlp: MlpSpec, *configs: Any, device=None, dtype=None) -> None:
-        """Create the layer's modules from the normalised ``Mlp`` keywords and its filled :attr:`configs`."""
-        raise NotImplementedError
-
-    @property
-    def causal_safe(self) -> bool:
-        """True when the output of each token depends on that token alone (given the weights), so
-        the layer can sit in a causal language model. Layers that mix tokens (Soft MoE, experts-choice,
-        BASE, capacity limits over a batch) return False."""
-        return False
-
-    def expert_rows_per_token(self, num_tokens: int) -> float:
-        """Average number of expert-MLP applications per token in a forward over ``num_tokens``
-        tokens (per sequence for Soft MoE): the layer's compute in units of one expert MLP per token,
-        e.g. ``k`` for dropless top-k, ``slots / tokens`` for Soft MoE. Shared experts count too."""
-        raise NotImplementedError
 
     @property
     def stats(self) -> dict[str, Tensor]:
@@ -227,6 +173,80 @@ class MoELayer(nn.Module):
         self._stats_fn = stats if self.compute_stats else None
         self._stats = {}
 
+    def balancing_step(self) -> None:
+        """Called once per optimizer step by :func:`update_balancing_biases`; modules with state that
+        is updated outside autograd (loss-free balancing) override it."""
+
+    def discard_balancing_step(self) -> None:
+        """Called by :func:`discard_balancing_updates` instead of :meth:`balancing_step` when the
+        optimizer step was skipped: drop what the skipped step's forwards accumulated."""
+
+
+class MoELayer(RoutingModule):
+    """Base of all MoE layers: the constructor, the latest ``aux_losses`` and ``stats``, the causality flag.
+
+    ``Layer(in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, norm_layer=None,
+    bias=True, drop=0., use_conv=False, *, compute_stats=True, device=None, dtype=None, **settings)``:
+    the timm ``Mlp`` keywords size the experts (``hidden_features`` is each expert's hidden size), and the
+    settings fill the layer's :attr:`configs` (see each layer's docstring), over its :attr:`defaults`.
+    Subclasses implement :meth:`build` (make the router and experts from the configs) and
+    ``forward(x: [batch, tokens, dim], ...) -> [batch, tokens, out_dim]``, which calls :meth:`_record`.
+    """
+
+    configs: ClassVar[tuple[type, ...]] = ()
+    """The config dataclasses the settings fill, in the order :meth:`build` takes them."""
+    defaults: ClassVar[dict[str, Any]] = {}
+    """Settings of this layer that differ from its configs' field defaults."""
+    registry_name: ClassVar[str]
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
+        act_layer: ActLayer = nn.GELU,
+        norm_layer=None,
+        bias=True,
+        drop=0.0,
+        use_conv: bool = False,
+        *,
+        compute_stats: bool = True,
+        device=None,
+        dtype=None,
+        **settings: Any,
+    ) -> None:
+        super().__init__(compute_stats=compute_stats)
+        name = type(self).__name__
+        mlp = MlpSpec.from_mlp_kwargs(
+            in_features, hidden_features, out_features, act_layer, norm_layer, bias, drop, use_conv, name
+        )
+        configs = split_settings(name, {**self.defaults, **settings}, self.configs)
+        self.in_features = mlp.in_features
+        self.out_features = mlp.out_features
+        self.build(mlp, *configs, device=device, dtype=dtype)
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The names of the settings the layer takes besides the timm ``Mlp`` keywords."""
+        return sorted({f.name for config in cls.configs for f in dataclasses.fields(config)})
+
+    def build(self, mlp: MlpSpec, *configs: Any, device=None, dtype=None) -> None:
+        """Create the layer's modules from the normalised ``Mlp`` keywords and its filled :attr:`configs`."""
+        raise NotImplementedError
+
+    @property
+    def causal_safe(self) -> bool:
+        """True when the output of each token depends on that token alone (given the weights), so
+        the layer can sit in a causal language model. Layers that mix tokens (Soft MoE, experts-choice,
+        BASE, capacity limits over a batch) return False."""
+        return False
+
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        """Average number of expert-MLP applications per token in a forward over ``num_tokens``
+        tokens (per sequence for Soft MoE): the layer's compute in units of one expert MLP per token,
+        e.g. ``k`` for dropless top-k, ``slots / tokens`` for Soft MoE. Shared experts count too."""
+        raise NotImplementedError
+
     def _check_input(self, x: Tensor) -> None:
         dim = self.in_features
         if x.dim() != 3 or x.shape[-1] != dim:
@@ -235,19 +255,19 @@ class MoELayer(nn.Module):
                 f"(in_features={dim})"
             )
 
-    def balancing_step(self) -> None:
-        """Called once per optimizer step by :func:`update_balancing_biases`; layers with state that
-        is updated outside autograd (loss-free balancing) override it."""
-
-    def discard_balancing_step(self) -> None:
-        """Called by :func:`discard_balancing_updates` instead of :meth:`balancing_step` when the
-        optimizer step was skipped: drop what the skipped step's forwards accumulated."""
-
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoELayer]]:
     """Yield ``(qualified_name, layer)`` for every :class:`MoELayer` inside ``model``."""
     for name, module in model.named_modules():
         if isinstance(module, MoELayer):
+            yield name, module
+
+
+def routing_modules(model: nn.Module) -> Iterator[tuple[str, RoutingModule]]:
+    """Yield ``(qualified_name, module)`` for every :class:`RoutingModule` inside ``model``: the MoE layers
+    and the Mixture-of-Depths routers."""
+    for name, module in model.named_modules():
+        if isinstance(module, RoutingModule):
             yield name, module
 
 
@@ -259,14 +279,14 @@ class MoEOutputs:
         aux_loss: the sum of every weighted auxiliary loss of every layer (a scalar; ``0.`` if none).
         aux_losses: ``{loss_name: sum over layers}`` - for logging each loss separately.
         layer_aux_losses: ``{layer_name: {loss_name: value}}``.
-        layers: ``{layer_name: layer}``.
+        layers: ``{layer_name: layer}``: every :class:`RoutingModule` (MoE layers, Mixture-of-Depths routers).
         stats: ``{layer_name: {stat_name: detached tensor}}``, computed when first read.
     """
 
     aux_loss: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     layer_aux_losses: dict[str, dict[str, Tensor]] = field(default_factory=dict)
-    layers: dict[str, MoELayer] = field(default_factory=dict, repr=False)
+    layers: dict[str, RoutingModule] = field(default_factory=dict, repr=False)
 
     @property
     def stats(self) -> dict[str, dict[str, Tensor]]:
@@ -274,8 +294,8 @@ class MoEOutputs:
 
 
 def collect_moe_outputs(model: nn.Module) -> MoEOutputs:
-    """Gather the auxiliary losses and routing statistics that every MoE layer of ``model`` recorded
-    during its latest forward.
+    """Gather the auxiliary losses and routing statistics that every MoE layer (and Mixture-of-Depths router)
+    of ``model`` recorded during its latest forward.
 
     Use it right after the forward of a training step::
 
@@ -289,9 +309,9 @@ def collect_moe_outputs(model: nn.Module) -> MoEOutputs:
     total: Tensor | None = None
     per_name: dict[str, Tensor] = {}
     per_layer: dict[str, dict[str, Tensor]] = {}
-    layers: dict[str, MoELayer] = {}
+    layers: dict[str, RoutingModule] = {}
     device = None
-    for name, layer in moe_layers(model):
+    for name, layer in routing_modules(model):
         layers[name] = layer
         if layer.aux_losses:
             per_layer[name] = dict(layer.aux_losses)
@@ -310,14 +330,14 @@ def update_balancing_biases(model: nn.Module) -> None:
     """Apply the per-step updates that live outside autograd (loss-free balancing biases, the global-batch
     Switch fractions) in every MoE layer of ``model``. Call once after each optimizer step; under
     ``torch.distributed`` the token counts are summed over ranks first so every rank applies the same update."""
-    for _, layer in moe_layers(model):
+    for _, layer in routing_modules(model):
         layer.balancing_step()
 
 
 def discard_balancing_updates(model: nn.Module) -> None:
     """The counterpart of :func:`update_balancing_biases` for a skipped optimizer step (a non-finite
     loss or gradient): every MoE layer forgets the token counts of that step without updating."""
-    for _, layer in moe_layers(model):
+    for _, layer in routing_modules(model):
         layer.discard_balancing_step()
 
 
