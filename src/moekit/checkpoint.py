@@ -11,7 +11,9 @@
 * Reading weights users bring (:func:`read_state_dict`, :func:`load_weights`): our Lightning checkpoints,
   safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
 * Reading training checkpoints (:func:`check_ckpt_path`, :func:`check_resume_checkpoint`, :func:`load_task`):
-  a missing, corrupt, sharded or foreign checkpoint is a :class:`CheckpointError` naming it and the fix.
+  a missing, corrupt, sharded or foreign checkpoint is a :class:`CheckpointError` naming it, the checkpoints
+  beside it and the fix; :func:`find_resume_checkpoint` resolves ``ckpt_path=last`` / ``auto`` to the newest
+  checkpoint that loads.
 """
 
 from __future__ import annotations
@@ -47,8 +49,14 @@ __all__ = [
     "is_sharded_checkpoint",
     "check_ckpt_path",
     "check_resume_checkpoint",
+    "find_resume_checkpoint",
+    "RESUME_ALIASES",
     "load_task",
 ]
+
+RESUME_ALIASES = ("last", "auto")
+"""``ckpt_path`` values that name no file: resume from the newest checkpoint that loads (``auto``: or start
+afresh when there is none); see :func:`find_resume_checkpoint`."""
 
 
 class CheckpointError(ValueError):
@@ -204,23 +212,31 @@ def check_ckpt_path(ckpt_path: str | None, sharded_ok: bool = False) -> None:
         )
     if ckpt_path and not Path(ckpt_path).is_file():
         raise CheckpointError(
-            f"ckpt_path={ckpt_path!r} does not exist; give the path of a .ckpt file (e.g. <run>/checkpoints/last.ckpt)"
+            f"ckpt_path={ckpt_path!r} does not exist; give the path of a .ckpt file (e.g. "
+            "<run>/checkpoints/last.ckpt), or ckpt_path=last for the newest checkpoint of this task's runs"
         )
 
 
-def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
-    """A checkpoint to resume from must be a readable Lightning checkpoint of this very network: say
-    so in one line instead of failing inside ``trainer.fit`` with a traceback. (A sharded checkpoint
-    folder is checked by torch.distributed.checkpoint when it loads.)"""
-    if is_sharded_checkpoint(ckpt_path):
-        return
+def _checkpoint_files(folder: Path) -> list[Path]:
+    """The ``.ckpt`` files of ``folder``, newest first (``last.ckpt`` first among equals)."""
+    if not folder.is_dir():
+        return []
+    files = [p for p in folder.glob("*.ckpt") if p.is_file()]
+    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt"), reverse=True)
+
+
+def _read_training_checkpoint(ckpt_path: str | Path) -> dict:
+    """A Lightning training checkpoint as a dict (tensors memory-mapped), or a :class:`CheckpointError` that
+    names the checkpoints beside it."""
+    beside = [p.name for p in _checkpoint_files(Path(ckpt_path).parent) if p.name != Path(ckpt_path).name]
+    others = f"; the checkpoints beside it: {', '.join(beside)}" if beside else ""
     try:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:
         raise CheckpointError(
-            f"ckpt_path={ckpt_path!r} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
-            "It is corrupt, truncated or not a PyTorch file; resume from another checkpoint (e.g. an earlier "
-            "epoch_XXX.ckpt) or drop ckpt_path to start afresh"
+            f"ckpt_path={str(ckpt_path)!r} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
+            "It is corrupt, truncated or not a PyTorch file; resume from another checkpoint (ckpt_path=last takes "
+            f"the newest that loads) or drop ckpt_path to start afresh{others}"
         ) from None
     missing = [
         key
@@ -229,9 +245,51 @@ def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
     ]
     if missing:
         raise CheckpointError(
-            f"ckpt_path={ckpt_path!r} is not a Lightning training checkpoint (no {', '.join(missing)}); resume "
+            f"ckpt_path={str(ckpt_path)!r} is not a Lightning training checkpoint (no {', '.join(missing)}); resume "
             "from a .ckpt written by scripts/train.py, or load plain weights with task.init_from=<file> instead"
         )
+    return checkpoint
+
+
+def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path) -> tuple[Path | None, list[Path]]:
+    """What ``ckpt_path=last`` / ``auto`` means: the newest ``.ckpt`` that loads in this run's own
+    ``checkpoints/`` folder if it has any, else in the newest run folder of ``runs_dir`` that has one
+    (run folders are named by their start time). Returns ``(checkpoint, newer ones that did not load)``;
+    ``(None, [])`` for ``auto`` when no run has a checkpoint (start afresh). A :class:`CheckpointError` for
+    ``last`` without any checkpoint, and when none of that folder's checkpoints loads (naming them)."""
+    if alias not in RESUME_ALIASES:
+        raise ValueError(f"ckpt_path={alias!r} is not one of {RESUME_ALIASES}")
+    own = output_dir.resolve()
+    earlier = sorted((p for p in runs_dir.glob("*") if p.is_dir() and p.resolve() != own), reverse=True)
+    for folder in [output_dir / "checkpoints", *(run / "checkpoints" for run in earlier)]:
+        files = _checkpoint_files(folder)
+        for i, path in enumerate(files):
+            try:
+                _read_training_checkpoint(path)
+            except CheckpointError:
+                continue
+            return path, files[:i]
+        if files:
+            raise CheckpointError(
+                f"ckpt_path={alias}: none of the checkpoints of {folder} loads ({', '.join(p.name for p in files)}: "
+                "corrupt, truncated or not training checkpoints); give an older run's checkpoint as ckpt_path=<file>, "
+                "or drop ckpt_path to start afresh"
+            )
+    if alias == "last":
+        raise CheckpointError(
+            f"ckpt_path=last: no run of this task has a checkpoint ({runs_dir}/*/checkpoints/*.ckpt); drop ckpt_path "
+            "to start afresh, or use ckpt_path=auto (resumes when a checkpoint exists, else starts afresh)"
+        )
+    return None, []
+
+
+def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
+    """A checkpoint to resume from must be a readable Lightning checkpoint of this very network: say
+    so in one line instead of failing inside ``trainer.fit`` with a traceback. (A sharded checkpoint
+    folder is checked by torch.distributed.checkpoint when it loads.)"""
+    if is_sharded_checkpoint(ckpt_path):
+        return
+    checkpoint = _read_training_checkpoint(ckpt_path)
     state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
     load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
 

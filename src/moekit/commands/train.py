@@ -10,11 +10,11 @@ from hydra.core.hydra_config import HydraConfig
 from lightning import Callback, LightningDataModule, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from moekit.analysis.records import RESULTS_FILE, build_run_record
 from moekit.callbacks import ThroughputMonitor
-from moekit.checkpoint import check_ckpt_path, check_resume_checkpoint
+from moekit.checkpoint import RESUME_ALIASES, check_ckpt_path, check_resume_checkpoint, find_resume_checkpoint
 from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_summary
@@ -32,10 +32,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the task on the data, then test the best checkpoint. Returns the final metrics and writes
     them with the model's size, FLOPs, time and machine to ``<paths.output_dir>/results.json``."""
     L.seed_everything(cfg.seed, workers=True)
-    check_ckpt_path(cfg.get("ckpt_path"), sharded_ok=True)
     for name in ("data", "model", "task", "trainer"):
         check_target_keys(cfg.get(name), name)
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
+    if cfg.get("ckpt_path") in RESUME_ALIASES:
+        _resolve_resume_alias(cfg, output_dir)
+    check_ckpt_path(cfg.get("ckpt_path"), sharded_ok=True)
     _remove_stale_checkpoint_writes(output_dir, cfg.get("ckpt_path"))
     datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
@@ -73,6 +75,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
             write_json_atomic(output_dir / RESULTS_FILE, record)
     log.info("done.\n  %s\n  run record: %s", where(trainer), output_dir / RESULTS_FILE)
     return metrics
+
+
+def _resolve_resume_alias(cfg: DictConfig, output_dir: Path) -> None:
+    """Replace ``ckpt_path=last`` / ``auto`` with the checkpoint it means (:func:`find_resume_checkpoint`, over
+    this task's runs in ``<paths.log_dir>/<task_name>/runs``), and say which; ``auto`` without one: None."""
+    alias = cfg.ckpt_path
+    runs_dir = Path(cfg.paths.log_dir) / str(cfg.task_name) / "runs"
+    found, skipped = find_resume_checkpoint(alias, output_dir, runs_dir)
+    for path in skipped:
+        log.warning("ckpt_path=%s: skipped %s, which does not load", alias, path)
+    if found is None:
+        log.info("ckpt_path=auto: no checkpoint under %s; starting afresh", runs_dir)
+    else:
+        log.info("ckpt_path=%s: resuming from %s", alias, found)
+    with open_dict(cfg):
+        cfg.ckpt_path = None if found is None else str(found)
 
 
 def _remove_stale_checkpoint_writes(output_dir: Path, ckpt_path: str | None) -> None:

@@ -1,0 +1,86 @@
+"""ckpt_path=last / auto: the newest checkpoint that loads, in this run's folder or the newest earlier run of the
+task; corrupt checkpoints are skipped and named; errors name the checkpoints that do exist."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_config, small_overrides
+from moekit.checkpoint import CheckpointError, _read_training_checkpoint, check_ckpt_path, find_resume_checkpoint
+from moekit.commands.train import train
+
+
+def write(path: Path, *, good: bool, age: float = 0.0) -> Path:
+    """A minimal training checkpoint (or a truncated file), its modification time ``age`` seconds ago."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if good:
+        torch.save({"state_dict": {}, "optimizer_states": [], "epoch": 0}, path)
+    else:
+        path.write_bytes(b"PK\x03\x04 truncated")
+    stamp = path.stat().st_mtime - age
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path) -> Path:
+    runs = tmp_path / "logs" / "train" / "runs"
+    write(runs / "2026-01-01_10-00-00" / "checkpoints" / "last.ckpt", good=True, age=100)
+    write(runs / "2026-01-02_10-00-00" / "checkpoints" / "epoch_000.ckpt", good=True, age=20)
+    write(runs / "2026-01-02_10-00-00" / "checkpoints" / "epoch_001.ckpt", good=False, age=10)
+    write(runs / "2026-01-02_10-00-00" / "checkpoints" / "last.ckpt", good=False, age=10)
+    (runs / "2026-01-03_10-00-00").mkdir()  # a run that died before its first checkpoint
+    return runs
+
+
+def test_last_is_the_newest_checkpoint_that_loads_of_the_newest_run_that_has_one(runs):
+    found, skipped = find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs)
+    assert found == runs / "2026-01-02_10-00-00" / "checkpoints" / "epoch_000.ckpt"
+    assert [p.name for p in skipped] == ["last.ckpt", "epoch_001.ckpt"], "newest first, last.ckpt first among equals"
+
+
+def test_the_runs_own_checkpoints_come_first(runs):
+    own = runs / "2026-01-01_10-00-00"  # hydra.run.dir pointed at an existing run
+    assert find_resume_checkpoint("auto", own, runs)[0] == own / "checkpoints" / "last.ckpt"
+
+
+def test_auto_starts_afresh_and_last_refuses_without_any_checkpoint(tmp_path):
+    runs = tmp_path / "runs"
+    assert find_resume_checkpoint("auto", runs / "now", runs) == (None, [])
+    with pytest.raises(CheckpointError, match="ckpt_path=last: no run of this task has a checkpoint.*ckpt_path=auto"):
+        find_resume_checkpoint("last", runs / "now", runs)
+
+
+def test_a_folder_of_corrupt_checkpoints_is_named(tmp_path):
+    runs = tmp_path / "runs"
+    write(runs / "a" / "checkpoints" / "last.ckpt", good=False)
+    with pytest.raises(CheckpointError, match="none of the checkpoints of .* loads \\(last.ckpt: corrupt"):
+        find_resume_checkpoint("last", runs / "b", runs)
+
+
+def test_a_corrupt_checkpoint_error_names_the_checkpoints_beside_it(runs):
+    folder = runs / "2026-01-02_10-00-00" / "checkpoints"
+    beside = "could not be read.*ckpt_path=last.*beside it: epoch_001.ckpt, epoch_000.ckpt"
+    with pytest.raises(CheckpointError, match=beside):
+        _read_training_checkpoint(folder / "last.ckpt")
+    with pytest.raises(CheckpointError, match="or ckpt_path=last for the newest checkpoint"):
+        check_ckpt_path(str(folder / "missing.ckpt"))
+
+
+@pytest.mark.e2e
+def test_train_resumes_with_ckpt_path_last(fake_fashion, tmp_path):
+    logs = tmp_path / "logs"
+    first = logs / "train" / "runs" / "2026-01-01_10-00-00"
+    train(compose_config("train", [*small_overrides(fake_fashion, 1), f"paths.log_dir={logs}", "test=false"], first))
+    saved = torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    second = logs / "train" / "runs" / "2026-01-01_11-00-00"
+    overrides = [*small_overrides(fake_fashion, 2), f"paths.log_dir={logs}", "test=false", "ckpt_path=last"]
+    cfg = compose_config("train", overrides, second)
+    train(cfg)
+    assert cfg.ckpt_path == str(first / "checkpoints" / "last.ckpt"), "the run record names the checkpoint"
+    resumed = torch.load(second / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert resumed["global_step"] == 2 * saved["global_step"], "one more epoch on top of the saved one"
