@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from moekit.callbacks import PreemptionCheckpoint
 from moekit.checkpoint import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
 from moekit.data.resumable import ResumableRandomSampler, get_rng_states, set_rng_states
 from resume_helpers import (
@@ -115,6 +118,34 @@ def test_sigterm_saves_last_ckpt_exits_and_resumes_exactly(fake_fashion, referen
     assert status == 0, output[-3000:]
     _assert_same_training_state(load_checkpoint(last), ref_ckpt)
     assert printed_test_metrics(output) == ref_metrics
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_last_ckpt_and_its_printed_command_resumes_exactly(fake_fashion, reference, tmp_path):
+    ref_ckpt, ref_metrics = reference
+    out = tmp_path / "run"
+    proc = start(_args(fake_fashion, out), write_delay=0.2)
+    wait_for(lambda: any(out.glob("checkpoints/epoch_*.ckpt")), proc, "the first epoch's checkpoint")
+    proc.send_signal(signal.SIGINT)
+    status, output = finish(proc)
+    assert status == 128 + signal.SIGINT, output[-3000:]
+    assert "Ctrl-C: saving" in output and "press Ctrl-C again to stop at once" in output
+    command = re.search(r"received SIGINT: saved .*last\.ckpt at step \d+; resume with: (python .*)", output)
+    assert command, output[-3000:]
+    args = shlex.split(command.group(1))
+    assert args[1].endswith("scripts/train.py") and args[-1] == f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}"
+    status, output = finish(start([sys.executable, *args[1:]]))
+    assert status == 0, output[-3000:]
+    _assert_same_training_state(load_checkpoint(out / "checkpoints" / "last.ckpt"), ref_ckpt)
+    assert printed_test_metrics(output) == ref_metrics
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    callback = PreemptionCheckpoint(dirpath="unused", signals=["SIGINT"])
+    callback._handler(signal.SIGINT, None)
+    assert callback.received == signal.SIGINT, "the first one asks for a checkpoint after the step"
+    with pytest.raises(KeyboardInterrupt):
+        callback._handler(signal.SIGINT, None)
 
 
 # ---------------------------------------------------------------------------------------------

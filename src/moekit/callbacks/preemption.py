@@ -1,4 +1,4 @@
-"""Pre-emption: on SIGTERM or SIGUSR1, write ``last.ckpt`` at the next step boundary and exit.
+"""Pre-emption and Ctrl-C: on SIGTERM, SIGUSR1 or SIGINT, write ``last.ckpt`` at the next step boundary and exit.
 
 Clusters announce the end of a job with a signal (SLURM: SIGTERM at the time limit or on pre-emption,
 SIGUSR1 ahead of it with ``--signal=USR1@<seconds>``). :class:`PreemptionCheckpoint` catches them while
@@ -6,7 +6,9 @@ SIGUSR1 ahead of it with ``--signal=USR1@<seconds>``). :class:`PreemptionCheckpo
 through the trainer's ``AtomicCheckpointIO``) and raises :class:`Preempted`, a ``SystemExit`` with
 status ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1), the shell's convention for "ended by
 a signal", so a job script can tell a pre-empted run from a finished one. Resubmitting with
-``ckpt_path=<dirpath>/last.ckpt`` continues exactly where it stopped (see ``moekit.data.resumable``).
+``ckpt_path=<dirpath>/last.ckpt`` continues exactly where it stopped (see ``moekit.data.resumable``); the log
+line gives the whole command. Ctrl-C (SIGINT, 130) does the same; a second Ctrl-C before the step ends stops at
+once, without a checkpoint (Lightning's interrupt handling, exit status 1).
 
 The handlers are installed in ``on_train_start`` and the previous ones are put back when training ends
 or fails. While training they replace the previous handlers rather than chain to them: Lightning's own
@@ -21,7 +23,9 @@ all of them save the checkpoint together and exit.
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 from lightning import Callback, LightningModule, Trainer
 
-__all__ = ["PreemptionCheckpoint", "Preempted"]
+__all__ = ["PreemptionCheckpoint", "Preempted", "resume_command"]
 
 log = logging.getLogger("moekit")
 
@@ -44,13 +48,25 @@ class Preempted(SystemExit):
         self.checkpoint = checkpoint
 
 
+def resume_command(checkpoint: Path) -> str:
+    """The command line that continues this run: the script with its overrides, ``ckpt_path`` set to
+    ``checkpoint`` (``ckpt_path=<checkpoint>`` alone outside a Hydra script)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    resume = f"ckpt_path={shlex.quote(str(checkpoint))}"
+    if not HydraConfig.initialized() or not sys.argv or not sys.argv[0].endswith(".py"):
+        return resume
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith("ckpt_path=")]
+    return " ".join(["python", shlex.quote(sys.argv[0]), *map(shlex.quote, overrides), resume])
+
+
 class PreemptionCheckpoint(Callback):
     """On one of ``signals``, save ``<dirpath>/<filename>.ckpt`` after the current training step and exit.
 
     Args:
         dirpath: the checkpoint folder (Hydra: ``${paths.output_dir}/checkpoints``).
         filename: file name without ``.ckpt``; ``last`` overwrites the periodic ``last.ckpt``.
-        signals: signal names, e.g. ``["SIGTERM", "SIGUSR1"]``.
+        signals: signal names, e.g. ``["SIGTERM", "SIGUSR1", "SIGINT"]``.
     """
 
     def __init__(self, dirpath: str, filename: str = "last", signals: tuple[str, ...] | list[str] = ("SIGTERM",)):
@@ -74,8 +90,13 @@ class PreemptionCheckpoint(Callback):
         return self.dirpath / f"{self.filename}.ckpt"
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received is not None:  # a second Ctrl-C: stop at once
+            self._restore()
+            raise KeyboardInterrupt
         if self.received is None:
             self.received = signum
+            if signum == signal.SIGINT:
+                log.warning("Ctrl-C: saving %s after this step; press Ctrl-C again to stop at once", self.path)
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -108,11 +129,11 @@ class PreemptionCheckpoint(Callback):
             return
         trainer.save_checkpoint(self.path)
         log.warning(
-            "received %s: saved %s at step %d; resume with ckpt_path=%s",
+            "received %s: saved %s at step %d; resume with: %s",
             signal.Signals(signum).name,
             self.path,
             trainer.global_step,
-            self.path,
+            resume_command(self.path),
         )
         self._restore()
         raise Preempted(signum, self.path)
