@@ -19,9 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning import Callback
 
+import moekit.commands.train as train_module
+from conftest import compose_config, small_overrides
 from moekit.callbacks import PreemptionCheckpoint
 from moekit.checkpoint import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
+from moekit.commands.train import train
 from moekit.data.resumable import ResumableRandomSampler, get_rng_states, set_rng_states
 from resume_helpers import (
     assert_same_training_state,
@@ -207,3 +211,27 @@ def test_sampler_resumes_mid_epoch_with_the_same_indices_and_random_draws():
     assert [b for b, _ in batches(fresh, 2)] == [b for b, _ in whole[3:]]
     set_rng_states(rng)
     assert torch.equal(torch.get_rng_state(), rng["torch"])
+
+
+class _SigtermAtTest(Callback):
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0:  # not the last batch: Lightning stops the loop after it
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_the_test_phase_exits_143_and_names_the_rerun(fake_fashion, tmp_path, monkeypatch, caplog):
+    """Lightning ends a test loop on SIGTERM with SystemExit(None), status 0: a scheduler would see success."""
+    cfg = compose_config("train", small_overrides(fake_fashion, 1), tmp_path)
+    real_instantiate_group = train_module.instantiate_group
+
+    def with_sigterm(group, name):
+        found = real_instantiate_group(group, name)
+        return [*found, _SigtermAtTest()] if name == "callbacks" else found
+
+    monkeypatch.setattr(train_module, "instantiate_group", with_sigterm)
+    with pytest.raises(SystemExit) as info:
+        train(cfg)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert "during the test phase, which did not finish" in caplog.text
+    assert "test it with python scripts/eval.py ckpt_path=" in caplog.text
+    assert not (tmp_path / "results.json").exists(), "no run record of an unfinished run"

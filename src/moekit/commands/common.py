@@ -1,17 +1,37 @@
-"""What the commands share: the dataset a checkpoint is tested on, and the lines a command prints at its end."""
+"""What the commands share: the dataset a checkpoint is tested on, the exit status of a phase a signal ended, and
+the lines a command prints at its end."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from lightning import LightningDataModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from moekit.configs import instantiate
 from moekit.tasks import MoETask
 
-__all__ = ["datamodule_for", "where", "floats"]
+__all__ = ["datamodule_for", "signal_ends_phase", "where", "floats"]
+
+log = logging.getLogger("moekit")
+
+
+@contextlib.contextmanager
+def signal_ends_phase(phase: str, rerun: str) -> Iterator[None]:
+    """Exit with status 143 (128 + SIGTERM) and say what to rerun when SIGTERM ends ``phase``: Lightning ends
+    an evaluation loop on SIGTERM with a ``SystemExit`` of status 0, which a scheduler takes for success.
+    (Training has :class:`~moekit.callbacks.PreemptionCheckpoint`, which saves a checkpoint first.)"""
+    try:
+        yield
+    except SIGTERMException:
+        log.error("received SIGTERM during %s, which did not finish; %s", phase, rerun)
+        raise SystemExit(128 + signal.SIGTERM) from None
 
 
 def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:

@@ -12,7 +12,7 @@ from moekit.checkpoint import load_task
 from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
 
-from .common import datamodule_for, floats, where
+from .common import datamodule_for, floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
@@ -28,7 +28,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     datamodule = datamodule_for(cfg, module)
     loggers = instantiate_group(cfg.get("logger"), "logger")
     trainer: Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
-    with storage_errors(output_dir):
+    with storage_errors(output_dir), signal_ends_phase("the test", "rerun the command"):
         trainer.test(module, datamodule=datamodule)
     metrics = floats(trainer.callback_metrics)
     log.info("done.\n  %s", where(trainer))

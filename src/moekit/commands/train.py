@@ -21,7 +21,7 @@ from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_sum
 from moekit.tasks import ImageClassifier, LanguageModel, MoETask
 from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
 
-from .common import floats, where
+from .common import floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
@@ -56,11 +56,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     with storage_errors(output_dir):
         if cfg.get("train", True):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            resume = f"resume from its last checkpoint: ckpt_path={output_dir / 'checkpoints' / 'last.ckpt'}"
+            with signal_ends_phase("training", resume):  # without the pre-emption callback (callbacks=none)
+                trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             metrics.update(floats(trainer.callback_metrics))
         if cfg.get("test", True):
             best = getattr(trainer.checkpoint_callback, "best_model_path", "") if cfg.get("train", True) else ""
-            trainer.test(module, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
+            rerun = f"the training is complete: test it with python scripts/eval.py ckpt_path={best}" if best else ""
+            with signal_ends_phase("the test phase", rerun or "rerun the command"):
+                trainer.test(module, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
             metrics.update(floats(trainer.callback_metrics))
         if trainer.is_global_zero:
             record = build_run_record(
