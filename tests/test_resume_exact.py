@@ -24,7 +24,7 @@ from lightning import Callback
 import moekit.commands.train as train_module
 from conftest import compose_config, small_overrides
 from moekit.callbacks import PreemptionCheckpoint
-from moekit.checkpoint import WRITE_DELAY_ENV, AtomicCheckpointIO, atomic_torch_save
+from moekit.checkpoint import WRITE_DELAY_ENV, AtomicCheckpointIO, CheckpointError, atomic_torch_save, first_non_finite
 from moekit.commands.train import train
 from moekit.data.resumable import ResumableRandomSampler, get_rng_states, set_rng_states
 from resume_helpers import (
@@ -168,6 +168,24 @@ def test_atomic_save_keeps_the_old_file_when_the_write_fails(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"step": 3}, path)
     assert torch.load(path, weights_only=True) == {"step": 3}
     assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+@pytest.mark.parametrize("where", ["weights", "optimizer"])
+def test_a_non_finite_checkpoint_never_replaces_a_finite_one(where, tmp_path):
+    path = tmp_path / "last.ckpt"
+    good = {"global_step": 5, "state_dict": {"net.w": torch.ones(3)}, "optimizer_states": [{"state": {0: {}}}]}
+    AtomicCheckpointIO().save_checkpoint(good, path)
+    bad = {"global_step": 6, "state_dict": {"net.w": torch.ones(3)}, "optimizer_states": [{"state": {0: {}}}]}
+    if where == "weights":
+        bad["state_dict"]["net.w"] = torch.tensor([1.0, float("nan"), 1.0])
+        named = "the weight net.w is not finite at step 6"
+    else:
+        bad["optimizer_states"][0]["state"][0]["exp_avg_sq"] = torch.tensor([float("inf")])
+        named = "the optimizer state 'exp_avg_sq' of parameter 0 \\(optimizer 0\\) is not finite at step 6"
+    with pytest.raises(CheckpointError, match=named):
+        AtomicCheckpointIO().save_checkpoint(bad, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 5
+    assert first_non_finite(good) is None
 
 
 def _umask() -> int:

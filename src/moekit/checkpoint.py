@@ -41,6 +41,7 @@ __all__ = [
     "TASK_KEY",
     "AtomicCheckpointIO",
     "atomic_torch_save",
+    "first_non_finite",
     "WRITE_DELAY_ENV",
     "SHARDED_METADATA",
     "read_state_dict",
@@ -94,10 +95,30 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def first_non_finite(checkpoint: Mapping[str, Any]) -> str | None:
+    """Where a training checkpoint holds a NaN or an infinity: the first floating tensor of its weights
+    (``state_dict``) or optimizer state that is not finite, named; None when all are finite."""
+
+    def bad(value: Any) -> bool:
+        return isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())
+
+    for name, value in (checkpoint.get("state_dict") or {}).items():
+        if bad(value):
+            return f"the weight {name}"
+    for i, optimizer in enumerate(checkpoint.get("optimizer_states") or []):
+        for param, state in (optimizer.get("state") or {}).items():
+            for key, value in state.items():
+                if bad(value):
+                    return f"the optimizer state {key!r} of parameter {param} (optimizer {i})"
+    return None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic and durable (see the module docstring).
 
-    Loading and removing are Lightning's; checkpoints stay plain ``torch.save`` files.
+    A checkpoint with a non-finite weight or optimizer state is not written (a :class:`CheckpointError` naming
+    the tensor stops the run): it would replace the last good ``last.ckpt`` with weights no run can continue
+    from. Loading and removing are Lightning's; checkpoints stay plain ``torch.save`` files.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
@@ -105,6 +126,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(
                 f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; it takes none "
                 "(call trainer.save_checkpoint(path) without storage_options)"
+            )
+        bad = first_non_finite(checkpoint)
+        if bad is not None:
+            raise CheckpointError(
+                f"not writing {os.fspath(path)!r}: {bad} is not finite at step {checkpoint.get('global_step')}, so the "
+                "checkpoints written before keep the last finite state. Lower task.optimizer.lr or keep "
+                "callbacks.non_finite_guard (it skips steps with a non-finite loss or gradient), then resume from them"
             )
         if not isinstance(get_filesystem(path), LocalFileSystem):
             super().save_checkpoint(checkpoint, path)
