@@ -433,6 +433,13 @@ CASES = [
         ["{ckpt}", "shape mismatch", "configuration the checkpoint was trained with"],
         cli=False,
     ),
+    Case(
+        "resume_with_a_setting_the_checkpoint_overrides",
+        "train.py",
+        [*FAST, "data.root={fm}", "task.optimizer.lr=0.5", "ckpt_path={ckpt}"],
+        ["task.optimizer.lr=0.5 (the checkpoint's:", "learning rate", "task.init_from="],
+        cli=False,
+    ),
     # -- outputs that cannot be written --
     Case(
         "output_dir_under_a_file",

@@ -320,6 +320,49 @@ def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
     checkpoint = _read_training_checkpoint(ckpt_path)
     state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
     load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
+    saved = (checkpoint.get("hyper_parameters") or {}).get("run_config")
+    current = module.hparams.get("run_config")
+    if isinstance(saved, Mapping) and isinstance(current, Mapping):
+        _check_resume_overrides(ckpt_path, saved, current)
+
+
+# Settings a resumed run takes from the checkpoint whatever the config says, with the reason.
+_RESTORED_ON_RESUME = {
+    "task.optimizer": "the optimizer's state and hyper-parameters (learning rate, betas, weight decay) are restored",
+    "seed": "the data order and random states are restored",
+}
+
+
+def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        return {k: v for key, value in node.items() for k, v in _flatten(value, f"{prefix}.{key}").items()}
+    return {prefix: node}
+
+
+def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Refuse settings that differ from the checkpoint's run but that resuming would silently ignore."""
+    ignored = []
+    for key, reason in _RESTORED_ON_RESUME.items():
+        node_saved, node_current = saved, current
+        for part in key.split("."):
+            node_saved = node_saved.get(part) if isinstance(node_saved, Mapping) else None
+            node_current = node_current.get(part) if isinstance(node_current, Mapping) else None
+        if node_saved is None:
+            continue
+        old, new = _flatten(node_saved, key), _flatten(node_current, key)
+        changed = [
+            f"{k}={new.get(k)!r} (the checkpoint's: {old.get(k)!r})"
+            for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)
+        ]
+        if changed:
+            ignored.append(f"{', '.join(changed)}: {reason}")
+    if ignored:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} continues its run, which would ignore " + "; ".join(ignored) + ". Drop these "
+            "overrides to resume, or train on from the checkpoint's weights with the new settings as a new run: "
+            f"task.init_from={ckpt_path} without ckpt_path"
+        )
 
 
 def _task_class(checkpoint: dict) -> type[MoETask]:
