@@ -3,6 +3,7 @@ experiment, train -> eval, resume, fine-tuning, upcycling, export, few-shot prob
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,26 @@ def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
     jobs = sorted(tmp_path.glob("train/multiruns/*/[0-9]/.hydra/overrides.yaml"))
     assert len(jobs) == 2
     assert "moe.num_experts=2" in jobs[0].read_text() and "moe.num_experts=4" in jobs[1].read_text()
+
+
+@pytest.mark.e2e
+def test_a_sweep_runs_every_job_past_a_failure_and_exits_1_with_a_summary(fake_fashion, tmp_path):
+    result = run_script(
+        "train.py",
+        "-m",
+        "moe.num_experts=2,0,4",
+        f"data.root={fake_fashion}",
+        "data.val_size=64",
+        "debug=tiny",
+        "trainer.fast_dev_run=true",
+        f"paths.log_dir={tmp_path}",
+        cwd=REPO,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    (sweep,) = tmp_path.glob("train/multiruns/*")
+    assert (sweep / "0" / "results.json").is_file() and (sweep / "2" / "results.json").is_file(), "the 4 job ran"
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert summary["jobs"] == 3 and summary["succeeded"] == 2
+    (failed,) = summary["failed"]
+    assert failed["job"] == "1" and "moe.num_experts=0" in failed["overrides"] and "num_experts" in failed["error"]
+    assert "sweep: 1 of 3 jobs failed" in result.stderr + result.stdout

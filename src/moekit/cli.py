@@ -1,10 +1,15 @@
 """The Hydra entry point shared by the scripts in ``scripts/``: compose the named config, run the
 function, and turn user errors (bad config values, missing data or checkpoints) into a one-paragraph
-message and exit status 1 instead of a traceback."""
+message and exit status 1 instead of a traceback.
+
+In a sweep (``-m``) a failing job does not stop the others: its error is logged in one line and kept in its
+folder (``failure.json``), the sweep runs every job, and :class:`SweepSummary` writes
+``<sweep dir>/sweep_summary.json`` (which settings failed and why) and exits with status 1 if any failed."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import re
 import sys
@@ -15,11 +20,17 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from moekit.configs import check_composed
+from moekit.utils.atomic import write_json_atomic
 
-__all__ = ["RunDirCheck", "run_script", "user_message"]
+__all__ = ["RunDirCheck", "SweepSummary", "run_script", "user_message"]
+
+FAILURE_FILE = "failure.json"
+SUMMARY_FILE = "sweep_summary.json"
+log = logging.getLogger("moekit")
 
 # The "pkg.module.ErrorClass: " that starts the last line of a formatted traceback.
 _EXCEPTION_PREFIX = re.compile(r"^[A-Za-z_][\w.]*: ")
@@ -69,6 +80,43 @@ class RunDirCheck(Callback):
             sys.exit(1)
 
 
+class SweepSummary(Callback):
+    """Hydra callback (``configs/hydra/default.yaml``): at the end of a sweep, read which jobs failed
+    (their ``failure.json``), write ``<sweep dir>/sweep_summary.json``, log one line per failed job and exit
+    with status 1 if any did."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
+        jobs = sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml"))
+        failed = []
+        for job in jobs:
+            failure = job / FAILURE_FILE
+            if failure.is_file():
+                failed.append({"job": job.name, **json.loads(failure.read_text())})
+        summary = {"jobs": len(jobs), "succeeded": len(jobs) - len(failed), "failed": failed}
+        write_json_atomic(sweep_dir / SUMMARY_FILE, summary)
+        if not failed:
+            log.info("sweep: all %d jobs finished (%s)", len(jobs), sweep_dir / SUMMARY_FILE)
+            return
+        lines = [f"  {' '.join(f['overrides']) or '(no overrides)'}: {f['error']}" for f in failed]
+        log.error(
+            "sweep: %d of %d jobs failed (%s):\n%s", len(failed), len(jobs), sweep_dir / SUMMARY_FILE, "\n".join(lines)
+        )
+        sys.exit(1)
+
+
+def _job_failed(err: Exception, user_error: bool) -> None:
+    """A sweep job's failure: one line (a traceback too for an unexpected error), kept in the job's folder."""
+    message = " ".join((user_message(err) if user_error else f"{type(err).__name__}: {err}").split())
+    if user_error:
+        log.error("%s", message)
+    else:
+        log.exception("the job failed with an unexpected error")
+    hydra_cfg = HydraConfig.get()
+    record = {"overrides": list(hydra_cfg.overrides.task), "error": message}
+    write_json_atomic(Path(hydra_cfg.runtime.output_dir) / FAILURE_FILE, record)
+
+
 def _resolve(fn: Callable[[DictConfig], Any] | str) -> Callable[[DictConfig], Any]:
     if callable(fn):
         return fn
@@ -86,10 +134,16 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
 
     @hydra.main(version_base="1.3", config_path=str(config_dir.resolve()), config_name=config_name)
     def main(cfg: DictConfig) -> Any:
+        hydra_cfg = HydraConfig.get()
+        in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+        if in_sweep:  # a rerun of the sweep into the same folders: the job's earlier failure no longer holds
+            (Path(hydra_cfg.runtime.output_dir) / FAILURE_FILE).unlink(missing_ok=True)
         try:  # before torch is imported: a config that cannot run fails in a fraction of a second
-            check_composed(cfg, HydraConfig.get().overrides.task)
+            check_composed(cfg, hydra_cfg.overrides.task)
         except ValueError as err:
-            logging.getLogger("moekit").error("%s", err)
+            if in_sweep:
+                return _job_failed(err, user_error=True)
+            log.error("%s", err)
             sys.exit(1)
         function = _resolve(fn)
         from moekit.errors import USER_ERRORS
@@ -97,7 +151,13 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
         try:
             return function(cfg)
         except USER_ERRORS as err:
-            logging.getLogger("moekit").error("%s", user_message(err))
+            if in_sweep:
+                return _job_failed(err, user_error=True)
+            log.error("%s", user_message(err))
             sys.exit(1)
+        except Exception as err:
+            if not in_sweep:
+                raise
+            return _job_failed(err, user_error=False)
 
     main()
