@@ -440,6 +440,17 @@ CASES = [
         ["task.optimizer.lr=0.5 (the checkpoint's:", "learning rate", "task.init_from="],
         cli=False,
     ),
+    Case(
+        "experts_that_cannot_fit_in_memory",
+        "train.py",
+        [*FAST, "data.root={fm}", "moe=switch", "moe.num_experts=4000000"],
+        ["num_experts=4000000", "GiB for the weights alone", "are available on cpu", "use fewer experts"],
+        cli=False,
+    ),
+    Case(
+        "eval_without_a_checkpoint", "eval.py", [], ["ckpt_path must be given", "ckpt_path=<run>/checkpoints/last.ckpt"]
+    ),
+    Case("export_without_a_checkpoint", "export.py", [], ["ckpt_path must be given"]),
     # -- outputs that cannot be written --
     Case(
         "output_dir_under_a_file",

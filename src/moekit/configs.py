@@ -89,6 +89,13 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
                 f"{override!r} adds {key}, which nothing in the run reads; remove it, or set an existing key "
                 f"without '+' (the settings that are read live under {', '.join(sorted(_READ_NODES))})"
             )
+    missing = _missing_values(cfg)
+    if missing:
+        example = {"ckpt_path": "ckpt_path=<run>/checkpoints/last.ckpt"}
+        raise ValueError(
+            f"{', '.join(missing)} must be given (the config leaves {'it' if len(missing) == 1 else 'them'} ???); "
+            f"add {' '.join(example.get(key, f'{key}=<value>') for key in missing)} to the command"
+        )
     check_settings(_resolved_nodes(cfg, ("task", "trainer", "model")))
     model = cfg.get("model")
     if not isinstance(model, DictConfig) or str(model.get("_target_")) not in MODEL_KINDS:
@@ -107,6 +114,19 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
         )
     if depth is not None and causal:
         depth.check_causal(what)
+
+
+def _missing_values(cfg: DictConfig) -> list[str]:
+    """The keys outside ``hydra`` whose value is the mandatory ``???``."""
+    missing = []
+    for key in cfg:
+        if key == "hydra":
+            continue
+        if OmegaConf.is_missing(cfg, key):
+            missing.append(str(key))
+        elif isinstance(cfg[key], DictConfig):
+            missing += [f"{key}.{inner}" for inner in OmegaConf.missing_keys(cfg[key])]
+    return sorted(missing)
 
 
 def _resolved_nodes(cfg: DictConfig, names: Sequence[str]) -> dict[str, Any]:

@@ -10,7 +10,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_model", "machine_info", "machine_label"]
+__all__ = ["available_memory", "cpu_model", "machine_info", "machine_label"]
+
+
+def available_memory(device: torch.device | str | None = None) -> int | None:
+    """Bytes that new tensors on ``device`` can still take: a CUDA device's free memory, or the host's
+    ``MemAvailable`` (Linux) for the CPU; None where it cannot be known (other devices and systems)."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def cpu_model() -> str:
