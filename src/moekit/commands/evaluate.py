@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from moekit.checkpoint import load_task
 from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
+from moekit.utils.machine import check_accelerator
 
 from .common import datamodule_for, floats, signal_ends_phase, where
 
@@ -24,6 +25,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     module = load_task(cfg.ckpt_path)
     L.seed_everything(cfg.seed, workers=True)
     check_target_keys(cfg.trainer, "trainer")
+    check_accelerator(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     datamodule = datamodule_for(cfg, module)
     loggers = instantiate_group(cfg.get("logger"), "logger")

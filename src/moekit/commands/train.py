@@ -20,6 +20,7 @@ from moekit.errors import check_writable_dir, storage_errors
 from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_summary
 from moekit.tasks import ImageClassifier, LanguageModel, MoETask
 from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
+from moekit.utils.machine import check_accelerator
 
 from .common import floats, signal_ends_phase, where
 
@@ -34,6 +35,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     for name in ("data", "model", "task", "trainer"):
         check_target_keys(cfg.get(name), name)
+    check_accelerator(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     if cfg.get("ckpt_path") in RESUME_ALIASES:
         _resolve_resume_alias(cfg, output_dir)

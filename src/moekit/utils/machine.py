@@ -10,7 +10,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["available_memory", "cpu_model", "machine_info", "machine_label"]
+__all__ = ["available_memory", "check_accelerator", "cpu_model", "machine_info", "machine_label"]
+
+
+def check_accelerator(accelerator: str, devices: Any = "auto") -> None:
+    """Refuse ``trainer.accelerator`` / ``trainer.devices`` that this machine does not have, naming them and
+    the fix (Lightning says "No supported gpu backend found!")."""
+    accelerator = str(accelerator).lower()
+    if accelerator in ("gpu", "cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(
+                f"trainer.accelerator={accelerator} but this machine has no CUDA GPU (torch {torch.__version__}, "
+                f"{build}); use trainer=cpu here, or run on a machine with a GPU"
+            )
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices > count:
+            raise ValueError(
+                f"trainer.devices={devices} but this machine has {count} GPU(s); use trainer.devices={count} or fewer"
+            )
+    elif accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("trainer.accelerator=mps but this machine has no Apple GPU (MPS); use trainer=cpu")
 
 
 def available_memory(device: torch.device | str | None = None) -> int | None:
