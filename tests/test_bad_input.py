@@ -719,6 +719,7 @@ def test_an_unreadable_image_error_names_the_file(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_a_gpu_trainer_on_a_machine_without_one_names_the_fix(inputs, tmp_path):
-    cfg = compose_config("train", [*FAST, f"data.root={inputs['fm']}", "trainer=gpu"], tmp_path)
+    overrides = [*FAST, f"data.root={inputs['fm']}", "trainer.accelerator=gpu"]  # debug= runs on the CPU
+    cfg = compose_config("train", overrides, tmp_path)
     with pytest.raises(ValueError, match="trainer.accelerator=gpu but this machine has no CUDA GPU.*use trainer=cpu"):
         train(cfg)
