@@ -274,19 +274,15 @@ def test_corrupt_checkpoint_is_a_clear_error_and_stays_untouched(tmp_path):
 # The command-line bad-input cases (unknown experiment, missing checkpoint, ...) are in test_bad_input.py.
 
 
+def sweep_experts(data_root: Path, log_dir: Path, values: str):
+    """``scripts/train.py -m moe.num_experts=<values>``, one fast_dev_run per value."""
+    overrides = [f"data.root={data_root}", "data.val_size=64", "debug=tiny", "trainer.fast_dev_run=true"]
+    return run_script("train.py", "-m", f"moe.num_experts={values}", *overrides, f"paths.log_dir={log_dir}", cwd=REPO)
+
+
 @pytest.mark.e2e
 def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
-    result = run_script(
-        "train.py",
-        "-m",
-        "moe.num_experts=2,4",
-        f"data.root={fake_fashion}",
-        "data.val_size=64",
-        "debug=tiny",
-        "trainer.fast_dev_run=true",
-        f"paths.log_dir={tmp_path}",
-        cwd=REPO,
-    )
+    result = sweep_experts(fake_fashion, tmp_path, "2,4")
     assert result.returncode == 0, result.stderr[-2000:]
     jobs = sorted(tmp_path.glob("train/multiruns/*/[0-9]/.hydra/overrides.yaml"))
     assert len(jobs) == 2
@@ -295,17 +291,7 @@ def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
 
 @pytest.mark.e2e
 def test_a_sweep_runs_every_job_past_a_failure_and_exits_1_with_a_summary(fake_fashion, tmp_path):
-    result = run_script(
-        "train.py",
-        "-m",
-        "moe.num_experts=2,0,4",
-        f"data.root={fake_fashion}",
-        "data.val_size=64",
-        "debug=tiny",
-        "trainer.fast_dev_run=true",
-        f"paths.log_dir={tmp_path}",
-        cwd=REPO,
-    )
+    result = sweep_experts(fake_fashion, tmp_path, "2,0,4")
     assert result.returncode == 1, result.stderr[-2000:]
     (sweep,) = tmp_path.glob("train/multiruns/*")
     assert (sweep / "0" / "results.json").is_file() and (sweep / "2" / "results.json").is_file(), "the 4 job ran"
