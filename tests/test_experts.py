@@ -151,9 +151,9 @@ def test_expert_bank_under_bf16_autocast_runs_in_bf16():
 
 
 def test_a_bank_larger_than_the_memory_left_is_refused_with_the_size(monkeypatch):
-    import moekit.moe.experts as experts
+    import moekit.utils.machine as machine
 
-    monkeypatch.setattr(experts, "available_memory", lambda device: 2**20)  # 1 MiB left
+    monkeypatch.setattr(machine, "available_memory", lambda device: 2**20)  # 1 MiB left
     with pytest.raises(
         ValueError,
         match=r"num_experts=64 experts of 32,768 weights each need 8\.0 MiB.*but 1\.0 MiB are available.*use fewer",

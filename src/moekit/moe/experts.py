@@ -35,7 +35,7 @@ import torch.distributed as dist
 from timm.layers import get_act_layer
 from torch import Tensor, nn
 
-from moekit.utils.machine import available_memory
+from moekit.utils.machine import check_fits_in_memory
 
 from .all_to_all import expert_parallel_apply
 
@@ -189,29 +189,6 @@ def grouped_linear(
     return out
 
 
-def _binary(size: int) -> str:
-    """``8.0 MiB``, ``488.3 GiB``: a byte count in binary units."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size} B"
-
-
-def _check_fits_in_memory(num_experts: int, weights_per_expert: int, dd: dict) -> None:
-    """Refuse a bank whose weights alone exceed the memory the device has left, saying how much it needs,
-    instead of an allocation failure (or the kernel's OOM killer) deep inside model construction."""
-    element = torch.empty((), dtype=dd["dtype"]).element_size()
-    needed = num_experts * weights_per_expert * element
-    available = available_memory(dd["device"])
-    if available is not None and needed > available:
-        raise ValueError(
-            f"ExpertBank: num_experts={num_experts} experts of {weights_per_expert:,} weights each need "
-            f"{_binary(needed)} for the weights alone (training with AdamW about 4x: gradients and two "
-            f"moments), but {_binary(available)} are available on {torch.device(dd['device'] or 'cpu')}; "
-            "use fewer experts (moe.num_experts) or smaller ones (moe.granularity, mlp_ratio)"
-        )
-
-
 class ExpertBank(nn.Module):
     """``num_experts`` MLP experts with stacked weights (see the module docstring for layouts).
 
@@ -264,7 +241,10 @@ class ExpertBank(nn.Module):
         self.expert_offset = 0  # global index of the first expert held here
         fc1_out = 2 * hidden_features if gated else hidden_features
         dd = {"device": device, "dtype": dtype}
-        _check_fits_in_memory(num_experts, in_features * fc1_out + hidden_features * out_features, dd)
+        weights = in_features * fc1_out + hidden_features * out_features
+        what = f"ExpertBank: num_experts={num_experts} experts of {weights:,} weights each"
+        fix = "use fewer experts (moe.num_experts) or smaller ones (moe.granularity, mlp_ratio)"
+        check_fits_in_memory(num_experts * weights * torch.empty((), dtype=dtype).element_size(), device, what, fix)
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, in_features, fc1_out, **dd))
         self.fc1_bias = nn.Parameter(torch.empty(num_experts, fc1_out, **dd)) if bias1 else None
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_features, out_features, **dd))

@@ -10,7 +10,34 @@ from typing import Any
 
 import torch
 
-__all__ = ["available_memory", "check_accelerator", "cpu_model", "machine_info", "machine_label"]
+__all__ = [
+    "available_memory",
+    "check_fits_in_memory",
+    "check_accelerator",
+    "cpu_model",
+    "machine_info",
+    "machine_label",
+]
+
+
+def _binary(size: int) -> str:
+    """``8.0 MiB``, ``488.3 GiB``: a byte count in binary units."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def check_fits_in_memory(needed: int, device: torch.device | str | None, what: str, fix: str) -> None:
+    """Refuse ``needed`` bytes of new tensors that exceed the memory ``device`` has left, saying how much
+    ``what`` needs, instead of an allocation failure (or the kernel's OOM killer) deep inside model
+    construction. Nothing is checked where the free memory cannot be known."""
+    available = available_memory(device)
+    if available is not None and needed > available:
+        raise ValueError(
+            f"{what} need {_binary(needed)} for the weights alone (training with AdamW about 4x: gradients and "
+            f"two moments), but {_binary(available)} are available on {torch.device(device or 'cpu')}; {fix}"
+        )
 
 
 def check_accelerator(accelerator: str, devices: Any = "auto") -> None:
