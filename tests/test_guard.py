@@ -140,6 +140,30 @@ def test_a_persistent_nan_router_stops_after_k_steps_naming_the_layer(fake_fashi
     assert isinstance(err.value, ValueError), "the scripts print it as one paragraph with exit status 1"
 
 
+class InfiniteNoise(Callback):
+    """From optimizer step ``at`` on, the first Soft MoE layer adds infinite noise to its logits."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            next(m for m in pl_module.net.modules() if isinstance(m, SoftMoE)).noise_std = math.inf
+
+
+@pytest.mark.e2e
+def test_infinite_router_noise_is_blamed_on_the_router_not_an_earlier_block(fake_fashion, tmp_path, monkeypatch):
+    """Finite weights and a finite input, yet non-finite logits: the router's own computation (its noise)."""
+    _add_callbacks(monkeypatch, InfiniteNoise(at=1))
+    cfg = _config("soft_moe_vit", fake_fashion, tmp_path, "callbacks.non_finite_guard.max_consecutive_bad_steps=2")
+    with pytest.raises(NonFiniteTrainingError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "the router of MoE layer 'blocks.1.mlp' produced non-finite logits" in message
+    assert "its input and weights are finite, so the router's own computation overflowed" in message
+    assert "earlier block" not in message
+
+
 def test_a_nan_in_the_input_batch_is_caught_and_blamed_on_the_data(fake_fashion, tmp_path, monkeypatch):
     poison = PoisonBatch(at=2)
     _add_callbacks(monkeypatch, poison)

@@ -44,6 +44,7 @@ class BadStep:
             router produced non-finite logits in the step's last forward; None if every router was finite.
         router_layer_weights_finite: whether that layer's own parameters are all finite.
         grad_param: the first parameter with a non-finite gradient; None if all were finite.
+        router_layer_input_finite: whether that layer's input in that forward was finite (None: unknown).
     """
 
     step: int
@@ -52,6 +53,7 @@ class BadStep:
     router_layer: str | None
     router_layer_weights_finite: bool | None
     grad_param: str | None
+    router_layer_input_finite: bool | None = None
 
     @property
     def cause(self) -> str:
@@ -63,11 +65,16 @@ class BadStep:
                 f"the router of MoE layer {self.router_layer!r} produced non-finite logits "
                 "(the first MoE layer to do so)"
             )
-            if self.router_layer_weights_finite:
+            if not self.router_layer_weights_finite:
+                return f"{where}; its weights hold NaN/inf (an earlier update diverged)"
+            if self.router_layer_input_finite is False:
+                return f"{where}; its weights are finite but its input was not (an earlier block diverged)"
+            if self.router_layer_input_finite:
                 return (
-                    f"{where}; its weights are finite, so its input had already overflowed (an earlier block diverged)"
+                    f"{where}; its input and weights are finite, so the router's own computation overflowed "
+                    "(its noise or scale: check settings such as moe.noise_std)"
                 )
-            return f"{where}; its weights hold NaN/inf (an earlier update diverged)"
+            return f"{where}; its weights are finite, so its input or its own computation overflowed"
         if self.loss is not None and not math.isfinite(self.loss):
             return f"the loss is {self.loss} while every router's logits are finite (the head or the loss overflowed)"
         param = f"the gradient of {self.grad_param!r}" if self.grad_param else "a gradient"
@@ -148,6 +155,8 @@ class NonFiniteGuard(Callback):
         self._norm_stats: list[Tensor] | None = None  # the batch-norm buffers of the network
         self._norm_stats_copy: list[Tensor] = []
         self._step_started = False
+        self._input_checksums: dict[str, Tensor] = {}  # routing module -> sum of its latest input
+        self._hooks: list[Any] = []
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._norm_stats = [
@@ -157,6 +166,33 @@ class NonFiniteGuard(Callback):
             for b in m.buffers(recurse=False)
         ]
         self._norm_stats_copy = [b.detach().clone() for b in self._norm_stats]
+        self._remove_hooks()
+        net: nn.Module = getattr(pl_module, "net", pl_module)
+        for name, module in routing_modules(net):
+            self._hooks.append(module.register_forward_pre_hook(self._record_input(name)))
+
+    def _record_input(self, name: str):
+        """A pre-hook keeping the sum of a routing module's input on the device (finite exactly when every
+        entry is), so a bad step can tell a diverged input from a router that overflowed by itself."""
+
+        def hook(module: nn.Module, inputs: tuple) -> None:
+            x = next((t for t in inputs if isinstance(t, Tensor) and t.is_floating_point()), None)
+            if x is not None:
+                self._input_checksums[name] = x.detach().float().sum()
+
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._input_checksums.clear()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._remove_hooks()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
 
     # -- the checks ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -224,17 +260,19 @@ class NonFiniteGuard(Callback):
         net: nn.Module = getattr(pl_module, "net", pl_module)
         loss = float(_checksum(self._losses, pl_module.device)) if self._losses else None
         batch_finite = all(bool(torch.isfinite(t).all()) for t in self._batch_tensors) if self._batch_tensors else None
-        router_layer, weights_finite = None, None
+        router_layer, weights_finite, input_finite = None, None, None
         for name, layer in routing_modules(net):
             if layer.router_logits_finite() is False:
                 router_layer = name
                 weights_finite = all(bool(torch.isfinite(p).all()) for p in layer.parameters())
+                checksum = self._input_checksums.get(name)
+                input_finite = None if checksum is None else bool(torch.isfinite(checksum))
                 break
         grad_param = next(
             (n for n, p in net.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())),
             None,
         )
-        return BadStep(trainer.global_step, loss, batch_finite, router_layer, weights_finite, grad_param)
+        return BadStep(trainer.global_step, loss, batch_finite, router_layer, weights_finite, grad_param, input_finite)
 
     def _stop_message(self, limit: int) -> str:
         last, first = self.last_bad_step, self.first_of_streak

@@ -115,5 +115,5 @@ def check_router_init(router_init: str) -> None:
 
 def check_loss_weights(**weights: float) -> None:
     for name, value in weights.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns it off)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0 (0 turns it off)")

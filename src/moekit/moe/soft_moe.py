@@ -97,8 +97,8 @@ class SoftMoE(MoELayer):
             slots = self.slots_per_expert
             if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
                 raise ValueError(f"slots_per_expert={slots!r} must be a positive int")
-            if not self.noise_std >= 0:
-                raise ValueError(f"noise_std={self.noise_std!r} must be >= 0")
+            if not 0 <= self.noise_std < math.inf:
+                raise ValueError(f"noise_std={self.noise_std!r} must be a finite number >= 0 (0 turns it off)")
 
         def slots(self, num_experts: int) -> int:
             """Slots per expert ``p``."""
