@@ -451,6 +451,12 @@ CASES = [
         "eval_without_a_checkpoint", "eval.py", [], ["ckpt_path must be given", "ckpt_path=<run>/checkpoints/last.ckpt"]
     ),
     Case("export_without_a_checkpoint", "export.py", [], ["ckpt_path must be given"]),
+    Case(
+        "unquoted_non_ascii_path",
+        "train.py",
+        ["data.root=/tmp/données/fm"],
+        ["data.root=/tmp/données/fm: Hydra reads non-ASCII characters", "'data.root=\"/tmp/données/fm\"'"],
+    ),
     # -- outputs that cannot be written --
     Case(
         "output_dir_under_a_file",

@@ -117,6 +117,24 @@ def _job_failed(err: Exception, user_error: bool) -> None:
     write_json_atomic(Path(hydra_cfg.runtime.output_dir) / FAILURE_FILE, record)
 
 
+def _check_unquoted_non_ascii(args: list[str]) -> None:
+    """Hydra's override grammar reads non-ASCII characters (a path like ``/data/données``) only inside quotes
+    and otherwise fails with a lexer error; say so with the quoted override to type instead."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        quoted = len(value) >= 2 and value[0] in "'\"" and value[-1] == value[0]
+        if sep and not arg.startswith("-") and not value.isascii() and not quoted:
+            logging.basicConfig(format="[%(name)s][%(levelname)s] - %(message)s")
+            log.error(
+                "%s: Hydra reads non-ASCII characters in a value only inside quotes; write it as '%s=\"%s\"' "
+                "(the outer single quotes keep the double ones from the shell)",
+                arg,
+                key,
+                value,
+            )
+            sys.exit(1)
+
+
 def _resolve(fn: Callable[[DictConfig], Any] | str) -> Callable[[DictConfig], Any]:
     if callable(fn):
         return fn
@@ -160,4 +178,5 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
                 raise
             return _job_failed(err, user_error=False)
 
+    _check_unquoted_non_ascii(sys.argv[1:])
     main()
