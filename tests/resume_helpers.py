@@ -3,6 +3,7 @@ or a logged step, SIGKILL it, and compare the final training state and test metr
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import os
@@ -18,6 +19,9 @@ import torch
 
 from conftest import REPO
 from moekit.checkpoint import WRITE_DELAY_ENV
+from moekit.loggers import read_metrics_csv
+
+TIMING_SUFFIX = "_per_sec"  # wall-clock columns and tags: the only ones that may differ between runs
 
 
 def train_command(*overrides: str) -> list[str]:
@@ -29,6 +33,7 @@ def start(args: list[str], write_delay: float = 0.0) -> subprocess.Popen:
     """Start ``args`` in the repository root, stdout and stderr together; every checkpoint write pauses
     ``write_delay`` seconds before its rename (``moekit.checkpoint``)."""
     env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))  # kill_points
     if write_delay:
         env[WRITE_DELAY_ENV] = str(write_delay)
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -96,3 +101,25 @@ def logged_steps(metrics_csv: Path) -> list[int]:
         return []
     text = text[: text.rfind("\n") + 1]
     return [int(row["step"]) for row in csv.DictReader(io.StringIO(text)) if row.get("step", "").isdigit()]
+
+
+def metrics_rows(run: Path) -> list[dict[str, str]]:
+    """The rows of a run's ``csv/metrics.csv`` without the wall-clock columns and without the cells a
+    row leaves empty; checks that the file has one header line."""
+    text = (run / "csv" / "metrics.csv").read_text()
+    header, rows = read_metrics_csv(text)
+    assert text.count(",".join(header)) == 1, "the header must appear once"
+    return [{k: v for k, v in row.items() if v != "" and not k.endswith(TIMING_SUFFIX)} for row in rows]
+
+
+def tensorboard_scalars(run: Path) -> dict[tuple[str, int], list[float]]:
+    """``{(tag, step): [values]}`` over the run's event files (wall-clock tags left out)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    scalars = collections.defaultdict(list)
+    for path in sorted((run / "tensorboard").glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "scalars" and not value.tag.endswith(TIMING_SUFFIX):
+                    scalars[value.tag, event.step].append(value.tensor.float_val[0])
+    return dict(scalars)

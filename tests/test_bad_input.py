@@ -240,6 +240,12 @@ CASES = [
         ["trainer.accumulate_grad_batches=0"],
         ["trainer.accumulate_grad_batches=0 must be a positive int"],
     ),
+    Case(
+        "step_checkpoint_negative",
+        "train.py",
+        ["callbacks.last_checkpoint_steps.every_n_train_steps=-1"],
+        ["every_n_train_steps=-1", "0 turns the step checkpoints off"],
+    ),
     Case("label_smoothing_one", "train.py", ["task.label_smoothing=1.0"], ["task.label_smoothing=1.0", "[0, 1)"]),
     Case("drop_path_above_one", "train.py", ["+model.drop_path_rate=1.5"], ["model.drop_path_rate=1.5", "[0, 1)"]),
     Case(

@@ -13,7 +13,6 @@ test metrics, and a ``metrics.csv`` with the same rows as the reference's.
 from __future__ import annotations
 
 import csv
-import hashlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,15 +22,17 @@ import torch
 from conftest import compose_config
 from moekit.commands.train import train
 from moekit.data.text import DOCUMENT_SEPARATOR, load_corpus
-from moekit.loggers import ResumableCSVLogger, read_metrics_csv
+from moekit.loggers import ResumableCSVLogger
 from resume_helpers import (
     assert_same_training_state,
     finish,
     kill,
     load_checkpoint,
     logged_steps,
+    metrics_rows,
     printed_test_metrics,
     start,
+    tensorboard_scalars,
     train_command,
     wait_for,
 )
@@ -41,7 +42,6 @@ pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leav
 EPOCHS, STEPS_PER_EPOCH, EVERY_N_STEPS = 3, 8, 5
 KILL_AFTER_STEP = 11  # the kill comes once this step is logged: after last.ckpt of step 10 (epoch 1, batch 2)
 CORPUS_BYTES = 2800  # 80% train: 69 windows of 32 tokens, 8 batches of 8 (drop_last); 8 val and 8 test windows
-TIMING_SUFFIX = "_per_sec"  # wall-clock columns: the only ones that may differ between runs
 
 
 @pytest.fixture(scope="module")
@@ -77,42 +77,14 @@ def lm_overrides(corpus: Path, *extra: str) -> list[str]:
     ]
 
 
-def metrics_rows(run: Path) -> list[dict[str, str]]:
-    """The rows of a run's ``csv/metrics.csv`` without the wall-clock columns and without the cells a
-    row leaves empty; checks that the file has one header line."""
-    text = (run / "csv" / "metrics.csv").read_text()
-    header, rows = read_metrics_csv(text)
-    assert text.count(",".join(header)) == 1, "the header must appear once"
-    return [{k: v for k, v in row.items() if v != "" and not k.endswith(TIMING_SUFFIX)} for row in rows]
-
-
-def without_train_epoch_means(rows: list[dict[str, str]], epoch: int) -> list[dict[str, str]]:
-    """``rows`` without the ``train/*_epoch`` means of ``epoch``. Lightning keeps the running means of
-    an epoch's ``on_epoch`` metrics out of its checkpoints, so after a resume in the middle of an epoch
-    they average only the batches trained since the resume (the weights and everything else are exact)."""
-    return [
-        {
-            k: v
-            for k, v in row.items()
-            if not (row.get("epoch") == str(epoch) and k.startswith("train/") and k.endswith("_epoch"))
-        }
-        for row in rows
-    ]
-
-
-def event_files(run: Path) -> dict[str, str]:
-    """``{name: sha256}`` of the TensorBoard event files of a run."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (run / "tensorboard").glob("events.out.*")}
-
-
 class Reference(NamedTuple):
     """What the uninterrupted run left: its final last.ckpt, printed test metrics, metrics.csv rows
-    (:func:`metrics_rows`) and number of TensorBoard event files (one for fit, one for test)."""
+    and TensorBoard scalars (:func:`metrics_rows`, :func:`tensorboard_scalars`)."""
 
     checkpoint: dict
     test_metrics: dict[str, float]
     rows: list[dict[str, str]]
-    event_files: int
+    scalars: dict
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +93,7 @@ def reference(corpus, tmp_path_factory) -> Reference:
     status, output = finish(start(train_command(*lm_overrides(corpus, f"paths.output_dir={out}"))))
     assert status == 0, output[-3000:]
     checkpoint = load_checkpoint(out / "checkpoints" / "last.ckpt")
-    return Reference(checkpoint, printed_test_metrics(output), metrics_rows(out), len(event_files(out)))
+    return Reference(checkpoint, printed_test_metrics(output), metrics_rows(out), tensorboard_scalars(out))
 
 
 @pytest.mark.slow
@@ -140,8 +112,6 @@ def test_killed_lm_run_resumes_to_the_same_weights_metrics_and_logs(corpus, refe
     assert saved_step == 2 * EVERY_N_STEPS and saved_step % STEPS_PER_EPOCH, "a mid-epoch checkpoint"
     killed_rows = metrics_rows(out)
     assert max(int(row["step"]) for row in killed_rows) >= saved_step, "rows of steps past the checkpoint exist"
-    killed_events = event_files(out)
-    assert len(killed_events) == 1
 
     status, output = finish(start([*args, f"ckpt_path={last}"]))
     assert status == 0, output[-3000:]
@@ -152,23 +122,19 @@ def test_killed_lm_run_resumes_to_the_same_weights_metrics_and_logs(corpus, refe
     rows = metrics_rows(out)
     before = [row for row in killed_rows if int(row["step"]) < saved_step]
     assert rows[: len(before)] == before
-    resumed_epoch = saved_step // STEPS_PER_EPOCH
-    assert without_train_epoch_means(rows, resumed_epoch) == without_train_epoch_means(reference.rows, resumed_epoch)
-    # TensorBoard: the killed run's event file untouched, the resumed run's beside it.
-    events = event_files(out)
-    assert killed_events.items() <= events.items() and len(events) == 1 + reference.event_files
+    assert rows == reference.rows  # the training-epoch means too: the checkpoint holds their sums
+    assert tensorboard_scalars(out) == reference.scalars  # the killed run's events past the checkpoint cut off
 
 
 # ---------------------------------------------------------------------------------------------
 def test_training_resumed_in_the_same_folder_keeps_the_earlier_rows(corpus, tmp_path):
     """Stop after 6 steps, resume to 12 in the same folder: metrics.csv has the train rows of steps
-    0-11 once each, the first run's rows unchanged, the validation columns that only the second run
-    logged added to the header; TensorBoard keeps the first run's event file."""
+    0-11 once each, the first run's rows up to its checkpoint unchanged, the validation columns that only the
+    second run logged added to the header; TensorBoard has each scalar of steps 0-11 once."""
     every_3 = "callbacks.last_checkpoint_steps.every_n_train_steps=3"
     first = lm_overrides(corpus, "trainer.max_steps=6", "test=false", every_3)
     train(compose_config("train", first, tmp_path))
     first_rows = metrics_rows(tmp_path)
-    first_events = event_files(tmp_path)
     assert sorted({int(row["step"]) for row in first_rows}) == list(range(6))
     assert not any(key.startswith("val/") for row in first_rows for key in row)
 
@@ -177,12 +143,15 @@ def test_training_resumed_in_the_same_folder_keeps_the_earlier_rows(corpus, tmp_
     second = lm_overrides(corpus, "trainer.max_steps=12", "test=false", every_3, f"ckpt_path={last}")
     train(compose_config("train", second, tmp_path))
     rows = metrics_rows(tmp_path)
-    assert rows[: len(first_rows)] == first_rows
+    kept = [row for row in first_rows if int(row["step"]) < 6]  # the rows logged before its checkpoint
+    assert rows[: len(kept)] == kept
     train_steps = [int(row["step"]) for row in rows if "train/loss_step" in row]
     assert train_steps == list(range(12))
     assert any("val/loss" in row for row in rows[len(first_rows) :]), "epoch 0 ended at step 8 with validation"
-    events = event_files(tmp_path)
-    assert len(events) == 2 and first_events.items() <= events.items()
+    scalars = tensorboard_scalars(tmp_path)
+    assert sorted(step for tag, step in scalars if tag == "train/loss_step") == list(range(12))
+    twice = {key: values for key, values in scalars.items() if len(values) > 1 and key[0] != "epoch"}
+    assert not twice, "no scalar logged twice at one step (but `epoch`, which every row of a step holds)"
 
 
 def _log(logger: ResumableCSVLogger, steps: range, **metrics: float) -> None:
@@ -236,3 +205,39 @@ def test_csv_logger_in_a_new_folder_behaves_like_lightnings(tmp_path):
     _log(logger, range(2), loss=1.0)
     assert (tmp_path / "csv" / "metrics.csv").read_text().splitlines() == ["loss,step", "1.0,0", "2.0,1"]
     assert not logger.experiment.resumed
+
+
+def test_loggers_cut_back_to_the_checkpoints_position_and_drop_repeats(tmp_path):
+    """A checkpoint taken after step 2 records the loggers' positions; the killed run logs steps 3-4 (and step 2
+    again, a repeat that is dropped); a new run resumed from those positions logs steps 3-5: each logger holds
+    steps 0-5 once, the resumed run's values from step 3."""
+    from moekit.loggers import ResumableTensorBoardLogger
+    from resume_helpers import tensorboard_scalars
+
+    def loggers():
+        return [
+            ResumableCSVLogger(tmp_path, name="csv", version=""),
+            ResumableTensorBoardLogger(tmp_path, name="tensorboard", version="", default_hp_metric=False),
+        ]
+
+    killed = loggers()
+    for step in range(5):
+        for logger in killed:
+            logger.log_metrics({"loss": float(step)}, step=step)
+            logger.log_metrics({"loss": float(step)}, step=step)  # the same row again: dropped
+        if step == 2:
+            positions = {logger.log_dir: logger.position() for logger in killed}
+    for logger in killed:
+        logger.save()
+    assert _rows(tmp_path / "csv" / "metrics.csv")[-1] == {"loss": "4.0", "step": "4"}
+
+    resumed = loggers()
+    for logger in resumed:
+        logger.resume_from(positions[logger.log_dir])
+        for step in range(3, 6):
+            logger.log_metrics({"loss": 10.0 * step}, step=step)
+        logger.finalize("success")
+    expected = [0.0, 1.0, 2.0, 30.0, 40.0, 50.0]
+    assert [float(row["loss"]) for row in _rows(tmp_path / "csv" / "metrics.csv")] == expected
+    scalars = tensorboard_scalars(tmp_path)
+    assert {step: values for (tag, step), values in scalars.items()} == {s: [v] for s, v in enumerate(expected)}

@@ -1,23 +1,24 @@
-"""A CSV logger whose ``metrics.csv`` survives a run resumed into the same folder.
+"""Loggers whose history survives a kill and a resume: ``metrics.csv`` and the TensorBoard scalars of a resumed
+run equal the uninterrupted run's, step for step.
 
-Lightning's ``CSVLogger`` deletes ``metrics.csv`` when its writer opens a log folder that already
-holds one (``_ExperimentWriter._check_log_dir_exists``), so a run resumed with
-``ckpt_path=<run>/checkpoints/last.ckpt`` into its own folder (the same ``paths.output_dir``) loses every
-row logged before the interruption. :class:`ResumableCSVLogger` (``configs/logger/csv.yaml``) keeps them:
+- **A checkpoint never precedes its own logs.** Lightning writes a checkpoint in ``on_train_batch_end`` (or
+  ``on_train_epoch_end``) and logs that step's (or epoch's) row only afterwards, so a kill right after the
+  write, or a pre-emption save, lost the row for good. :func:`log_before_checkpoint` logs that row before the
+  checkpoint is written; when Lightning logs it again, the loggers here drop the repeat (same step, values).
+- **A checkpoint records how far the logs went** (:func:`log_positions`: rows of ``metrics.csv``, bytes of each
+  TensorBoard event file, after a flush). A run resumed from it into the same folder first cuts the logs back
+  to those positions (:func:`resume_logs`): whatever the killed run logged after its checkpoint is dropped and
+  logged again by the resumed run, once. A resumed run cannot cut by step instead: after a checkpoint written
+  at the end of a validation it logs the rest of that same step (the epoch's means).
+- **Files are rewritten atomically**, and a CSV line cut short by a kill is dropped.
 
-- an existing ``metrics.csv`` is kept and its header becomes the writer's known columns, so new rows
-  are appended under it; a metric the file has no column for rewrites the file once with the wider
-  header (Lightning's own path for new columns), old rows getting empty cells there;
-- at the first save of the new run, the earlier rows at steps the new run logs again are dropped: a
-  run resumed from a checkpoint of step ``s`` repeats every step from ``s`` on, so the earlier rows of
-  those steps (logged by the interrupted run after its last checkpoint) are superseded. The file then
-  holds one history, the rows of the uninterrupted run. "Steps the new run logs again" means the steps
-  from the smallest step in its first save; a fresh (not resumed) run in the same folder starts at
-  step 0 and so replaces the whole file, as Lightning's logger does;
-- a last line cut short by a kill during a write is dropped, and every rewrite of the file goes through
-  a temporary file and ``os.replace``, so a kill during the rewrite leaves the previous file whole.
-
-TensorBoard needs none of this: each run adds its own event file beside the earlier ones.
+:class:`ResumableCSVLogger` (``configs/logger/csv.yaml``): Lightning's ``CSVLogger`` deletes ``metrics.csv``
+when its writer opens a folder that holds one (``_ExperimentWriter._check_log_dir_exists``). This one keeps the
+file, its header becoming the writer's known columns; a metric the file has no column for rewrites it once with
+the wider header (old rows get empty cells there). A run that is not resumed from a checkpoint with positions
+(a fresh run in the folder) keeps the earlier rows of steps before its first step: a fresh run replaces the
+file, as Lightning's does. :class:`ResumableTensorBoardLogger` (``configs/logger/tensorboard.yaml``): each run
+writes its own event file beside the earlier ones, which a resume cuts back.
 """
 
 from __future__ import annotations
@@ -25,19 +26,101 @@ from __future__ import annotations
 import csv
 import io
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from moekit.utils.atomic import write_text_atomic
+from moekit.utils.atomic import atomic_write, write_text_atomic
 
-__all__ = ["ResumableCSVLogger", "ResumableExperimentWriter", "read_metrics_csv"]
+__all__ = [
+    "ResumableCSVLogger",
+    "ResumableExperimentWriter",
+    "ResumableTensorBoardLogger",
+    "log_before_checkpoint",
+    "log_positions",
+    "read_metrics_csv",
+    "resume_logs",
+]
 
 log = logging.getLogger("moekit")
+
+
+def log_before_checkpoint(trainer: Any) -> None:
+    """Log now the row that Lightning logs right after the hook in which a checkpoint is being written: the
+    step's row when the checkpoint is written in ``on_train_batch_end``, the epoch's row in ``on_train_epoch_end``
+    (and nothing at other moments). Call it while the checkpoint is being built, before the file is written.
+
+    The row is the one Lightning's ``_LoggerConnector`` would log (its ``metrics["log"]``, with ``epoch`` added,
+    at the step it would use), so the loggers here recognise Lightning's own call as a repeat."""
+    if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not trainer.loggers:
+        return
+    fit_loop, connector = trainer.fit_loop, trainer._logger_connector
+    batches, epochs = fit_loop.epoch_loop.batch_progress.current, fit_loop.epoch_progress.current
+    step = fit_loop.epoch_loop._batches_that_stepped
+    if batches.processed == batches.completed + 1:  # on_train_batch_end: the step's row comes after it
+        if fit_loop._should_accumulate() or not connector.should_update_logs:
+            return
+    elif epochs.processed == epochs.completed + 1:  # on_train_epoch_end: the epoch's row, at its last step
+        step -= 1
+    else:
+        return
+    metrics = convert_tensors_to_scalars(connector.metrics["log"])
+    if not metrics:
+        return
+    metrics.setdefault("epoch", trainer.current_epoch)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+
+
+def log_positions(trainer: Any) -> dict[str, Any]:
+    """``{log folder: position}`` of the trainer's loggers that can cut their logs back (:func:`resume_logs`),
+    taken after a flush; stored in each checkpoint."""
+    return {
+        logger.log_dir: logger.position() for logger in trainer.loggers if callable(getattr(logger, "position", None))
+    }
+
+
+def resume_logs(trainer: Any, positions: Mapping[str, Any]) -> None:
+    """Cut the logs of the trainer's loggers back to ``positions`` (:func:`log_positions` of the checkpoint a
+    run resumes from); a logger whose folder the checkpoint does not know is left alone."""
+    for logger in trainer.loggers:
+        if callable(getattr(logger, "resume_from", None)) and logger.log_dir in positions:
+            logger.resume_from(positions[logger.log_dir])
+
+
+class _Repeats:
+    """The rows logged at the latest step, to recognise a row logged again (same step, same values)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.rows: list[list[tuple[str, str]]] = []
+
+    def seen(self, metrics: Mapping[str, Any], step: int | None) -> bool:
+        """Whether ``metrics`` were logged at ``step`` already; records them if not."""
+        row = sorted((name, repr(value)) for name, value in metrics.items())  # repr: NaN equals NaN
+        if step != self.step:
+            self.step, self.rows = step, []
+        if row in self.rows:
+            return True
+        self.rows.append(row)
+        return False
+
+
+def _repeats(logger: Any) -> _Repeats:
+    """The logger's :class:`_Repeats` (made at first use: the loggers keep Lightning's ``__init__``, whose
+    signature Hydra configs are checked against)."""
+    if "_moekit_repeats" not in logger.__dict__:
+        logger._moekit_repeats = _Repeats()
+    return logger._moekit_repeats
 
 
 def read_metrics_csv(text: str) -> tuple[list[str], list[dict[str, str]]]:
@@ -74,6 +157,7 @@ class ResumableExperimentWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
         self.resumed = False
         self.replaced_rows = 0
+        self.keep_rows: int | None = None  # set by a resume: the rows the checkpoint saw; None: cut by step
         self._pending_merge = False
         super().__init__(log_dir)
 
@@ -96,22 +180,26 @@ class ResumableExperimentWriter(ExperimentWriter):
             with self._fs.open(self.metrics_file_path, "w", newline="") as file:
                 file.write(text)
 
+    def row_count(self) -> int:
+        """The rows in the file (the buffer saved first)."""
+        self.save()
+        return len(read_metrics_csv(self._read_text())[1]) if self._fs.isfile(self.metrics_file_path) else 0
+
     def _merge_earlier_rows(self) -> None:
-        """Rewrite the existing file with the earlier rows of steps before the new run's first step,
-        under a header that also holds the new run's columns."""
+        """Rewrite the existing file with the earlier rows the new run continues: the first ``keep_rows``, or
+        without that the rows of steps before the new run's first step; under a header that also holds the new
+        run's columns."""
         header, rows = read_metrics_csv(self._read_text())
-        first_step = min(row["step"] for row in self.metrics)
-        kept = [row for row in rows if (_step(row) is None or _step(row) < first_step)]
+        if self.keep_rows is not None:
+            kept = rows[: self.keep_rows]
+        else:
+            first_step = min(row["step"] for row in self.metrics)
+            kept = [row for row in rows if (_step(row) is None or _step(row) < first_step)]
         self.replaced_rows = len(rows) - len(kept)
         self.metrics_keys = sorted(set(header).union(*self.metrics))
         self._write_text(_csv_text(self.metrics_keys, kept))
         if self.replaced_rows:
-            log.info(
-                "%s: replaced %d rows of steps >= %d logged before the resume",
-                self.metrics_file_path,
-                self.replaced_rows,
-                first_step,
-            )
+            log.info("%s: dropped %d rows logged after the checkpoint", self.metrics_file_path, self.replaced_rows)
 
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
         """Lightning's rewrite for new columns, through a temporary file."""
@@ -143,5 +231,75 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
     @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if not _repeats(self).seen(metrics, step):
+            super().log_metrics(metrics, step)
+
+    @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         self.save()
+
+    def position(self) -> int | None:
+        """How many rows ``metrics.csv`` holds (rank 0; None on other ranks)."""
+        return self.experiment.row_count() if rank_zero_only.rank == 0 else None
+
+    @rank_zero_only
+    def resume_from(self, rows: int | None) -> None:
+        """Keep only the first ``rows`` rows of the existing ``metrics.csv`` (at this run's first save)."""
+        if rows is not None:
+            self.experiment.keep_rows = rows
+
+
+def cut_event_file(path: str | Path, size: int) -> bool:
+    """Cut the TensorBoard event file ``path`` back to its first ``size`` bytes (a size it had after a flush:
+    a record boundary), atomically; a file that is not longer is left alone. Returns whether it was cut."""
+    path = Path(path)
+    if path.stat().st_size <= size:
+        return False
+    with open(path, "rb") as file:
+        head = file.read(size)
+    with atomic_write(path, "wb") as file:
+        file.write(head)
+    return True
+
+
+class ResumableTensorBoardLogger(TensorBoardLogger):
+    """``lightning.pytorch.loggers.TensorBoardLogger`` for runs resumed into their own folder (see the module
+    docstring): a resume cuts the event files of earlier runs back to the sizes its checkpoint recorded and
+    removes those the checkpoint did not know (written after it); a row logged again at the same step with the
+    same values is dropped. Same arguments."""
+
+    _earlier_files: list[Path] | None = None  # the event files in the folder before this run's writer
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        """The ``SummaryWriter`` (created at first use, like Lightning's)."""
+        if self._experiment is None and self._earlier_files is None:
+            self._earlier_files = sorted(Path(self.log_dir).glob("events.out.tfevents.*"))
+        return TensorBoardLogger.experiment.fget(self)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if not _repeats(self).seen(metrics, step):
+            super().log_metrics(metrics, step)
+
+    def position(self) -> dict[str, int] | None:
+        """``{event file name: size}`` of the folder's event files after a flush (rank 0; None on other ranks)."""
+        if rank_zero_only.rank != 0:
+            return None
+        self.experiment.flush()
+        return {path.name: path.stat().st_size for path in Path(self.log_dir).glob("events.out.tfevents.*")}
+
+    @rank_zero_only
+    def resume_from(self, sizes: Mapping[str, int] | None) -> None:
+        """Cut the earlier runs' event files back to ``sizes``; remove those not in it."""
+        if sizes is None:
+            return
+        self.experiment  # noqa: B018 - lists the earlier files before this run's writer adds its own
+        for path in self._earlier_files or []:
+            if path.name not in sizes:
+                path.unlink(missing_ok=True)
+                log.info("removed %s, written after the checkpoint this run resumes from", path)
+            elif cut_event_file(path, sizes[path.name]):
+                log.info("%s: dropped the events logged after the checkpoint this run resumes from", path)

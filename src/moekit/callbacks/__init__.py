@@ -5,6 +5,7 @@ from .guard import NonFiniteGuard, NonFiniteTrainingError
 from .moe_stats import ExpertLoadMonitor
 from .preemption import Preempted, PreemptionCheckpoint
 from .slots import SlotPictureLogger
+from .step_checkpoint import StepCheckpoint
 from .throughput import ThroughputMonitor
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "SlotPictureLogger",
+    "StepCheckpoint",
     "ThroughputMonitor",
 ]

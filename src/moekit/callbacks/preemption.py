@@ -3,7 +3,8 @@
 Clusters announce the end of a job with a signal (SLURM: SIGTERM at the time limit or on pre-emption,
 SIGUSR1 ahead of it with ``--signal=USR1@<seconds>``). :class:`PreemptionCheckpoint` catches them while
 ``fit`` trains: the step in progress finishes, the callback writes ``<dirpath>/last.ckpt`` (atomically,
-through the trainer's ``AtomicCheckpointIO``) and raises :class:`Preempted`, a ``SystemExit`` with
+through the trainer's ``AtomicCheckpointIO``; after the validation or epoch end that follows the step, if one
+does: :class:`~moekit.callbacks.step_checkpoint.SafeStepSave`) and raises :class:`Preempted`, a ``SystemExit`` with
 status ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1), the shell's convention for "ended by
 a signal", so a job script can tell a pre-empted run from a finished one. Resubmitting with
 ``ckpt_path=<dirpath>/last.ckpt`` continues exactly where it stopped (see ``moekit.data.resumable``); the log
@@ -32,7 +33,9 @@ from types import FrameType
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
+
+from .step_checkpoint import SafeStepSave
 
 __all__ = ["PreemptionCheckpoint", "Preempted", "resume_command"]
 
@@ -60,7 +63,7 @@ def resume_command(checkpoint: Path) -> str:
     return " ".join(["python", shlex.quote(sys.argv[0]), *map(shlex.quote, overrides), resume])
 
 
-class PreemptionCheckpoint(Callback):
+class PreemptionCheckpoint(SafeStepSave):
     """On one of ``signals``, save ``<dirpath>/<filename>.ckpt`` after the current training step and exit.
 
     Args:
@@ -77,17 +80,10 @@ class PreemptionCheckpoint(Callback):
                 f"PreemptionCheckpoint: signals={names!r}; give one or more signal names such as "
                 "['SIGTERM', 'SIGUSR1']" + (f" ({unknown} are not signals of this platform)" if unknown else "")
             )
-        if not filename or "/" in filename:
-            raise ValueError(f"PreemptionCheckpoint: filename={filename!r} must be a plain file name such as 'last'")
-        self.dirpath = Path(dirpath)
-        self.filename = filename
+        super().__init__(dirpath, filename)
         self.signals = [getattr(signal, name) for name in names]
         self.received: int | None = None  # the signal number caught, if any
         self._previous: dict[int, Any] = {}
-
-    @property
-    def path(self) -> Path:
-        return self.dirpath / f"{self.filename}.ckpt"
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received is not None:  # a second Ctrl-C: stop at once
@@ -125,9 +121,14 @@ class PreemptionCheckpoint(Callback):
         if trainer.world_size > 1:  # every rank takes part in saving: agree on the signal first
             caught = torch.tensor(float(signum or 0), device=pl_module.device)
             signum = int(trainer.strategy.reduce(caught, reduce_op="max").item()) or None
-        if signum is None:
-            return
-        trainer.save_checkpoint(self.path)
+        if signum is not None and not self._deferred:
+            self.received = signum  # under DDP, maybe another rank's
+            self.save_after_step(trainer)
+
+    def save(self, trainer: Trainer) -> None:
+        """Write the checkpoint, say how to resume, and exit with ``128 + signal number``."""
+        super().save(trainer)
+        signum = self.received or signal.SIGTERM
         log.warning(
             "received %s: saved %s at step %d; resume with: %s",
             signal.Signals(signum).name,

@@ -15,15 +15,21 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from lightning import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from moekit.checkpoint import TASK_KEY
+from moekit.loggers import log_before_checkpoint, log_positions, resume_logs
 from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_balancing_biases
 
+from .epoch_means import EpochMeans
 from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
 
 __all__ = ["MoETask", "plain"]
+
+EPOCH_MEANS_KEY = "moekit_epoch_means"  # checkpoint entries: the training-epoch means,
+LOG_POSITIONS_KEY = "moekit_log_positions"  # and how far the logs went (moekit.loggers.log_positions)
 
 
 def plain(config: Any) -> Any:
@@ -52,23 +58,35 @@ class MoETask(LightningModule):
         self.net = instantiate(net)
         self.optimizer_config = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.05, **(optimizer or {})}
         self.schedule = ScheduleConfig(**(scheduler or {}))
+        self.epoch_means = EpochMeans()
 
     def add_aux_losses(self, split: str, task_loss: Tensor, batch_size: int) -> Tensor:
         """Task loss (a cross-entropy) + the weighted MoE auxiliary losses of the latest forward. Logs
         ``<split>/loss``, ``<split>/ce`` and each aux loss summed over layers (``<split>/aux/<name>``,
-        ``<split>/aux/total``)."""
+        ``<split>/aux/total``): training per step (``_step``, rank 0's values) and as epoch means (``_epoch``,
+        :meth:`log_epoch_mean`), evaluation as epoch means reduced over ranks."""
         moe = collect_moe_outputs(self.net)
         loss = task_loss + moe.aux_loss
-        # Training logs per step (rank 0's values); evaluation logs epoch means reduced over ranks.
-        on_step = split == "train"
-        log = dict(on_step=on_step, on_epoch=True, batch_size=batch_size, sync_dist=not on_step)
-        self.log(f"{split}/loss", loss, prog_bar=True, **log)
-        self.log(f"{split}/ce", task_loss, **log)
-        for name, value in moe.aux_losses.items():
-            self.log(f"{split}/aux/{name}", value, **log)
+        values = {"loss": loss, "ce": task_loss, **{f"aux/{name}": value for name, value in moe.aux_losses.items()}}
         if moe.aux_losses:
-            self.log(f"{split}/aux/total", moe.aux_loss, **log)
+            values["aux/total"] = moe.aux_loss
+        for name, value in values.items():
+            if split == "train":
+                self.log(f"train/{name}_step", value, on_step=True, on_epoch=False, prog_bar=name == "loss")
+                self.log_epoch_mean(f"train/{name}_epoch", value, batch_size)
+            else:
+                log = dict(on_epoch=True, batch_size=batch_size, sync_dist=True, prog_bar=name == "loss")
+                self.log(f"{split}/{name}", value, **log)
         return loss
+
+    def log_epoch_mean(self, name: str, value: Tensor, batch_size: int) -> None:
+        """Log the mean of ``value`` over the training epoch as ``name`` (:class:`~moekit.tasks.epoch_means.EpochMeans`:
+        unlike Lightning's ``on_epoch`` means it survives a resume in the middle of the epoch)."""
+        self.epoch_means.update(name, value, batch_size, self.current_epoch)
+
+    def on_train_epoch_end(self) -> None:
+        for name, mean in self.epoch_means.compute().items():
+            self.log(name, mean, on_step=False, on_epoch=True, prog_bar=name == "train/acc")
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -105,3 +123,13 @@ class MoETask(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[TASK_KEY] = f"{type(self).__module__}:{type(self).__qualname__}"
+        checkpoint[EPOCH_MEANS_KEY] = self.epoch_means.state_dict()
+        if self._trainer is not None:  # the logs up to this moment are on disk, and where they end is recorded
+            log_before_checkpoint(self.trainer)
+            checkpoint[LOG_POSITIONS_KEY] = log_positions(self.trainer)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if EPOCH_MEANS_KEY in checkpoint:
+            self.epoch_means.load_state_dict(checkpoint[EPOCH_MEANS_KEY])
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:  # a resume, not a test
+            resume_logs(self.trainer, checkpoint.get(LOG_POSITIONS_KEY, {}))

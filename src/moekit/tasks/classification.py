@@ -2,7 +2,8 @@
 
 Loss = cross-entropy (soft targets under mixup/cutmix) + the weighted auxiliary losses every MoE
 layer recorded in the forward (:func:`moekit.moe.collect_moe_outputs`); each aux loss is logged on
-its own. Metrics: top-1 and top-5 accuracy (torchmetrics). Optimizer: AdamW with parameter groups
+its own. Metrics: top-1 and top-5 accuracy (torchmetrics for evaluation,
+resumable epoch means for training). Optimizer: AdamW with parameter groups
 (no weight decay on 1-d parameters: norms, biases, the Soft MoE scale). Schedules: warmup + cosine,
 reciprocal square root, or constant, stepped per optimizer step.
 
@@ -111,7 +112,7 @@ class ImageClassifier(MoETask):
         self.metrics = nn.ModuleDict(
             {
                 f"{split}_acc{k}": MulticlassAccuracy(num_classes=num_classes, top_k=k, average="micro")
-                for split in ("train", "val", "test")
+                for split in ("val", "test")
                 for k in sorted({1, top5})
             }
         )
@@ -147,16 +148,14 @@ class ImageClassifier(MoETask):
         loss = self.add_aux_losses(split, task_loss, batch_size=images.shape[0])
         preds = logits.detach()
         for k in sorted({1, self.top5}):
+            name = f"{split}/acc" if k == 1 else f"{split}/acc_top{k}"
+            if split == "train":  # the fraction of images whose label is among the top k, as an epoch mean
+                hits = (preds.topk(k, dim=-1).indices == labels[:, None]).any(dim=-1).float().mean()
+                self.log_epoch_mean(name, hits, batch_size=images.shape[0])
+                continue
             metric = self.metrics[f"{split}_acc{k}"]
             metric(preds, labels)
-            self.log(
-                f"{split}/acc" if k == 1 else f"{split}/acc_top{k}",
-                metric,
-                on_step=False,
-                on_epoch=True,
-                prog_bar=k == 1,
-                batch_size=images.shape[0],
-            )
+            self.log(name, metric, on_step=False, on_epoch=True, prog_bar=k == 1, batch_size=images.shape[0])
         return loss
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
