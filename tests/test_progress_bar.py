@@ -27,3 +27,44 @@ def test_rich_progress_bar_shows_loss_accuracy_and_throughput(tmp_path):
     assert isinstance(trainer.progress_bar_callback, RichProgressBar)
     shown = set(trainer.progress_bar_metrics)
     assert {"train/loss_step", "train/acc", "val/loss", "val/acc", "train/images_per_sec"} <= shown, shown
+
+
+@pytest.mark.e2e
+def test_progress_lines_every_n_steps_and_after_each_validation(tmp_path, caplog):
+    """ProgressLog (``when=always``; by default only without a terminal): 4 steps per epoch, 2 epochs, a line at
+    steps 2, 4, 6 and 8 with the
+    loss, the throughput and the time left, and one with the validation metrics after each validation."""
+    from moekit.callbacks import ProgressLog
+
+    data_root = write_fake_fashion_mnist(tmp_path / "fashion-mnist", n_train=192, n_test=32)
+    cfg = compose_config("train", [f"data.root={data_root}", "data.val_size=64", "debug=tiny"], tmp_path / "run")
+    callbacks = [instantiate(entry) for entry in cfg.callbacks.values() if "ProgressLog" not in entry._target_]
+    callbacks.append(ProgressLog(every_n_steps=2, when="always"))
+    logger = CSVLogger(tmp_path / "logs")
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, max_epochs=2)
+    with caplog.at_level("INFO", logger="moekit"):
+        trainer.fit(instantiate(cfg.task, net=cfg.model, _recursive_=False), datamodule=instantiate(cfg.data))
+    lines = [r.getMessage() for r in caplog.records if r.name == "moekit" and r.getMessage().startswith("epoch")]
+    steps = [line for line in lines if "validation" not in line]
+    assert [line.split()[3] for line in steps] == ["2/8", "4/8", "6/8", "8/8"], lines
+    assert all("train/loss_step" in line and "train/images_per_sec" in line and "ETA" in line for line in steps)
+    validations = [line for line in lines if "validation" in line]
+    assert len(validations) == 2 and all("val/acc" in line for line in validations), lines
+
+
+@pytest.mark.e2e
+def test_console_prints_each_message_once_without_advertisements_or_deprecations(tmp_path):
+    """``scripts/train.py`` with its output sent to a pipe: Lightning's messages once each (not also as
+    ``INFO: ...``), no tip advertising a cloud logger, no library deprecation warning, moekit's summary in place of
+    Lightning's, whose FLOPs read 0, and progress lines (no terminal: the rich bar draws nothing)."""
+    from resume_helpers import finish, start, train_command
+
+    overrides = ["experiment=soft_moe_vit", "debug=tiny", f"paths.output_dir={tmp_path}", "test=false"]
+    status, output = finish(
+        start(train_command(*overrides, "trainer.max_epochs=2", "callbacks.progress_log.every_n_steps=5"))
+    )
+    assert status == 0, output[-3000:]
+    assert output.count("Seed set to 42") == 1 and "INFO: " not in output
+    assert "Tip:" not in output and "deprecated" not in output
+    assert "FLOPs / image" in output and "Total FLOPs" not in output
+    assert "step 5/20" in output and "step 20/20" in output and "validation: val/loss" in output

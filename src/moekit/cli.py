@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from moekit.configs import check_composed
+from moekit.console import tidy_library_output
 from moekit.utils.atomic import write_json_atomic
 
 __all__ = ["RunDirCheck", "SweepSummary", "run_script", "user_message"]
@@ -164,6 +165,7 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
             log.error("%s", err)
             sys.exit(1)
         function = _resolve(fn)
+        tidy_library_output()  # once the command's libraries are imported
         from moekit.errors import USER_ERRORS
 
         try:

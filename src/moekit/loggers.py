@@ -191,15 +191,16 @@ class ResumableExperimentWriter(ExperimentWriter):
         run's columns."""
         header, rows = read_metrics_csv(self._read_text())
         if self.keep_rows is not None:
-            kept = rows[: self.keep_rows]
+            kept, why = rows[: self.keep_rows], "logged after the checkpoint this run resumes from"
         else:
             first_step = min(row["step"] for row in self.metrics)
             kept = [row for row in rows if (_step(row) is None or _step(row) < first_step)]
+            why = f"of steps >= {first_step}, which this run logs again"
         self.replaced_rows = len(rows) - len(kept)
         self.metrics_keys = sorted(set(header).union(*self.metrics))
         self._write_text(_csv_text(self.metrics_keys, kept))
         if self.replaced_rows:
-            log.info("%s: dropped %d rows logged after the checkpoint", self.metrics_file_path, self.replaced_rows)
+            log.info("%s: dropped %d rows %s", self.metrics_file_path, self.replaced_rows, why)
 
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
         """Lightning's rewrite for new columns, through a temporary file."""

@@ -4,6 +4,7 @@ from .capacity import CapacityTuner
 from .guard import NonFiniteGuard, NonFiniteTrainingError
 from .moe_stats import ExpertLoadMonitor
 from .preemption import Preempted, PreemptionCheckpoint
+from .progress_log import ProgressLog
 from .slots import SlotPictureLogger
 from .step_checkpoint import StepCheckpoint
 from .throughput import ThroughputMonitor
@@ -15,6 +16,7 @@ __all__ = [
     "NonFiniteTrainingError",
     "Preempted",
     "PreemptionCheckpoint",
+    "ProgressLog",
     "SlotPictureLogger",
     "StepCheckpoint",
     "ThroughputMonitor",
