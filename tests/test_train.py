@@ -3,6 +3,7 @@ experiment, train -> eval, resume, fine-tuning, upcycling, export, few-shot prob
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -11,14 +12,17 @@ import timm
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from PIL import Image
 
 import moekit.models  # noqa: F401  (registers the models with timm)
 from conftest import CONFIGS, REPO, compose_config, run_script, small_overrides
 from moekit.checkpoint import CheckpointError, load_task
 from moekit.commands.evaluate import evaluate
 from moekit.commands.export import export
+from moekit.commands.predict import predict
 from moekit.commands.probe import linear_probe
 from moekit.commands.train import train
+from moekit.data import FASHION_MNIST_CLASSES
 from moekit.moe import MoELayer, TopKMoE
 from moekit.tasks import ImageClassifier
 from moekit.tasks.fewshot import fewshot_linear_probe, fit_ridge_probe
@@ -300,3 +304,39 @@ def test_a_sweep_runs_every_job_past_a_failure_and_exits_1_with_a_summary(fake_f
     (failed,) = summary["failed"]
     assert failed["job"] == "1" and "moe.num_experts=0" in failed["overrides"] and "num_experts" in failed["error"]
     assert "sweep: 1 of 3 jobs failed" in result.stderr + result.stdout
+
+
+@pytest.mark.e2e
+def test_predict_gives_the_test_loaders_probabilities_with_class_names(trained_run, tmp_path):
+    """Test images saved as PNG files, classified by scripts/predict.py: the probabilities of the test loader's
+    forward (same preprocessing), Fashion-MNIST's class names from the checkpoint, and the same rows in the CSV."""
+    out, _ = trained_run
+    ckpt = out / "checkpoints" / "last.ckpt"
+    task = load_task(str(ckpt))
+    datamodule = instantiate(OmegaConf.create(task.hparams["run_config"]["data"]), _convert_="all")
+    datamodule.setup("test")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    raw = datamodule.test_set.images[:5]  # uint8 [5, 1, 28, 28]
+    for i, image in enumerate(raw):
+        Image.fromarray(image[0].numpy()).save(folder / f"{i}.png")
+    with torch.inference_mode():
+        expected = task(datamodule.test_set.transform(raw)).softmax(-1).topk(3, dim=-1)
+
+    cfg = compose_config("predict", [f"ckpt_path={ckpt}", f"inputs={folder}", "top_k=3"], tmp_path / "out")
+    rows = predict(cfg)
+    assert [row["file"] for row in rows[::3]] == [str(folder / f"{i}.png") for i in range(5)]
+    assert [row["label"] for row in rows] == expected.indices.flatten().tolist()
+    assert [row["probability"] for row in rows] == pytest.approx(expected.values.flatten().tolist(), abs=1e-6)
+    assert {row["class"] for row in rows} <= set(FASHION_MNIST_CLASSES)
+    with open(tmp_path / "out" / "predictions.csv", newline="") as file:
+        written = list(csv.DictReader(file))
+    assert [(r["file"], int(r["label"]), r["class"]) for r in written] == [
+        (r["file"], r["label"], r["class"]) for r in rows
+    ]
+
+    glob_cfg = compose_config("predict", [f"ckpt_path={ckpt}", f"inputs='{folder}/[01].png'"], tmp_path / "glob")
+    assert len(predict(glob_cfg)) == 2 * 5  # two images, top-5
+    empty = compose_config("predict", [f"ckpt_path={ckpt}", f"inputs={tmp_path / 'out'}"], tmp_path / "none")
+    with pytest.raises(ValueError, match="no image there"):
+        predict(empty)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointError",
     "TASK_KEY",
+    "CLASS_NAMES_KEY",
     "AtomicCheckpointIO",
     "atomic_torch_save",
     "first_non_finite",
@@ -66,6 +67,8 @@ class CheckpointError(ValueError):
 
 TASK_KEY = "moekit_task"
 """The checkpoint entry naming the task class (``module:qualname``), so that one loader reads any task."""
+CLASS_NAMES_KEY = "moekit_class_names"
+"""The checkpoint entry of an image classifier's label names (``scripts/predict.py`` prints them)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,6 +391,7 @@ def load_task(ckpt_path: str) -> MoETask:
         # The checkpoint holds the trained weights: do not read the run's initial weights file again.
         module = cls(**{**checkpoint["hyper_parameters"], "init_from": None})
         module.load_state_dict(checkpoint["state_dict"])
+        module.on_load_checkpoint(checkpoint)
     except Exception as err:
         raise CheckpointError(
             f"ckpt_path={ckpt_path!r} is not a moekit training checkpoint that can be loaded "

@@ -48,4 +48,7 @@ def load_cifar(name: str, root: str | os.PathLike[str], download: bool = False) 
     def labels(split: str) -> torch.Tensor:
         return torch.tensor(splits[split].targets, dtype=torch.int64)
 
-    return ImageArrays(images("train"), labels("train"), images("test"), labels("test"), source=root)
+    classes = tuple(splits["train"].classes)
+    return ImageArrays(
+        images("train"), labels("train"), images("test"), labels("test"), source=root, class_names=classes
+    )

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
+from torchvision.transforms.functional import pil_to_tensor
 
 from .cifar import load_cifar
 from .fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist, locate_fashion_mnist
@@ -25,7 +27,7 @@ from .imagefolder import imagefolder_class_names, imagefolder_split_dirs, read_r
 from .in_memory import BatchTransform, ImageArrays, InMemoryImageDataset, keep_batch
 from .resumable import ResumableTrainOrderMixin
 
-__all__ = ["AUGMENTATIONS", "DATASETS", "DatasetSpec", "ImageClassificationDataModule"]
+__all__ = ["AUGMENTATIONS", "DATASETS", "DatasetSpec", "ImageClassificationDataModule", "eval_images"]
 
 AUGMENTATIONS = ("none", "basic")
 
@@ -56,6 +58,23 @@ DATASETS: dict[str, DatasetSpec] = {
     "cifar100": DatasetSpec(3, 32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, crop_padding=4),
     "imagefolder": DatasetSpec(3, 224, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, None),
 }
+
+
+def eval_images(dataset: str, images: list[Image.Image], img_size: int | None = None) -> Tensor:
+    """PIL images -> ``[N, C, S, S]`` float32, prepared like ``dataset``'s evaluation split at ``img_size`` (None:
+    the native size): an in-memory dataset's channels, size and normalisation (``BatchTransform``), or
+    imagefolder's timm evaluation transform. Needs no data on disk."""
+    spec = DATASETS[dataset]
+    size = img_size or spec.native_size
+    if dataset == "imagefolder":
+        transform = create_transform(size, is_training=False, mean=spec.mean, std=spec.std)
+        return torch.stack([transform(image.convert("RGB")) for image in images])
+    native = (spec.native_size, spec.native_size)  # the size of the dataset's own images
+    mode = "L" if spec.in_chans == 1 else "RGB"
+    pixels = torch.stack(
+        [pil_to_tensor(image.convert(mode).resize(native, Image.Resampling.BILINEAR)) for image in images]
+    )
+    return BatchTransform(spec.mean, spec.std, size)(pixels)
 
 
 def _is_int(value: object) -> bool:
@@ -151,6 +170,8 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
 
         self.split_dirs = imagefolder_split_dirs(root) if dataset == "imagefolder" else None
         self.class_names = imagefolder_class_names(self.split_dirs["train"]) if self.split_dirs else None
+        self.label_names: tuple[str, ...] | None = tuple(self.class_names) if self.class_names else None
+        # label i's name: the folder names, or the dataset's own names once set up (in-memory datasets)
         for name, expected, actual in (
             ("num_classes", num_classes, self.num_classes),
             ("in_chans", in_chans, self.in_chans),
@@ -249,6 +270,7 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
         )
         self.test_set = InMemoryImageDataset(arrays.test_images, arrays.test_labels, eval_transform)
         self._train_labels = arrays.train_labels
+        self.label_names = arrays.class_names
         self._train_eval_set = InMemoryImageDataset(arrays.train_images, arrays.train_labels, eval_transform)
 
     def _setup_imagefolder(self) -> None:

@@ -151,6 +151,7 @@ def read_fashion_mnist(directory: str | os.PathLike[str]) -> ImageArrays:
         test_images=torch.from_numpy(arrays["test_images"].copy()).unsqueeze(1),
         test_labels=torch.from_numpy(arrays["test_labels"].astype(np.int64)),
         source=directory,
+        class_names=FASHION_MNIST_CLASSES,
     )
 
 

@@ -33,6 +33,7 @@ class ImageArrays:
         test_images: ``[M, C, H, W]`` uint8.
         test_labels: ``[M]`` int64.
         source: where it was read from.
+        class_names: the name of each label, when the dataset has them.
     """
 
     train_images: Tensor
@@ -40,6 +41,7 @@ class ImageArrays:
     test_images: Tensor
     test_labels: Tensor
     source: Path
+    class_names: tuple[str, ...] | None = None  # label i's name
 
 
 def random_crop(images: Tensor, padding: int) -> Tensor:

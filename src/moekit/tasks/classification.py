@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from moekit.checkpoint import head_prefixes, load_weights, read_state_dict
+from moekit.checkpoint import CLASS_NAMES_KEY, head_prefixes, load_weights, read_state_dict
 
 from .base import MoETask, plain
 
@@ -117,6 +117,7 @@ class ImageClassifier(MoETask):
             }
         )
         self.top5 = top5
+        self.class_names: list[str] | None = None  # label i's name, from the data or the checkpoint
 
     # ------------------------------------------------------------------------------------------
     def _initialise_from(self, path: str, mode: str) -> None:
@@ -130,6 +131,17 @@ class ImageClassifier(MoETask):
         heads = head_prefixes(self.net)
         head_changed = any(k.startswith(heads) and k in state and state[k].shape != own[k].shape for k in own)
         load_weights(self.net, state, source=path, skip_prefixes=heads if head_changed else ())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        names = getattr(datamodule, "label_names", None) or self.class_names
+        if names:  # for scripts/predict.py
+            checkpoint[CLASS_NAMES_KEY] = list(names)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.class_names = checkpoint.get(CLASS_NAMES_KEY)
 
     def forward(self, images: Tensor) -> Tensor:
         """``images: [batch, channels, height, width]`` -> logits ``[batch, num_classes]``."""
