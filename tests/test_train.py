@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,35 @@ def test_predict_gives_the_test_loaders_probabilities_with_class_names(trained_r
     empty = compose_config("predict", [f"ckpt_path={ckpt}", f"inputs={tmp_path / 'out'}"], tmp_path / "none")
     with pytest.raises(ValueError, match="no image there"):
         predict(empty)
+
+
+@pytest.mark.e2e
+def test_every_run_ends_with_a_routing_report(trained_run):
+    """routing_report.md / .png and results.json's ``routing``: per MoE layer, shares summing to 1 over its experts
+    and figures that follow from them (unused experts, max / mean, effective experts), over the 64 test images."""
+    out, _ = trained_run
+    record = json.loads((out / "results.json").read_text())
+    routing = record["routing"]
+    report = (out / "routing_report.md").read_text()
+    assert routing and (out / "routing_report.png").stat().st_size > 0
+    for name, layer in routing.items():
+        load = torch.tensor(layer["expert_load"], dtype=torch.float64)
+        assert f"`{name}`" in report and len(load) == layer["experts"]
+        assert load.sum().item() == pytest.approx(1.0)
+        assert layer["unused_experts"] == int((load == 0).sum())
+        assert layer["max_over_mean"] == pytest.approx(load.max().item() * len(load))
+        assert 1.0 <= layer["effective_experts"] <= len(load) + 1e-9
+        assert layer["tokens"] == 64 * 49  # Soft MoE: the 49 patch tokens of each test image
+
+
+def test_routing_figures_and_collapse_follow_from_the_expert_shares():
+    from moekit.callbacks.routing_report import layer_routing
+
+    even = layer_routing(torch.full((8,), 1 / 8), {"router_entropy": 2.0}, tokens=80)
+    assert (even.unused_experts, even.load_cv, even.max_over_mean) == (0, pytest.approx(0.0), pytest.approx(1.0))
+    assert even.effective_experts == pytest.approx(8.0) and even.router_entropy == 2.0 and not even.collapsed
+    two = layer_routing(torch.tensor([0.5, 0.5, 0, 0, 0, 0, 0, 0]), {"dropped_fraction": 0.25}, tokens=80)
+    assert (two.unused_experts, two.max_over_mean, two.dropped_fraction) == (6, pytest.approx(4.0), 0.25)
+    assert two.effective_experts == pytest.approx(2.0) and two.load_cv == pytest.approx(math.sqrt(3))
+    assert two.collapsed  # 2 effective experts of 8: a quarter
+    assert not layer_routing(torch.tensor([0.3, 0.3, 0.2, 0.2]), {}, tokens=4).collapsed

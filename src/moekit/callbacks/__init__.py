@@ -5,6 +5,7 @@ from .guard import NonFiniteGuard, NonFiniteTrainingError
 from .moe_stats import ExpertLoadMonitor
 from .preemption import Preempted, PreemptionCheckpoint
 from .progress_log import ProgressLog
+from .routing_report import RoutingReport
 from .slots import SlotPictureLogger
 from .step_checkpoint import StepCheckpoint
 from .throughput import ThroughputMonitor
@@ -17,6 +18,7 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "ProgressLog",
+    "RoutingReport",
     "SlotPictureLogger",
     "StepCheckpoint",
     "ThroughputMonitor",

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from moekit.analysis.records import RESULTS_FILE, build_run_record
-from moekit.callbacks import ThroughputMonitor
+from moekit.callbacks import RoutingReport, ThroughputMonitor
 from moekit.checkpoint import RESUME_ALIASES, check_ckpt_path, check_resume_checkpoint, find_resume_checkpoint
 from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
@@ -78,6 +78,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 metrics=metrics,
                 trainer=trainer,
             )
+            report = next((c for c in callbacks if isinstance(c, RoutingReport)), None)
+            if report is not None and report.layers:
+                record["routing"] = report.summary()
             write_json_atomic(output_dir / RESULTS_FILE, record)
     log.info("done.\n  %s\n  run record: %s", where(trainer), output_dir / RESULTS_FILE)
     return metrics
