@@ -56,6 +56,33 @@ def test_every_experiment_composes_and_instantiates(experiment, fake_fashion, tm
         assert key in cfg
 
 
+@pytest.mark.e2e
+def test_early_stopping_stops_when_validation_stops_improving(fake_fashion, tmp_path):
+    """``callbacks=[default,early_stopping]`` with patience 1 and a learning rate of ~0 (validation never
+    improves): the run stops after two validations of its 6 epochs."""
+    overrides = small_overrides(fake_fashion, epochs=6) + [
+        "callbacks=[default,early_stopping]",
+        "callbacks.early_stopping.patience=1",
+        "task.optimizer.lr=1e-12",
+        "test=false",
+    ]
+    train(compose_config("train", overrides, tmp_path))
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["epoch"] == 1, "stopped after epoch 1 (0-based), the second validation without improvement"
+
+
+def test_machine_settings_in_configs_local_default_are_composed(tmp_path):
+    """configs/local/default.yaml (ignored by git) applies to every train run when it exists."""
+    local = CONFIGS / "local" / "default.yaml"
+    assert not local.exists(), "a developer's own local settings would change this test"
+    local.write_text("# @package _global_\npaths:\n  data_dir: /machine/data\n")
+    try:
+        assert compose_config("train", [], tmp_path).paths.data_dir == "/machine/data"
+    finally:
+        local.unlink()
+    assert compose_config("train", [], tmp_path).paths.data_dir != "/machine/data"
+
+
 @pytest.mark.parametrize("experiment", SMALL_EXPERIMENTS)
 @pytest.mark.e2e
 def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
