@@ -12,4 +12,4 @@ from moekit.utils.allocator import reexec_with_tcmalloc
 
 if __name__ == "__main__":
     reexec_with_tcmalloc()  # MoE gradients are large: avoid glibc's per-step page faults (moekit.utils.allocator)
-    run_script("moekit.commands.train:train", "train", Path(__file__).parents[1] / "configs")
+    run_script("moekit.commands.train:run", "train", Path(__file__).parents[1] / "configs")

@@ -400,3 +400,49 @@ def test_routing_figures_and_collapse_follow_from_the_expert_shares():
     assert two.effective_experts == pytest.approx(2.0) and two.load_cv == pytest.approx(math.sqrt(3))
     assert two.collapsed  # 2 effective experts of 8: a quarter
     assert not layer_routing(torch.tensor([0.3, 0.3, 0.2, 0.2]), {}, tokens=4).collapsed
+
+
+def _tiny_sweep(data_root: Path, sweep_dir: Path, *overrides: str):
+    common = [f"data.root={data_root}", "data.val_size=64", "debug=tiny", "test=false", f"hydra.sweep.dir={sweep_dir}"]
+    return run_script("train.py", "-m", "experiment=soft_moe_vit", *common, *overrides, cwd=REPO)
+
+
+@pytest.mark.e2e
+def test_optuna_search_reports_the_best_trials_validation_accuracy(fake_fashion, tmp_path):
+    """``hparams_search=soft_moe_optuna`` with 3 trials: each trial is a run with its record, the trials' values
+    are the sampled ones, and the reported best value is the largest best validation accuracy among the runs."""
+    trials = ["hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.n_startup_trials=3"]
+    result = _tiny_sweep(fake_fashion, tmp_path, "hparams_search=soft_moe_optuna", *trials)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("[0-9]/results.json"))]
+    assert len(records) == 3
+    for record in records:
+        moe_cfg = record["config"]["moe"]
+        assert moe_cfg["num_experts"] in (8, 16, 32) and moe_cfg["slots_per_expert"] in (1, 2, 4)
+        assert 0.0005 <= record["config"]["task"]["optimizer"]["lr"] <= 0.01
+    best = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    assert best.best_value == max(r["metrics"]["best_val"]["value"] for r in records)
+
+
+@pytest.mark.e2e
+def test_a_search_space_over_a_missing_key_stops_before_any_trial(fake_fashion, tmp_path):
+    space = tmp_path / "configs" / "hparams_search"
+    space.mkdir(parents=True)
+    (space / "typo.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - soft_moe_optuna\nhydra:\n  sweeper:\n    params:\n"
+        "      moe.num_expertz: choice(2, 4)\n"
+    )
+    search_path = f"hydra.searchpath=[file://{tmp_path / 'configs'}]"
+    result = _tiny_sweep(fake_fashion, tmp_path / "sweep", "hparams_search=typo", search_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "moe.num_expertz is not a setting of this config" in output and "did you mean moe.num_experts" in output
+    assert not list((tmp_path / "sweep").glob("[0-9]")), "no trial ran"
+
+
+@pytest.mark.e2e
+def test_submitit_local_launcher_runs_a_two_job_sweep(fake_fashion, tmp_path):
+    result = _tiny_sweep(fake_fashion, tmp_path, "hydra/launcher=submitit_local", "moe.num_experts=4,8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    experts = sorted(json.loads(p.read_text())["config"]["moe"]["num_experts"] for p in tmp_path.glob("*/results.json"))
+    assert experts == [4, 8]

@@ -8,6 +8,7 @@ folder (``failure.json``), the sweep runs every job, and :class:`SweepSummary` w
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import logging
@@ -27,7 +28,7 @@ from moekit.configs import check_composed
 from moekit.console import tidy_library_output
 from moekit.utils.atomic import write_json_atomic
 
-__all__ = ["RunDirCheck", "SweepSummary", "run_script", "user_message"]
+__all__ = ["RunDirCheck", "SearchSpaceCheck", "SweepSummary", "run_script", "user_message"]
 
 FAILURE_FILE = "failure.json"
 SUMMARY_FILE = "sweep_summary.json"
@@ -104,6 +105,33 @@ class SweepSummary(Callback):
             "sweep: %d of %d jobs failed (%s):\n%s", len(failed), len(jobs), sweep_dir / SUMMARY_FILE, "\n".join(lines)
         )
         sys.exit(1)
+
+
+class SearchSpaceCheck(Callback):
+    """Hydra callback (``configs/hydra/default.yaml``): every key a sweeper's search space varies
+    (``hydra.sweeper.params``, e.g. ``hparams_search/``) must be a setting of the composed config; Hydra would
+    fail on the first trial instead, deep in the sweep. Stops with one paragraph naming the key and exit 1."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+        job = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
+        missing = object()
+        for key in params:
+            name = str(key).lstrip("+~")
+            if str(key).startswith("+") or OmegaConf.select(job, name, default=missing) is not missing:
+                continue
+            parent, _, leaf = name.rpartition(".")
+            node = OmegaConf.select(job, parent, default=None) if parent else job
+            close = difflib.get_close_matches(leaf, list(node) if isinstance(node, DictConfig) else [], n=1)
+            hint = f"did you mean {'.'.join(filter(None, [parent, close[0]]))}?" if close else "check its spelling"
+            logging.basicConfig(format="%(message)s")
+            log.error(
+                "hydra.sweeper.params: %s is not a setting of this config, so no trial could set it; %s (a new key "
+                "needs a leading +)",
+                name,
+                hint,
+            )
+            sys.exit(1)
 
 
 def _job_failed(err: Exception, user_error: bool) -> None:

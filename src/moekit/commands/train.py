@@ -26,12 +26,30 @@ from .common import floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
-__all__ = ["train"]
+__all__ = ["run", "train"]
+
+
+def run(cfg: DictConfig) -> dict[str, float] | float:
+    """``scripts/train.py``: :func:`train`; returns its metrics, or, with ``optimized_metric`` set (a sweeper such
+    as Optuna reads the value), that metric's best value over the run (``best/<name>``, when the best checkpoint
+    is chosen by it) or its final value."""
+    metrics = train(cfg)
+    name = cfg.get("optimized_metric")
+    if not name:
+        return metrics
+    value = metrics.get(f"best/{name}", metrics.get(name))
+    if value is None:
+        raise ValueError(
+            f"optimized_metric={name!r} is not a metric of this run; it has {', '.join(sorted(metrics))}. Name one "
+            "of them (with test=true the test metrics count too)"
+        )
+    return value
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit the task on the data, then test the best checkpoint. Returns the final metrics and writes
-    them with the model's size, FLOPs, time and machine to ``<paths.output_dir>/results.json``."""
+    """Fit the task on the data, then test the best checkpoint. Returns the final metrics (and the best
+    checkpoint's score as ``best/<monitored metric>``) and writes them with the model's size, FLOPs, time and
+    machine to ``<paths.output_dir>/results.json``."""
     L.seed_everything(cfg.seed, workers=True)
     for name in ("data", "model", "task", "trainer"):
         check_target_keys(cfg.get(name), name)
@@ -62,6 +80,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             with signal_ends_phase("training", resume):  # without the pre-emption callback (callbacks=none)
                 trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             metrics.update(floats(trainer.callback_metrics))
+            checkpoint = trainer.checkpoint_callback
+            if getattr(checkpoint, "monitor", None) and getattr(checkpoint, "best_model_score", None) is not None:
+                metrics[f"best/{checkpoint.monitor}"] = float(checkpoint.best_model_score)
         if cfg.get("test", True):
             best = getattr(trainer.checkpoint_callback, "best_model_path", "") if cfg.get("train", True) else ""
             rerun = f"the training is complete: test it with python scripts/eval.py ckpt_path={best}" if best else ""
