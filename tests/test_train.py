@@ -446,3 +446,24 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(fake_fashion, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     experts = sorted(json.loads(p.read_text())["config"]["moe"]["num_experts"] for p in tmp_path.glob("*/results.json"))
     assert experts == [4, 8]
+
+
+@pytest.mark.e2e
+def test_a_sweep_rerun_into_its_folder_skips_the_finished_settings(fake_fashion, tmp_path):
+    """The same sweep again with ``hydra.sweep.dir`` of the first: the job that finished is skipped (its record
+    untouched, listed in the summary), the one that did not (no ``finished.json``: killed) runs;
+    ``skip_finished=false`` reruns both."""
+    sweep = ["trainer.fast_dev_run=true", "moe.num_experts=2,4"]
+    assert _tiny_sweep(fake_fashion, tmp_path, *sweep).returncode == 0
+    (tmp_path / "1" / "finished.json").unlink()  # as if job 1 had been killed
+    records = {job: (tmp_path / job / "results.json").stat().st_mtime_ns for job in ("0", "1")}
+
+    result = _tiny_sweep(fake_fashion, tmp_path, *sweep)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "sweep_summary.json").read_text())["skipped"] == ["0"]
+    assert (tmp_path / "0" / "results.json").stat().st_mtime_ns == records["0"], "the finished job did not run"
+    assert (tmp_path / "1" / "results.json").stat().st_mtime_ns > records["1"], "the unfinished job ran again"
+
+    assert _tiny_sweep(fake_fashion, tmp_path, *sweep, "skip_finished=false").returncode == 0
+    assert json.loads((tmp_path / "sweep_summary.json").read_text())["skipped"] == []
+    assert (tmp_path / "0" / "results.json").stat().st_mtime_ns > records["0"]

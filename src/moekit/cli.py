@@ -4,7 +4,12 @@ message and exit status 1 instead of a traceback.
 
 In a sweep (``-m``) a failing job does not stop the others: its error is logged in one line and kept in its
 folder (``failure.json``), the sweep runs every job, and :class:`SweepSummary` writes
-``<sweep dir>/sweep_summary.json`` (which settings failed and why) and exits with status 1 if any failed."""
+``<sweep dir>/sweep_summary.json`` (which settings failed and why) and exits with status 1 if any failed.
+
+A sweep resumes: a job that finished keeps its overrides and return value in its folder (``finished.json``), and
+the same sweep run again into the same folder (``hydra.sweep.dir=<its folder>``) skips each job whose folder holds
+the same settings finished, returning the recorded value (to Optuna too, whose seeded sampler proposes the same
+trials again); ``skip_finished=false`` reruns them. The summary lists the skipped jobs."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import json
 import logging
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,7 @@ from moekit.utils.atomic import write_json_atomic
 __all__ = ["RunDirCheck", "SearchSpaceCheck", "SweepSummary", "run_script", "user_message"]
 
 FAILURE_FILE = "failure.json"
+FINISHED_FILE = "finished.json"  # a sweep job that finished: its overrides and what it returned
 SUMMARY_FILE = "sweep_summary.json"
 log = logging.getLogger("moekit")
 
@@ -87,15 +94,29 @@ class SweepSummary(Callback):
     (their ``failure.json``), write ``<sweep dir>/sweep_summary.json``, log one line per failed job and exit
     with status 1 if any did."""
 
+    _start = float("inf")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._start = time.time()  # a job's finished.json older than this was written by an earlier run
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
         jobs = sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml"))
-        failed = []
+        failed, skipped = [], []
         for job in jobs:
             failure = job / FAILURE_FILE
             if failure.is_file():
                 failed.append({"job": job.name, **json.loads(failure.read_text())})
-        summary = {"jobs": len(jobs), "succeeded": len(jobs) - len(failed), "failed": failed}
+            finished = job / FINISHED_FILE
+            if finished.is_file() and finished.stat().st_mtime < self._start:
+                skipped.append(job.name)
+        summary = {"jobs": len(jobs), "succeeded": len(jobs) - len(failed), "failed": failed, "skipped": skipped}
+        if skipped:
+            log.info(
+                "sweep: skipped %d jobs that had finished already (%s); skip_finished=false reruns them",
+                len(skipped),
+                ", ".join(skipped),
+            )
         write_json_atomic(sweep_dir / SUMMARY_FILE, summary)
         if not failed:
             log.info("sweep: all %d jobs finished (%s)", len(jobs), sweep_dir / SUMMARY_FILE)
@@ -132,6 +153,16 @@ class SearchSpaceCheck(Callback):
                 hint,
             )
             sys.exit(1)
+
+
+def _finished_job(job_dir: Path, overrides: list[str]) -> dict | None:
+    """The ``finished.json`` of a sweep job's folder when it records these ``overrides`` (else None)."""
+    path = job_dir / FINISHED_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("overrides") == overrides else None
 
 
 def _job_failed(err: Exception, user_error: bool) -> None:
@@ -183,8 +214,14 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
     def main(cfg: DictConfig) -> Any:
         hydra_cfg = HydraConfig.get()
         in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+        job_dir = Path(hydra_cfg.runtime.output_dir)
         if in_sweep:  # a rerun of the sweep into the same folders: the job's earlier failure no longer holds
-            (Path(hydra_cfg.runtime.output_dir) / FAILURE_FILE).unlink(missing_ok=True)
+            (job_dir / FAILURE_FILE).unlink(missing_ok=True)
+            finished = _finished_job(job_dir, list(hydra_cfg.overrides.task))
+            if finished is not None and cfg.get("skip_finished", True):
+                log.info("skipped: this setting finished already (%s); skip_finished=false reruns it", job_dir)
+                return finished["return"]
+            (job_dir / FINISHED_FILE).unlink(missing_ok=True)
         try:  # before torch is imported: a config that cannot run fails in a fraction of a second
             check_composed(cfg, hydra_cfg.overrides.task)
         except ValueError as err:
@@ -197,7 +234,7 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
         from moekit.errors import USER_ERRORS
 
         try:
-            return function(cfg)
+            result = function(cfg)
         except USER_ERRORS as err:
             if in_sweep:
                 return _job_failed(err, user_error=True)
@@ -207,6 +244,10 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
             if not in_sweep:
                 raise
             return _job_failed(err, user_error=False)
+        if in_sweep:
+            record = {"overrides": list(hydra_cfg.overrides.task), "return": result}
+            write_json_atomic(job_dir / FINISHED_FILE, record)
+        return result
 
     _check_unquoted_non_ascii(sys.argv[1:])
     main()
