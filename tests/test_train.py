@@ -467,3 +467,34 @@ def test_a_sweep_rerun_into_its_folder_skips_the_finished_settings(fake_fashion,
     assert _tiny_sweep(fake_fashion, tmp_path, *sweep, "skip_finished=false").returncode == 0
     assert json.loads((tmp_path / "sweep_summary.json").read_text())["skipped"] == []
     assert (tmp_path / "0" / "results.json").stat().st_mtime_ns > records["0"]
+
+
+@pytest.mark.e2e
+def test_mlflow_and_wandb_loggers_work_offline(fake_fashion, tmp_path, monkeypatch):
+    """``logger=[csv,mlflow,wandb]``: MLflow's local SQLite store holds the same training losses as metrics.csv,
+    step for step; W&B keeps an offline run in the run folder."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    overrides = small_overrides(fake_fashion) + ["logger=[csv,mlflow,wandb]", f"paths.log_dir={tmp_path / 'logs'}"]
+    train(compose_config("train", overrides, tmp_path / "run"))
+    with open(tmp_path / "run" / "csv" / "metrics.csv", newline="") as file:
+        losses = [(int(r["step"]), float(r["train/loss_step"])) for r in csv.DictReader(file) if r["train/loss_step"]]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'logs' / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "train"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss_step")]
+    assert losses and [step for step, _ in sorted(history)] == [step for step, _ in losses]
+    assert [value for _, value in sorted(history)] == pytest.approx([value for _, value in losses])
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")), "an offline W&B run"
+
+
+def test_a_logger_whose_package_is_missing_names_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    from moekit.configs import check_composed
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"needs the wandb package.*pip install -e '\.\[loggers\]'"):
+        check_composed(compose_config("train", ["logger=wandb"], tmp_path), [])

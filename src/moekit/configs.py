@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import types
 import typing
@@ -97,6 +98,7 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"add {' '.join(example.get(key, f'{key}=<value>') for key in missing)} to the command"
         )
     check_settings(_resolved_nodes(cfg, ("task", "trainer", "model")))
+    _check_logger_packages(cfg.get("logger"))
     model = cfg.get("model")
     if not isinstance(model, DictConfig) or str(model.get("_target_")) not in MODEL_KINDS:
         return
@@ -114,6 +116,24 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
         )
     if depth is not None and causal:
         depth.check_causal(what)
+
+
+# Loggers whose package moekit does not install by default: the module each needs and the extra that installs it.
+_LOGGER_PACKAGES = {"MLFlowLogger": ("mlflow", "loggers"), "WandbLogger": ("wandb", "loggers")}
+
+
+def _check_logger_packages(loggers: DictConfig | None) -> None:
+    """A logger whose package is not installed is refused before anything starts, naming the extra to install."""
+    if not isinstance(loggers, DictConfig):
+        return
+    for name, entry in loggers.items():
+        target = str(entry.get("_target_", "")) if isinstance(entry, DictConfig) else ""
+        module, extra = _LOGGER_PACKAGES.get(target.rpartition(".")[2], (None, None))
+        if module and importlib.util.find_spec(module) is None:
+            raise ValueError(
+                f"logger {name!r} ({target}) needs the {module} package, which is not installed; install it with "
+                f"pip install -e '.[{extra}]' (or pip install {module}), or choose another logger"
+            )
 
 
 def _missing_values(cfg: DictConfig) -> list[str]:

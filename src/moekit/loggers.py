@@ -77,8 +77,9 @@ def log_before_checkpoint(trainer: Any) -> None:
         return
     metrics.setdefault("epoch", trainer.current_epoch)
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
-        logger.save()
+        if isinstance(logger, (ResumableCSVLogger, ResumableTensorBoardLogger)):  # they drop Lightning's repeat;
+            logger.log_metrics(metrics, step=step)  # other loggers (MLflow, W&B) get the row once, from Lightning
+            logger.save()
 
 
 def log_positions(trainer: Any) -> dict[str, Any]:
