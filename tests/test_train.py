@@ -387,6 +387,8 @@ def test_every_run_ends_with_a_routing_report(trained_run):
         assert layer["max_over_mean"] == pytest.approx(load.max().item() * len(load))
         assert 1.0 <= layer["effective_experts"] <= len(load) + 1e-9
         assert layer["tokens"] == 64 * 49  # Soft MoE: the 49 patch tokens of each test image
+        assert set(layer["top_class"]) <= set(FASHION_MNIST_CLASSES) and len(layer["top_class"]) == len(load)
+        assert all(0.1 <= share <= 1.0 for share in layer["top_class_share"])  # at least 1 / (10 classes)
 
 
 def test_routing_figures_and_collapse_follow_from_the_expert_shares():
@@ -498,3 +500,36 @@ def test_a_logger_whose_package_is_missing_names_the_extra(monkeypatch, tmp_path
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ValueError, match=r"needs the wandb package.*pip install -e '\.\[loggers\]'"):
         check_composed(compose_config("train", ["logger=wandb"], tmp_path), [])
+
+
+def test_routing_report_counts_each_experts_tokens_by_the_class_of_their_image(tmp_path):
+    """A top-1 layer (dropless) over 6 images of 5 tokens, labels 0-2: the report's main class of each expert and
+    its share equal a count of the router's choices by label, done by hand."""
+    from types import SimpleNamespace
+
+    from moekit.callbacks import RoutingReport
+
+    torch.manual_seed(0)
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1).eval()
+    net = torch.nn.Sequential(layer)
+    net.num_classes = 3
+    module = SimpleNamespace(net=net, class_names=["a", "b", "c"])
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True, datamodule=None)
+    report = RoutingReport(str(tmp_path))
+    report.on_test_epoch_start(trainer, module)
+    x, labels = torch.randn(6, 5, 8), torch.tensor([0, 1, 2, 0, 1, 2])
+    with torch.no_grad():
+        layer(x)
+        expert_of_token = layer.router(x.reshape(30, 8)).expert_ids[:, 0]  # [30]
+    report.on_test_batch_end(trainer, module, None, (x, labels), 0)
+    report.on_test_epoch_end(trainer, module)
+
+    counts = torch.zeros(3, 4)
+    counts.index_put_((labels.repeat_interleave(5), expert_of_token), torch.ones(30), accumulate=True)
+    routing = report.layers["0"]
+    for expert in range(4):
+        if counts[:, expert].sum():
+            share, main = (counts[:, expert] / counts[:, expert].sum()).max(0)
+            assert routing.top_class[expert] == "abc"[main] and routing.top_class_share[expert] == pytest.approx(share)
+    assert "## The classes each expert serves" in (tmp_path / "routing_report.md").read_text()
+    assert (tmp_path / "routing_classes.png").is_file()

@@ -13,6 +13,11 @@ the same figures in ``results.json`` (``routing``). Per layer:
 - ``dropped``: the fraction of routed assignments capacity dropped; ``router entropy``: the mean entropy of the
   per-token router distribution (tokens-choice layers), or of the slots' dispatch weights (Soft MoE).
 
+For image classifiers the report also says which classes each expert serves (the V-MoE paper's analysis): the
+tokens each expert took (Soft MoE: its slots' dispatch weights), counted by the label of their image; per
+layer, each expert's main class and its share, and how many experts take most of their work from one class
+(``routing_classes.png``: per layer, a class x expert block, darker for a larger share of the expert's tokens).
+
 A layer whose effective experts fall to a quarter of its experts or fewer (1.5 at most for 2 to 6 experts) has
 collapsed onto a few of them; the run ends with a warning naming it.
 """
@@ -38,6 +43,7 @@ log = logging.getLogger("moekit")
 
 REPORT_FILE = "routing_report.md"
 HEATMAP_FILE = "routing_report.png"
+CLASSES_FILE = "routing_classes.png"
 
 
 @dataclass
@@ -53,6 +59,8 @@ class LayerRouting:
     dropped_fraction: float | None
     router_entropy: float | None
     expert_load: list[float]
+    top_class: list[str] | None = None  # each expert's main class (image classifiers)
+    top_class_share: list[float] | None = None  # the share of the expert's tokens from that class
 
     @property
     def collapsed(self) -> bool:
@@ -96,23 +104,43 @@ class RoutingReport(Callback):
         self.layers: dict[str, LayerRouting] = {}
         self._gather = ExpertLoadMonitor()
         self._sums = RoutingStatsSums()
+        self._class_expert: dict[str, Tensor] = {}  # layer -> [classes, experts] weight of each class's tokens
+        self._layers: dict = {}
 
     def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._gather.watch(pl_module)
+        self._layers = self._gather.watch(pl_module)
         self._sums.reset()
+        self._class_expert = {}
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._gather.accumulate(self._sums)
+        num_classes = getattr(getattr(pl_module, "net", None), "num_classes", None)
+        labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+        if not num_classes or not isinstance(labels, Tensor) or labels.dim() != 1:
+            return  # not an image classifier: no classes to count
+        for name, layer in self._layers.items():
+            weights_NE = layer.token_expert_weights()
+            if weights_NE is None or weights_NE.shape[0] % labels.numel():
+                continue
+            tokens_per_image = weights_NE.shape[0] // labels.numel()
+            classes_N = labels.repeat_interleave(tokens_per_image)  # tokens are flattened batch-major
+            counts_CE = self._class_expert.setdefault(
+                name, torch.zeros(num_classes, weights_NE.shape[1], dtype=torch.float64, device=weights_NE.device)
+            )
+            counts_CE.index_add_(0, classes_N, weights_NE.double())
 
     def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._sums:
             return
         figures = self._sums.compute(_sum_over_ranks(trainer))
         self.layers = {}
-        for name in self._gather.watch(pl_module):  # model order; Mixture-of-Depths routers have no experts
+        for name in self._layers:  # model order; Mixture-of-Depths routers have no experts
             figure = figures.get(name)
             if figure is not None and figure.expert_load is not None:
                 self.layers[name] = layer_routing(figure.expert_load, figure.scalars, figure.tokens)
+                if name in self._class_expert:
+                    names = getattr(pl_module, "class_names", None) or getattr(trainer.datamodule, "label_names", None)
+                    self._add_classes(self.layers[name], _sum_over_ranks(trainer), self._class_expert[name], names)
         if not self.layers or not trainer.is_global_zero:
             return
         self.write()
@@ -130,6 +158,17 @@ class RoutingReport(Callback):
                     layer.effective_experts,
                     self.dirpath / REPORT_FILE,
                 )
+
+    @staticmethod
+    def _add_classes(layer: LayerRouting, reduce, counts_CE: Tensor, names) -> None:
+        """Each expert's main class and its share, from the class x expert weights ``counts_CE``."""
+        counts_CE = (reduce(counts_CE) if reduce is not None else counts_CE).cpu()
+        names = list(names or []) or [str(c) for c in range(counts_CE.shape[0])]
+        shares_CE = counts_CE / counts_CE.sum(0, keepdim=True).clamp_min(1e-12)
+        share_E, class_E = shares_CE.max(0)
+        layer.top_class = [names[c] for c in class_E.tolist()]
+        layer.top_class_share = share_E.tolist()
+        layer.class_shares = shares_CE  # for the picture; not in the record
 
     def summary(self) -> dict[str, dict]:
         """The figures for the run record: ``{layer: {figure: value}}``."""
@@ -150,6 +189,18 @@ class RoutingReport(Callback):
                 f"{_cell(r.max_over_mean)} | {_cell(r.effective_experts)} | {_cell(r.dropped_fraction)} | "
                 f"{_cell(r.router_entropy)} |"
             )
+        classes = {name: r for name, r in self.layers.items() if r.top_class is not None}
+        if classes:
+            lines += ["", "## The classes each expert serves", ""]
+            for name, r in classes.items():
+                ranked = sorted(range(r.experts), key=lambda e: -r.top_class_share[e])
+                specialised = sum(share > 0.5 for share in r.top_class_share)
+                examples = ", ".join(f"{e}: {r.top_class[e]} {r.top_class_share[e]:.0%}" for e in ranked[:8])
+                lines.append(
+                    f"- `{name}`: {specialised} of {r.experts} experts take more than half of their tokens from one "
+                    f"class; the most specialised (expert: main class, its share) {examples}"
+                )
+            lines += ["", f"![classes per expert]({CLASSES_FILE})"]
         lines += [
             "",
             f"![expert load]({HEATMAP_FILE})",
@@ -159,9 +210,20 @@ class RoutingReport(Callback):
             "",
         ]
         write_text_atomic(self.dirpath / REPORT_FILE, "\n".join(lines))
-        from PIL import Image
-
         heatmap = load_heatmap([torch.tensor(r.expert_load) for r in self.layers.values()])  # [3, H, W] in [0, 1]
-        pixels = (heatmap.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-        with atomic_write(self.dirpath / HEATMAP_FILE, "wb", suffix=".tmp") as file:
-            Image.fromarray(pixels).save(file, format="PNG")
+        _save_png(self.dirpath / HEATMAP_FILE, (heatmap.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
+        blocks = [getattr(r, "class_shares", None) for r in classes.values()]
+        if blocks:  # per layer a [classes, experts] block, white 0 to black 1, a white row between layers
+            width = max(b.shape[1] for b in blocks)
+            rows = [torch.cat([b, torch.zeros(1, b.shape[1])]) for b in blocks]
+            grid = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in rows])
+            cell = max(2, min(16, 512 // width))
+            image = (255 * (1 - grid)).round().to(torch.uint8).repeat_interleave(cell, 0).repeat_interleave(cell, 1)
+            _save_png(self.dirpath / CLASSES_FILE, image.numpy())
+
+
+def _save_png(path: Path, pixels) -> None:
+    from PIL import Image
+
+    with atomic_write(path, "wb") as file:
+        Image.fromarray(pixels).save(file, format="PNG")

@@ -137,6 +137,7 @@ class RoutingModule(nn.Module):
         self.router_logit_checksum: Tensor | None = None
         self._stats_fn: Callable[[], dict[str, Tensor]] | None = None
         self._stats: dict[str, Tensor] = {}
+        self._token_weights_fn: Callable[[], Tensor] | None = None
 
     @property
     def stats(self) -> dict[str, Tensor]:
@@ -149,6 +150,17 @@ class RoutingModule(nn.Module):
             with torch.no_grad():
                 self._stats = {k: v.detach() for k, v in compute().items()}
         return self._stats
+
+    def token_expert_weights(self) -> Tensor | None:
+        """``[N, E]``: how much of each expert's work each token of the latest evaluation forward made (tokens
+        flattened batch-major): the kept assignments of tokens-choice and experts-choice routing, the dispatch
+        weights summed over each expert's slots for Soft MoE. None in training, once read, or for a layer that
+        does not record them. The routing report's per-class analysis reads it."""
+        compute, self._token_weights_fn = self._token_weights_fn, None
+        if compute is None:
+            return None
+        with torch.no_grad():
+            return compute()
 
     def router_logits_finite(self) -> bool | None:
         """Whether every router logit of the latest forward was finite (None: no forward yet, or a
@@ -163,15 +175,18 @@ class RoutingModule(nn.Module):
         stats: Callable[[], dict[str, Tensor]],
         forward_tokens: int,
         logit_checksum: Tensor | None = None,
+        token_weights: Callable[[], Tensor] | None = None,
     ) -> None:
         """Keep this forward's weighted aux losses, the function that computes its statistics
-        (closing over detached routing tensors) for when they are read, its number of tokens and the
-        :func:`~moekit.moe.routing.logit_checksum` of its router logits."""
+        (closing over detached routing tensors) for when they are read, its number of tokens, the
+        :func:`~moekit.moe.routing.logit_checksum` of its router logits and, in evaluation, the function that
+        computes :meth:`token_expert_weights`."""
         self.aux_losses = aux_losses
         self.router_logit_checksum = logit_checksum
         self.forward_tokens = forward_tokens
         self._stats_fn = stats if self.compute_stats else None
         self._stats = {}
+        self._token_weights_fn = token_weights if self.compute_stats and not self.training else None
 
     def balancing_step(self) -> None:
         """Called once per optimizer step by :func:`update_balancing_biases`; modules with state that

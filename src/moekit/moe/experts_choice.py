@@ -104,6 +104,11 @@ class ExpertsChoiceMoE(MoELayer):
             lambda: experts_choice_stats(probs, torch.bincount(flat_idx, minlength=num_tokens), gates),
             num_tokens,
             logit_checksum(logits),
+            lambda: torch.zeros_like(probs).index_put_(  # [N, E]: 1 where expert e took token n
+                (token_idx, torch.arange(self.num_experts, device=x.device)[:, None].expand_as(token_idx)),
+                torch.ones_like(gates),
+                accumulate=True,
+            ),
         )
         return out.view(batch, tokens, -1)
 

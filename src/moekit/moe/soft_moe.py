@@ -179,6 +179,7 @@ class SoftMoE(MoELayer):
             lambda: soft_moe_stats(dispatch_BMS, combine_BMS, self.num_experts, padding_mask),
             B * M,
             checksum,
+            lambda: dispatch_BMS.float().view(B, M, self.num_experts, -1).sum(-1).reshape(B * M, -1),  # [N, E]
         )
         return out_BMO
 

@@ -138,7 +138,15 @@ class TokensChoiceMoE(MoELayer):
         if self.shared_experts is not None:
             out_NO = out_NO + self.shared_experts(x_ND, x_ND.shape[0])
 
-        self._record(routing.aux_losses, lambda: self._stats_of(routing, plan), B * T, routing.logit_checksum)
+        self._record(
+            routing.aux_losses,
+            lambda: self._stats_of(routing, plan),
+            B * T,
+            routing.logit_checksum,
+            lambda: torch.zeros(B * T, self.num_experts, device=x.device).scatter_add_(
+                1, routing.expert_ids, plan.keep.float()
+            ),  # [N, E]: the kept assignments
+        )
         return out_NO.view(B, T, -1)
 
     def _stats_of(self, routing: Routing, plan: DispatchPlan) -> dict[str, Tensor]:
