@@ -64,7 +64,7 @@ class MoETask(LightningModule):
         """Task loss (a cross-entropy) + the weighted MoE auxiliary losses of the latest forward. Logs
         ``<split>/loss``, ``<split>/ce`` and each aux loss summed over layers (``<split>/aux/<name>``,
         ``<split>/aux/total``): training per step (``_step``, rank 0's values) and as epoch means (``_epoch``,
-        :meth:`log_epoch_mean`), evaluation as epoch means reduced over ranks."""
+        :meth:`log_epoch_mean`), evaluation as epoch means; epoch means are reduced over ranks."""
         moe = collect_moe_outputs(self.net)
         loss = task_loss + moe.aux_loss
         values = {"loss": loss, "ce": task_loss, **{f"aux/{name}": value for name, value in moe.aux_losses.items()}}
@@ -85,8 +85,10 @@ class MoETask(LightningModule):
         self.epoch_means.update(name, value, batch_size, self.current_epoch)
 
     def on_train_epoch_end(self) -> None:
-        for name, mean in self.epoch_means.compute().items():
-            self.log(name, mean, on_step=False, on_epoch=True, prog_bar=name == "train/acc")
+        if self.epoch_means.epoch != self.current_epoch:  # no training batch in this epoch
+            return
+        for name, mean in self.epoch_means.compute().items():  # averaged over ranks (equal batches on each)
+            self.log(name, mean, on_step=False, on_epoch=True, sync_dist=True, prog_bar=name == "train/acc")
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
