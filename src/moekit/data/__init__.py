@@ -16,17 +16,8 @@ from .fashion_mnist import (
     write_fake_fashion_mnist,
 )
 from .in_memory import ImageArrays
-from .text import (
-    ByteTokenizer,
-    FileTokenizer,
-    GPT2Tokenizer,
-    TextDataModule,
-    TextTokenizer,
-    TokenWindows,
-    build_tokenizer,
-    encode_documents,
-    load_corpus,
-)
+from .text import TextDataModule, TokenWindows, load_corpus
+from .tokenizers import ByteTokenizer, FileTokenizer, GPT2Tokenizer, TextTokenizer, build_tokenizer, encode_documents
 
 __all__ = [
     "AUGMENTATIONS",
