@@ -113,6 +113,20 @@ CASES = [
         hydra=True,
     ),
     Case(
+        "unknown_launcher",
+        "train.py",
+        ["-m", "hydra/launcher=submitit_slurmm"],
+        ["hydra/launcher/submitit_slurmm", "Available options in 'hydra/launcher'", "submitit_slurm"],
+        hydra=True,
+    ),
+    Case(
+        "unknown_sweeper",
+        "train.py",
+        ["-m", "hparams_search=soft_moe_optuan"],
+        ["hparams_search/soft_moe_optuan", "Available options in 'hparams_search'", "soft_moe_optuna"],
+        hydra=True,
+    ),
+    Case(
         "unknown_experiment",
         "train.py",
         ["experiment=soft_moe_vitt"],
