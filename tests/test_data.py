@@ -345,7 +345,9 @@ def test_cifar_absent_offline(tmp_path):
 
 def test_cifar_layout_and_normalisation(tmp_path, monkeypatch):
     class FakeCIFAR10:
-        """torchvision's CIFAR10 attributes: data [N, 32, 32, 3] uint8, targets list[int]."""
+        """torchvision's CIFAR10 attributes: data [N, 32, 32, 3] uint8, targets list[int], classes."""
+
+        classes = [f"class{i}" for i in range(10)]
 
         def __init__(self, root, train, download):
             n = 40 if train else 20
@@ -357,8 +359,10 @@ def test_cifar_layout_and_normalisation(tmp_path, monkeypatch):
     arrays = load_cifar("cifar10", tmp_path)
     assert arrays.train_images.shape == (40, 3, 32, 32) and arrays.test_labels.shape == (20,)
     assert arrays.train_images[:, 1].eq(255).all() and arrays.train_images[:, [0, 2]].eq(0).all()
+    assert arrays.class_names == tuple(FakeCIFAR10.classes)
     module = ImageClassificationDataModule(dataset="cifar10", data_dir=str(tmp_path), val_size=10, batch_size=8)
     images, labels = next(iter(module.train_dataloader()))
+    assert module.label_names == tuple(FakeCIFAR10.classes), "the dataset's names, for checkpoints and predict.py"
     assert images.shape == (8, 3, 32, 32) and labels.dtype == torch.int64
     test_images, _ = module.test_arrays()
     expected = [(value - mean) / std for value, mean, std in zip((0.0, 1.0, 0.0), module.mean, module.std, strict=True)]
