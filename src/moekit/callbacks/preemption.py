@@ -128,7 +128,7 @@ class PreemptionCheckpoint(SafeStepSave):
     def save(self, trainer: Trainer) -> None:
         """Write the checkpoint, say how to resume, and exit with ``128 + signal number``."""
         super().save(trainer)
-        signum = self.received or signal.SIGTERM
+        signum = self.received  # set by on_train_batch_end before it asks for the save
         log.warning(
             "received %s: saved %s at step %d; resume with: %s",
             signal.Signals(signum).name,
