@@ -77,6 +77,34 @@ def reference_tokens_choice(layer, x: torch.Tensor, expert_ids, gates, keep) -> 
     return out.view(*x.shape[:-1], -1)
 
 
+def reference_gptq(w_IO: torch.Tensor, hessian: torch.Tensor, fmt, damping: float = 0.01) -> torch.Tensor:
+    """GPTQ as Optimal Brain Quantization states it (Frantar et al. 2023, eq. 2-3), one input row at a
+    time with an explicit inverse Hessian: round row ``i``, move the other rows by ``-err * Hinv[i, j] /
+    Hinv[i, i]``, then remove ``i`` from the inverse (``Hinv -= Hinv[:, i] Hinv[i, :] / Hinv[i, i]``).
+    A group's grid is fitted from its weights when its first row comes up. Returns ``[in, out]`` codes."""
+    from moekit.quant.formats import fit_quantizer
+
+    W = w_IO.t().double().clone()  # [out, in]
+    H = hessian.double().clone()
+    D = H.shape[0]
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damping * H.diagonal().mean() * torch.eye(D, dtype=H.dtype)
+    Hinv = torch.linalg.inv(H)
+    g = min(fmt.group_size, D)
+    codes = torch.empty(W.shape, dtype=torch.uint8)
+    for i in range(D):
+        if i % g == 0:
+            grid = fit_quantizer(fmt, W[:, i : i + g].float(), dim=-1)
+        q = grid.codes(W[:, i : i + 1].float())
+        codes[:, i] = q[:, 0]
+        err = (W[:, i] - grid.values(q)[:, 0].double()) / Hinv[i, i]
+        W[:, i:] -= err[:, None] * Hinv[i, i:][None, :]
+        Hinv = Hinv - Hinv[:, i : i + 1] @ Hinv[i : i + 1, :] / Hinv[i, i]
+    return codes.t()
+
+
 # ---------------------------------------------------------------------------------------------
 # The training template: compose configs like the scripts do, run the scripts as subprocesses.
 REPO = Path(__file__).resolve().parents[1]

@@ -25,12 +25,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from conftest import REPO, compose_config, run_script
 from moekit.checkpoint import load_task
 from moekit.cli import user_message
 from moekit.commands.evaluate import evaluate
 from moekit.commands.export import export
+from moekit.commands.quantize import quantize
 from moekit.commands.sample import sample
 from moekit.commands.train import train
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
@@ -507,9 +509,80 @@ CASES = [
         ["'{blocker}'", "folder you can write to"],
         keeps=["blocker"],
     ),
+    # -- quantization --
+    Case(
+        "quantize_unsupported_bits",
+        "quantize.py",
+        ["ckpt_path={ckpt}", "bits=3"],
+        ["bits=3", "8, 4, 2 or ternary", "bits=4"],
+    ),
+    Case(
+        "quantize_unknown_method",
+        "quantize.py",
+        ["ckpt_path={ckpt}", "method=awq"],
+        ["method='awq'", "rtn or gptq"],
+    ),
+    Case(
+        "quantize_no_calibration_batches",
+        "quantize.py",
+        ["ckpt_path={ckpt}", "calibration_batches=0"],
+        ["calibration_batches=0", "positive int", "e.g. 32"],
+    ),
+    Case(
+        "quantize_too_few_calibration_rows",
+        "quantize.py",
+        ["ckpt_path={ckpt}", "calibration_batches=1", "min_rows=100000", "output_path={tmp}/q.safetensors"],
+        ["calibration_batches=1 is too few", "fewer than the 100000 GPTQ needs", "method=rtn"],
+        cli=False,
+    ),
+    Case(
+        "quantize_more_calibration_batches_than_the_split",
+        "quantize.py",
+        ["ckpt_path={ckpt}", "calibration_batches=1000", "output_path={tmp}/q.safetensors"],
+        ["calibration_batches=1000", "has only", "lower calibration_batches"],
+        cli=False,
+    ),
+    Case(
+        "quantize_a_dense_checkpoint",
+        "quantize.py",
+        ["ckpt_path={dense_ckpt}", "output_path={tmp}/q.safetensors"],
+        ["ckpt_path='{dense_ckpt}'", "without MoE layers", "checkpoint of an MoE experiment"],
+        cli=False,
+        keeps=["dense_ckpt"],
+    ),
+    Case(
+        "export_a_quantized_checkpoint",
+        "export.py",
+        ["ckpt_path={quantized}", "output_path={tmp}/out.safetensors"],
+        ["ckpt_path='{quantized}'", "quantized checkpoint", "export the training checkpoint (.ckpt)"],
+        cli=False,
+        keeps=["quantized"],
+    ),
+    Case(
+        "finetune_from_a_quantized_checkpoint",
+        "train.py",
+        [*FAST, "data.root={fm}", "task.init_from={quantized}"],
+        ["'{quantized}'", "quantized experts", "float training checkpoint"],
+        cli=False,
+        keeps=["quantized"],
+    ),
+    Case(
+        "eval_safetensors_that_is_not_quantized",
+        "eval.py",
+        ["ckpt_path={plain_safetensors}"],
+        ["ckpt_path='{plain_safetensors}'", "not a quantized moekit checkpoint", "scripts/quantize.py"],
+        cli=False,
+        keeps=["plain_safetensors"],
+    ),
 ]
 CASE_IDS = [case.id for case in CASES]
-FUNCTIONS: dict[str, Callable] = {"train.py": train, "eval.py": evaluate, "export.py": export, "sample.py": sample}
+FUNCTIONS: dict[str, Callable] = {
+    "train.py": train,
+    "eval.py": evaluate,
+    "export.py": export,
+    "sample.py": sample,
+    "quantize.py": quantize,
+}
 
 
 def _sha256(path: Path) -> str:
@@ -554,6 +627,13 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     ckpt = good / "checkpoints" / "last.ckpt"
     assert ckpt.is_file() and (good / "csv" / "metrics.csv").is_file()
 
+    dense = tmp / "dense_run"
+    train(compose_config("train", [*SHORT, f"data.root={fm}", "trainer.max_epochs=1", "moe=none"], dense))
+    quantized = tmp / "q8.safetensors"
+    quantize(compose_config("quantize", [f"ckpt_path={ckpt}", "bits=8", "method=rtn", f"output_path={quantized}"], tmp))
+    plain_safetensors = tmp / "plain.safetensors"
+    save_file({"weight": torch.zeros(2)}, str(plain_safetensors))
+
     random_ckpt = tmp / "random.ckpt"
     random_ckpt.write_bytes(
         torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).byte().numpy().tobytes()
@@ -577,6 +657,9 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
         img=_image_folder(tmp / "img"),
         good=good,
         ckpt=ckpt,
+        dense_ckpt=dense / "checkpoints" / "last.ckpt",
+        plain_safetensors=plain_safetensors,
+        quantized=quantized,
         random_ckpt=random_ckpt,
         truncated_ckpt=truncated_ckpt,
         plain_ckpt=plain_ckpt,
@@ -646,7 +729,7 @@ def test_bad_input_stops_with_one_clear_paragraph(case, inputs, cli_results, ear
             message = output
     else:
         overrides = [_fill(a, paths) for a in case.args]
-        config = {"train.py": "train", "eval.py": "eval", "export.py": "export", "sample.py": "sample"}[case.script]
+        config = case.script.removesuffix(".py")
         cfg = compose_config(config, [*overrides, f"paths.log_dir={tmp_path / 'logs'}"], tmp_path / "out")
         with pytest.raises(USER_ERRORS) as info:
             FUNCTIONS[case.script](cfg)

@@ -14,9 +14,11 @@ from hydra.utils import instantiate
 from conftest import CONFIGS, REPO, compose_config, run_script
 from moekit.checkpoint import load_task
 from moekit.commands.evaluate import evaluate
+from moekit.commands.quantize import quantize
 from moekit.commands.sample import sample
 from moekit.commands.train import train
 from moekit.moe import HashMoE
+from moekit.quant import expert_memory
 from moekit.tasks import LanguageModel
 
 LM_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_lm.yaml"))
@@ -231,3 +233,45 @@ def test_lm_checkpoint_resumes_at_the_saved_step(trained_lm, repeated_corpus, tm
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert resumed["epoch"] == saved["epoch"] + 1
     assert resumed["global_step"] > saved["global_step"]
+
+
+@pytest.mark.e2e
+def test_quantized_lm_experts_serve_eval_and_sample(trained_lm, tmp_path):
+    """scripts/quantize.py on the MoE Transformer LM (top-2 of 8 experts: ragged groups): int8 GPTQ keeps the
+    perplexity and the greedy continuation; ternary experts are stored in under 2 bits per weight and still load."""
+    out, metrics = trained_lm
+    ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
+    float_ppl = evaluate(compose_config("eval", [f"ckpt_path={ckpt}", "logger=csv"], tmp_path / "float"))["test/ppl"]
+    paths = {}
+    for bits, method in (("8", "gptq"), ("ternary", "rtn")):
+        cfg = compose_config(
+            "quantize",
+            [
+                f"ckpt_path={ckpt}",
+                f"bits={bits}",
+                f"method={method}",
+                "calibration_batches=8",
+                "group_size=32",
+                f"output_path={tmp_path}/q{bits}.safetensors",
+            ],
+            tmp_path / f"q{bits}",
+        )
+        paths[bits] = quantize(cfg)
+    int8 = evaluate(compose_config("eval", [f"ckpt_path={paths['8']}", "logger=csv"], tmp_path / "int8"))
+    assert int8["test/ppl"] == pytest.approx(float_ppl, rel=0.01)
+    cfg = compose_config(
+        "sample",
+        [f"ckpt_path={paths['8']}", "prompt='the quick '", "max_new_tokens=22", "temperature=0"],
+        tmp_path / "s",
+    )
+    (greedy,) = sample(cfg)
+    assert greedy == (PHRASE * 2)[: len(greedy)]
+
+    ternary = load_task(str(paths["ternary"]))
+    memory = expert_memory(ternary.net)
+    code_bits = memory.ternary["code_bits_per_weight"]
+    assert code_bits < 1.6, "below the 2 bits of packed ternary codes"
+    assert memory.bits_per_weight < code_bits + 16 / 32 + 0.1, "plus a float16 scale per 32 rows and chunk offsets"
+    assert math.isfinite(
+        evaluate(compose_config("eval", [f"ckpt_path={paths['ternary']}"], tmp_path / "t"))["test/ppl"]
+    )

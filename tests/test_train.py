@@ -533,3 +533,47 @@ def test_routing_report_counts_each_experts_tokens_by_the_class_of_their_image(t
             assert routing.top_class[expert] == "abc"[main] and routing.top_class_share[expert] == pytest.approx(share)
     assert "## The classes each expert serves" in (tmp_path / "routing_report.md").read_text()
     assert (tmp_path / "routing_classes.png").is_file()
+
+
+@pytest.mark.e2e
+def test_int8_experts_keep_the_test_accuracy_and_the_quantized_checkpoint_serves_eval_and_predict(
+    trained_run, tmp_path
+):
+    """scripts/quantize.py on a trained checkpoint: int8 GPTQ experts change the test accuracy by at most half a
+    point; eval.py and predict.py take the quantized file as ckpt_path."""
+    from moekit.commands.quantize import quantize
+
+    out, _ = trained_run
+    ckpt = out / "checkpoints" / "last.ckpt"
+    float_metrics = evaluate(compose_config("eval", [f"ckpt_path={ckpt}", "logger=csv"], tmp_path / "float"))
+    cfg = compose_config(
+        "quantize",
+        [
+            f"ckpt_path={ckpt}",
+            "bits=8",
+            "method=gptq",
+            "calibration_batches=4",
+            f"output_path={tmp_path}/q8.safetensors",
+        ],
+        tmp_path / "q",
+    )
+    path = quantize(cfg)
+    quantized = evaluate(compose_config("eval", [f"ckpt_path={path}", "logger=csv"], tmp_path / "int8"))
+    assert abs(quantized["test/acc"] - float_metrics["test/acc"]) <= 0.005
+    assert quantized["test/loss"] == pytest.approx(float_metrics["test/loss"], rel=0.02)
+
+    # predict.py on PNGs of test images: the quantized task's own probabilities, with the checkpoint's class names
+    task = load_task(str(path))
+    datamodule = instantiate(OmegaConf.create(task.hparams["run_config"]["data"]), _convert_="all")
+    datamodule.setup("test")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    raw = datamodule.test_set.images[:3]
+    for i, image in enumerate(raw):
+        Image.fromarray(image[0].numpy()).save(folder / f"{i}.png")
+    with torch.inference_mode():
+        expected = task(datamodule.test_set.transform(raw)).softmax(-1).topk(5, dim=-1)
+    rows = predict(compose_config("predict", [f"ckpt_path={path}", f"inputs={folder}"], tmp_path / "p"))
+    assert [row["label"] for row in rows] == expected.indices.flatten().tolist()
+    assert [row["probability"] for row in rows] == pytest.approx(expected.values.flatten().tolist(), abs=1e-6)
+    assert {row["class"] for row in rows} <= set(FASHION_MNIST_CLASSES)

@@ -10,6 +10,9 @@
   between the complete temporary file and the rename: the tests kill runs in the middle of a write with it.
 * Reading weights users bring (:func:`read_state_dict`, :func:`load_weights`): our Lightning checkpoints,
   safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
+* Quantized checkpoints (:func:`save_quantized_task`; ``scripts/quantize.py``): one safetensors file with
+  the packed expert codes, the float rest of the network and the task's hyper-parameters as metadata;
+  :func:`load_task` reads them too, building the float experts on the meta device only.
 * Reading training checkpoints (:func:`check_ckpt_path`, :func:`check_resume_checkpoint`, :func:`load_task`):
   a missing, corrupt, sharded or foreign checkpoint is a :class:`CheckpointError` naming it, the checkpoints
   beside it and the fix; :func:`find_resume_checkpoint` resolves ``ckpt_path=last`` / ``auto`` to the newest
@@ -31,6 +34,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor, nn
 
+from moekit.quant.quantize import QUANT_METADATA_KEY
 from moekit.utils.atomic import atomic_write
 
 if TYPE_CHECKING:
@@ -54,6 +58,8 @@ __all__ = [
     "find_resume_checkpoint",
     "RESUME_ALIASES",
     "load_task",
+    "save_quantized_task",
+    "HPARAMS_KEY",
 ]
 
 RESUME_ALIASES = ("last", "auto")
@@ -155,11 +161,15 @@ def read_state_dict(path: str | os.PathLike, prefix: str = "net.") -> dict[str, 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file); check the path")
+    quantized = False
     try:
         if path.suffix == ".safetensors":
+            from safetensors import safe_open
             from safetensors.torch import load_file
 
-            state = load_file(str(path))
+            with safe_open(str(path), "pt") as file:
+                quantized = QUANT_METADATA_KEY in (file.metadata() or {})
+            state = {} if quantized else load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # truncated zip, foreign pickle, safetensors header error, ...
@@ -167,6 +177,11 @@ def read_state_dict(path: str | os.PathLike, prefix: str = "net.") -> dict[str, 
             f"checkpoint {str(path)!r} could not be read ({type(err).__name__}: {err}). It is corrupt, truncated or "
             "not a PyTorch/safetensors file; use another checkpoint (e.g. an earlier epoch or last.ckpt)."
         ) from None
+    if quantized:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds quantized experts (scripts/quantize.py), which serve inference only; "
+            "start from the float training checkpoint it was quantized from"
+        )
     if isinstance(state, Mapping) and "state_dict" in state:
         state = state["state_dict"]
     elif isinstance(state, Mapping) and "model" in state and isinstance(state["model"], Mapping):
@@ -381,10 +396,75 @@ def _task_class(checkpoint: dict) -> type[MoETask]:
     return cls
 
 
+# ---------------------------------------------------------------------------------------------
+# Quantized checkpoints (scripts/quantize.py)
+# ---------------------------------------------------------------------------------------------
+HPARAMS_KEY = "moekit_hyper_parameters"
+"""The metadata entry (JSON) of a quantized checkpoint holding the task's hyper-parameters."""
+
+
+def save_quantized_task(module: MoETask, quant_metadata: str, path: str | os.PathLike) -> Path:
+    """Write a task whose expert banks are quantized as one safetensors file (atomically): the network's
+    tensors (packed codes, scales, the float rest) and, as metadata, the task class, its hyper-parameters,
+    class names and the quantization (``quant_metadata``, from :func:`moekit.quant.quant_metadata`)."""
+    import json
+
+    from moekit.models.export import export_safetensors
+
+    try:
+        hparams = json.dumps(dict(module.hparams))
+    except TypeError as err:
+        raise CheckpointError(f"the task's hyper-parameters cannot be stored as JSON ({err})") from None
+    metadata = {
+        TASK_KEY: f"{type(module).__module__}:{type(module).__qualname__}",
+        HPARAMS_KEY: hparams,
+        CLASS_NAMES_KEY: json.dumps(getattr(module, "class_names", None)),
+        QUANT_METADATA_KEY: quant_metadata,
+    }
+    return export_safetensors(module.net, path, metadata)
+
+
+def _load_quantized_task(path: str) -> MoETask:
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from moekit.moe.experts import experts_on_meta
+    from moekit.quant import load_quantized_banks
+
+    with safe_open(path, "pt") as file:
+        metadata = file.metadata() or {}
+    if QUANT_METADATA_KEY not in metadata or HPARAMS_KEY not in metadata:
+        raise CheckpointError(
+            f"ckpt_path={path!r} is a safetensors file but not a quantized moekit checkpoint (its metadata has no "
+            f"{QUANT_METADATA_KEY!r}); pass a .ckpt written by scripts/train.py or a file from scripts/quantize.py"
+        )
+    cls = _task_class(metadata)
+    with experts_on_meta():  # the stored codes replace the experts: never hold them in float
+        module = cls(**{**json.loads(metadata[HPARAMS_KEY]), "init_from": None})
+    tensors = load_file(path)
+    load_quantized_banks(module.net, tensors, metadata[QUANT_METADATA_KEY])
+    load_weights(module.net, tensors, path)
+    module.on_load_checkpoint({CLASS_NAMES_KEY: json.loads(metadata.get(CLASS_NAMES_KEY, "null"))})
+    module.quantization = json.loads(metadata[QUANT_METADATA_KEY])
+    return module
+
+
 def load_task(ckpt_path: str) -> MoETask:
-    """The task (image classifier, language model) of a checkpoint written by ``scripts/train.py``, in eval
-    mode on the CPU, with a clear error for anything else."""
+    """The task (image classifier, language model) of a checkpoint written by ``scripts/train.py`` or
+    ``scripts/quantize.py``, in eval mode on the CPU, with a clear error for anything else."""
     check_ckpt_path(ckpt_path)
+    if str(ckpt_path).endswith(".safetensors"):
+        try:
+            return _load_quantized_task(str(ckpt_path)).eval()
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(
+                f"ckpt_path={ckpt_path!r} is not a quantized checkpoint that can be loaded ({type(err).__name__}: "
+                f"{err}). Write it again with scripts/quantize.py."
+            ) from None
     try:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         cls = _task_class(checkpoint)

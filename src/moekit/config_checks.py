@@ -50,6 +50,10 @@ def _betas(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == 2 and all(_fraction(b) for b in value)
 
 
+def _bits(value: Any) -> bool:
+    return value in (8, 4, 2, "ternary") and not isinstance(value, bool)
+
+
 # key -> (valid?, what it must be, what to give instead)
 _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.optimizer.lr": (_positive, "a finite number > 0", "e.g. 1e-3"),
@@ -73,6 +77,12 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.proj_drop_rate": (_fraction, "a number in [0, 1)", "e.g. 0.1, or 0 for none"),
     "model.attn_drop_rate": (_fraction, "a number in [0, 1)", "e.g. 0.1, or 0 for none"),
     "model.dropout": (_fraction, "a number in [0, 1)", "e.g. 0.1, or 0 for none"),
+    # scripts/quantize.py
+    "bits": (_bits, "8, 4, 2 or ternary (both methods support each)", "e.g. bits=4, or bits=ternary (sub-2-bit)"),
+    "method": (lambda v: v in ("rtn", "gptq"), "rtn or gptq", "gptq uses calibration batches, rtn rounds to nearest"),
+    "group_size": (_count, "a positive int (input rows per scale)", "e.g. 128"),
+    "calibration_batches": (_count, "a positive int", "GPTQ needs batches of the training split, e.g. 32"),
+    "damping": (_fraction, "a number in [0, 1)", "GPTQ's default is 0.01"),
 }
 
 _MISSING = object()

@@ -78,6 +78,10 @@ def compose(config_dir: str | Path, name: str, overrides: Sequence[str], output_
     return cfg
 
 
+QUANTIZE_KEYS = ("bits", "method", "group_size", "calibration_batches", "damping")
+"""The top-level settings of ``scripts/quantize.py``, checked with the others before torch is imported."""
+
+
 def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """Raise ``ValueError`` for an added key nothing reads, a numeric setting out of range, an MoE recipe its
     model cannot serve and Mixture-of-Depths settings the model cannot take."""
@@ -97,7 +101,7 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"{', '.join(missing)} must be given (the config leaves {'it' if len(missing) == 1 else 'them'} ???); "
             f"add {' '.join(example.get(key, f'{key}=<value>') for key in missing)} to the command"
         )
-    check_settings(_resolved_nodes(cfg, ("task", "trainer", "model")))
+    check_settings(_resolved_nodes(cfg, ("task", "trainer", "model", *QUANTIZE_KEYS)))
     _check_logger_packages(cfg.get("logger"))
     model = cfg.get("model")
     if not isinstance(model, DictConfig) or str(model.get("_target_")) not in MODEL_KINDS:
@@ -160,6 +164,8 @@ def _resolved_nodes(cfg: DictConfig, names: Sequence[str]) -> dict[str, Any]:
                 nodes[name] = OmegaConf.to_container(node, resolve=True)
             except OmegaConfBaseException:
                 continue
+        elif node is not None and not OmegaConf.is_missing(cfg, name):
+            nodes[name] = node
     return nodes
 
 

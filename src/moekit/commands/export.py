@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from moekit.checkpoint import load_task
+from moekit.checkpoint import CheckpointError, load_task
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.models import export_safetensors
 
@@ -18,6 +18,11 @@ __all__ = ["export"]
 
 def export(cfg: DictConfig) -> Path:
     """Write the checkpoint's network as a safetensors state dict (timm loads those of the ViTs)."""
+    if str(cfg.ckpt_path).endswith(".safetensors"):
+        raise CheckpointError(
+            f"ckpt_path={cfg.ckpt_path!r} is a safetensors file: a quantized checkpoint (eval.py, predict.py and "
+            "sample.py load it) or an export already; export the training checkpoint (.ckpt)"
+        )
     module = load_task(cfg.ckpt_path)
     output = Path(cfg.get("output_path") or Path(cfg.ckpt_path).with_suffix(".safetensors"))
     check_writable_dir(output.parent, "the folder of output_path")

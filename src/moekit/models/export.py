@@ -23,9 +23,10 @@ from moekit.utils.atomic import atomic_write
 __all__ = ["export_safetensors"]
 
 
-def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write ``model.state_dict()`` (parameters and persistent buffers, on CPU) to ``path``. Tied
-    parameters are written once per name, so ``model.load_state_dict`` reads the file back.
+def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``model.state_dict()`` (parameters and persistent buffers, on CPU) to ``path``, with ``metadata``
+    (strings) in the file's header. Tied parameters are written once per name, so ``model.load_state_dict``
+    reads the file back.
 
     The write is atomic (:func:`moekit.utils.atomic.atomic_write`): readers never see a partial file.
     Missing parent folders are created.
@@ -45,5 +46,5 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike) -> Path:
         seen.add(tensor.data_ptr())
         tensors[name] = tensor
     with atomic_write(path, "wb") as file:
-        file.write(save(tensors, metadata={"format": "pt"}))
+        file.write(save(tensors, metadata={"format": "pt", **(metadata or {})}))
     return path

@@ -27,6 +27,9 @@ and exchanges rows with the other ranks (:func:`moekit.moe.all_to_all.expert_par
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -42,7 +45,15 @@ from .all_to_all import expert_parallel_apply
 if TYPE_CHECKING:
     from .base import MlpSpec
 
-__all__ = ["ExpertBank", "ExpertsConfig", "grouped_linear", "AUTO_KERNELS", "Kernel"]
+__all__ = [
+    "ExpertBank",
+    "ExpertsConfig",
+    "grouped_linear",
+    "expert_activation",
+    "experts_on_meta",
+    "AUTO_KERNELS",
+    "Kernel",
+]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
@@ -189,6 +200,29 @@ def grouped_linear(
     return out
 
 
+def expert_activation(h: Tensor, act: nn.Module, gated: bool) -> Tensor:
+    """The experts' nonlinearity on ``fc1``'s output: ``act(h)``, or ``act(gate) * up`` for gated experts."""
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        return act(gate) * up
+    return act(h)
+
+
+_EXPERTS_ON_META: ContextVar[bool] = ContextVar("experts_on_meta", default=False)
+
+
+@contextmanager
+def experts_on_meta() -> Iterator[None]:
+    """Within this context new :class:`ExpertBank` weights live on the meta device (no memory): a model
+    whose banks are about to be replaced by stored ones (:mod:`moekit.quant`) is built without ever holding
+    its float experts."""
+    token = _EXPERTS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _EXPERTS_ON_META.reset(token)
+
+
 class ExpertBank(nn.Module):
     """``num_experts`` MLP experts with stacked weights (see the module docstring for layouts).
 
@@ -240,6 +274,8 @@ class ExpertBank(nn.Module):
         self.ep_group = None  # expert-parallel process group once sharded (see shard_)
         self.expert_offset = 0  # global index of the first expert held here
         fc1_out = 2 * hidden_features if gated else hidden_features
+        if _EXPERTS_ON_META.get():
+            device = torch.device("meta")
         dd = {"device": device, "dtype": dtype}
         weights = in_features * fc1_out + hidden_features * out_features
         what = f"ExpertBank: num_experts={num_experts} experts of {weights:,} weights each"
@@ -373,8 +409,8 @@ class ExpertBank(nn.Module):
             return expert_parallel_apply(self._local_forward, x, group_sizes, self.num_experts, self.ep_group)
         return self._local_forward(x, group_sizes)
 
-    def _local_forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
-        """The experts held here on rows sorted by local expert."""
+    def _cast(self, x: Tensor) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+        """``x`` and the weights in the compute dtype: autocast's when enabled, else the input's."""
         weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
@@ -383,17 +419,22 @@ class ExpertBank(nn.Module):
             weights = tuple(w.to(dtype) if w is not None else None for w in weights)
         elif x.dtype != self.fc1_weight.dtype:  # e.g. FSDP mixed precision: compute in the input's dtype
             weights = tuple(w.to(x.dtype) if w is not None else None for w in weights)
-        w1, b1, w2, b2 = weights
-        with torch.autocast(device_type, enabled=False):
-            h = grouped_linear(x, w1, b1, group_sizes, self.kernel)
-            if self.gated:
-                gate, up = h.chunk(2, dim=-1)
-                h = self.act(gate) * up
-            else:
-                h = self.act(h)
-            h = self.drop1(h)
+        return x, weights
+
+    def _local_forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
+        """The experts held here on rows sorted by local expert."""
+        x, (w1, b1, w2, b2) = self._cast(x)
+        with torch.autocast(x.device.type, enabled=False):
+            h = self.drop1(expert_activation(grouped_linear(x, w1, b1, group_sizes, self.kernel), self.act, self.gated))
             y = grouped_linear(h, w2, b2, group_sizes, self.kernel)
         return self.drop2(y)
+
+    def hidden(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
+        """``[rows, hidden]``: what reaches ``fc2`` for rows sorted by (local) expert, before dropout (the
+        inputs whose statistics GPTQ needs for ``fc2``)."""
+        x, (w1, b1, _, _) = self._cast(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return expert_activation(grouped_linear(x, w1, b1, group_sizes, self.kernel), self.act, self.gated)
 
     def flops_per_row(self) -> int:
         """Multiply-adds x 2 of one row through one expert (forward)."""

@@ -1,0 +1,170 @@
+"""Benchmark of quantized experts: what each format and method costs and keeps, for one training checkpoint.
+
+For the float model and every (format, method) pair it prints the experts' stored bytes and bits per expert
+weight (scales included), the test metric over the checkpoint's test split (accuracy, or perplexity: the exponent
+of the mean cross-entropy over all test tokens), the inference time of one test batch (median over interleaved
+rounds, so a slow phase of the machine hits every variant alike) and the resident memory a fresh process needs
+to hold the loaded model (its ``VmRSS`` after loading minus before, imports done; system malloc).
+Ratios are against the float model measured in the same run.
+
+    python scripts/bench_quant.py --ckpt logs/soft_moe_vit/runs/<run>/checkpoints/last.ckpt
+    python scripts/bench_quant.py --ckpt <ckpt> --formats int8 ternary --methods gptq --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import Tensor, nn
+
+from moekit.checkpoint import load_task, save_quantized_task
+from moekit.quant import FORMATS, METHODS, QuantFormat, QuantSpec, expert_memory, quant_metadata, quantize_experts
+from moekit.tasks import LanguageModel
+from moekit.utils.machine import machine_info
+
+__all__ = ["main"]
+
+_CHILD = """
+import gc, sys, torch
+import moekit.checkpoint, moekit.models, moekit.quant, moekit.tasks
+torch.set_num_threads(1)
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) * 1024
+gc.collect(); before = rss()
+task = moekit.checkpoint.load_task(sys.argv[1])
+gc.collect(); print(rss() - before)
+"""
+
+
+@torch.inference_mode()
+def _test_metric(net: nn.Module, batches: list[tuple[Tensor, Tensor]], lm: bool) -> float:
+    """Accuracy of a classifier, or the perplexity of a language model, over ``batches``."""
+    total, count = 0.0, 0
+    for x, y in batches:
+        logits = net(x)
+        if lm:
+            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            count += y.numel()
+        else:
+            total += float((logits.argmax(-1) == y).sum())
+            count += y.numel()
+    return math.exp(total / count) if lm else total / count
+
+
+def _resident_bytes(path: Path) -> int:
+    """What loading ``path`` adds to a fresh process's resident memory (system malloc)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", type=Path, required=True, help="a training checkpoint (.ckpt) of an MoE experiment")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--calibration-batches", type=int, default=32)
+    parser.add_argument("--test-batches", type=int, help="test batches for the metric (default: the whole split)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median reported)")
+    parser.add_argument("--markdown", type=Path, help="also write the table here")
+    args = parser.parse_args(argv)
+    L.seed_everything(0, workers=True)
+    float_task = load_task(str(args.ckpt))
+    lm = isinstance(float_task, LanguageModel)
+    datamodule = instantiate(OmegaConf.create(float_task.hparams["run_config"]["data"]), _convert_="all")
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    calibration = []
+    for x, _ in datamodule.train_dataloader():
+        calibration.append(x)
+        if len(calibration) == args.calibration_batches:
+            break
+    datamodule.setup("test")
+    test = []
+    for batch in datamodule.test_dataloader():
+        test.append((batch[0], batch[1]))
+        if args.test_batches and len(test) == args.test_batches:
+            break
+
+    variants: dict[str, nn.Module] = {"float32": float_task.net}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {"float32": args.ckpt}
+        quantize_times = {}
+        for name in args.formats:
+            for method in args.methods:
+                task = load_task(str(args.ckpt))
+                spec = QuantSpec(QuantFormat(name, args.group_size), method)
+                start = time.perf_counter()
+                quantize_experts(task.net, spec, lambda: calibration)
+                quantize_times[f"{name} {method}"] = time.perf_counter() - start
+                files[f"{name} {method}"] = save_quantized_task(
+                    task, quant_metadata(spec, task.net), Path(tmp) / f"{name}-{method}.safetensors"
+                )
+                variants[f"{name} {method}"] = (task.net, method)
+                print(f"quantized: {name} {method} ({quantize_times[f'{name} {method}']:.1f} s)", flush=True)
+        times: dict[str, list[float]] = {key: [] for key in variants}
+        with torch.inference_mode():
+            for _ in range(args.rounds):
+                for key, net in variants.items():
+                    net(test[0][0])  # warm-up
+                    start = time.perf_counter()
+                    net(test[0][0])
+                    times[key].append(time.perf_counter() - start)
+        resident = {key: _resident_bytes(path) for key, path in files.items()}
+
+    metric_name = "test perplexity" if lm else "test top-1"
+    rows = []
+    base: dict[str, float] = {}
+    for key, net in variants.items():
+        memory = expert_memory(net)
+        metric = _test_metric(net, test, lm)
+        step = statistics.median(times[key])
+        if key == "float32":
+            base = {"metric": metric, "step": step, "rss": resident[key]}
+        shown = f"{metric:.3f}" if lm else f"{100 * metric:.2f}%"
+        change = (metric - base["metric"]) * (1 if lm else 100)
+        cells = [
+            key,
+            f"{memory.stored / 2**20:.2f}",
+            f"{memory.bits_per_weight:.2f}",
+            shown,
+            f"{change:+.3f}" if lm else f"{change:+.2f}",
+            f"{1e3 * step:.1f}",
+            f"{step / base['step']:.2f}x",
+            f"{resident[key] / 2**20:.1f}",
+            f"{resident[key] / base['rss']:.2f}x",
+            f"{quantize_times[key]:.0f}" if key in quantize_times else "",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    machine = machine_info()
+    lines = [
+        f"{args.ckpt} ({type(float_task.net).__name__}, {len(test)} test batches of {test[0][0].shape[0]}), "
+        f"calibration: {args.calibration_batches} training batches, group size {args.group_size}; "
+        f"{machine.get('cpu', 'cpu')}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "",
+        f"| experts | expert MiB | bits / expert weight | {metric_name} | change | batch ms | vs float | "
+        "resident MiB | vs float | quantize s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text + "\n")
