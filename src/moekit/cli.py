@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moekit.configs import check_composed
 from moekit.console import tidy_library_output
+from moekit.utils.allocator import use_fast_allocator
 from moekit.utils.atomic import write_json_atomic
 
 __all__ = ["RunDirCheck", "SearchSpaceCheck", "SweepSummary", "run_script", "user_message"]
@@ -250,4 +251,5 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
         return result
 
     _check_unquoted_non_ascii(sys.argv[1:])
+    use_fast_allocator()  # before anything heavy: may restart this process with tcmalloc preloaded
     main()

@@ -6,7 +6,9 @@ pages and returns them on free, so each step pays a page fault per 4 KiB of grad
 CPU: ~100 ms for the 100 M expert parameters of 256 fine-grained experts). tcmalloc keeps freed
 memory for reuse; PyTorch's CPU performance guide recommends it (or jemalloc) for training.
 :func:`reexec_with_tcmalloc` restarts the current Python program with tcmalloc preloaded when the
-library is installed (Debian: ``apt-get install libtcmalloc-minimal4``).
+library is installed (Debian: ``apt-get install libtcmalloc-minimal4``, which ``make install`` does where
+apt is available). Every command-line script does so (:func:`use_fast_allocator`, called by
+:func:`moekit.cli.run_script`) unless ``MOEKIT_ALLOCATOR=system``; the run record names the allocator.
 """
 
 from __future__ import annotations
@@ -16,7 +18,18 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["find_tcmalloc", "reexec_with_tcmalloc", "active_allocator", "add_allocator_argument", "apply_allocator"]
+__all__ = [
+    "ALLOCATOR_ENV",
+    "find_tcmalloc",
+    "reexec_with_tcmalloc",
+    "active_allocator",
+    "use_fast_allocator",
+    "add_allocator_argument",
+    "apply_allocator",
+]
+
+ALLOCATOR_ENV = "MOEKIT_ALLOCATOR"
+"""``tcmalloc`` (default) or ``system``: the allocator the command-line scripts run with."""
 
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -58,6 +71,15 @@ def reexec_with_tcmalloc() -> bool:
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
     return True  # unreachable
+
+
+def use_fast_allocator() -> None:
+    """What the scripts call first: restart with tcmalloc (when installed) unless ``MOEKIT_ALLOCATOR=system``."""
+    choice = os.environ.get(ALLOCATOR_ENV, "tcmalloc")
+    if choice not in ("tcmalloc", "system"):
+        raise SystemExit(f"{ALLOCATOR_ENV}={choice!r} must be 'tcmalloc' (the default) or 'system'")
+    if choice == "tcmalloc":
+        reexec_with_tcmalloc()
 
 
 def add_allocator_argument(parser) -> None:

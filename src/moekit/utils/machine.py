@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from moekit.utils.allocator import active_allocator
+
 __all__ = [
     "available_memory",
     "check_fits_in_memory",
@@ -90,7 +92,7 @@ def cpu_model() -> str:
 
 def machine_info() -> dict[str, Any]:
     """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
-    threads, torch / Python versions, the OS, and the GPU's name (None without CUDA)."""
+    threads, torch / Python versions, the OS, the memory allocator, and the GPU's name (None without CUDA)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu": cpu_model(),
@@ -100,6 +102,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "allocator": active_allocator(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
