@@ -577,3 +577,26 @@ def test_int8_experts_keep_the_test_accuracy_and_the_quantized_checkpoint_serves
     assert [row["label"] for row in rows] == expected.indices.flatten().tolist()
     assert [row["probability"] for row in rows] == pytest.approx(expected.values.flatten().tolist(), abs=1e-6)
     assert {row["class"] for row in rows} <= set(FASHION_MNIST_CLASSES)
+
+
+@pytest.mark.e2e
+def test_bench_quant_prints_a_row_per_format_and_method(trained_run, capsys):
+    from moekit.analysis.bench_quant import main
+
+    out, _ = trained_run
+    ckpt = out / "checkpoints" / "last.ckpt"
+    main(["--ckpt", str(ckpt), "--formats", "int8", "ternary", "--calibration-batches", "4", "--rounds", "1"])
+    table = capsys.readouterr().out.split("| experts |")[1].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in table] == [
+        "float32",
+        "int8 rtn",
+        "int8 gptq",
+        "ternary rtn",
+        "ternary gptq",
+    ]
+    float_row = table[0].split("|")
+    assert float(float_row[3]) == 32.0 and float_row[6].strip() == "0.00%" and float_row[8].strip() == "1.00x"
+    errors = [float(row.split("|")[6].strip().rstrip("%")) for row in table]
+    assert errors[1] < errors[3] and errors[2] < errors[3], "int8 moves the logits less than ternary"
+    bits = [float(row.split("|")[3]) for row in table[1:]]
+    assert 8 < bits[0] == bits[1] < 9 and bits[2] < bits[0] / 3  # the tiny model's 32-row groups: 24 bits per 32

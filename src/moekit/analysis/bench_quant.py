@@ -1,10 +1,17 @@
 """Benchmark of quantized experts: what each format and method costs and keeps, for one training checkpoint.
 
-For the float model and every (format, method) pair it prints the experts' stored bytes and bits per expert
-weight (scales included), the test metric over the checkpoint's test split (accuracy, or perplexity: the exponent
-of the mean cross-entropy over all test tokens), the inference time of one test batch (median over interleaved
-rounds, so a slow phase of the machine hits every variant alike) and the resident memory a fresh process needs
-to hold the loaded model (its ``VmRSS`` after loading minus before, imports done; system malloc).
+For the float model and every (format, method) pair it prints:
+
+* the experts' stored bytes and bits per expert weight (scales included);
+* the test metric over the checkpoint's test split (accuracy, or perplexity: the exponent of the mean
+  cross-entropy over all test tokens) and the error of the test logits relative to the float model's
+  (``||logits - float logits|| / ||float logits||``, more sensitive than the metric);
+* the inference time of one test batch (median over interleaved rounds, so that a slow phase of the machine
+  hits every variant alike);
+* the bytes the experts' tensors take in memory (the ternary decoding tables included) and what loading the
+  model adds to a fresh process's resident memory (``VmRSS`` after loading minus before, imports done;
+  system malloc; the float model from its weights alone).
+
 Ratios are against the float model measured in the same run.
 
     python scripts/bench_quant.py --ckpt logs/soft_moe_vit/runs/<run>/checkpoints/last.ckpt
@@ -30,7 +37,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from moekit.checkpoint import load_task, save_quantized_task
+from moekit.checkpoint import TASK_KEY, load_task, save_quantized_task
 from moekit.quant import FORMATS, METHODS, QuantFormat, QuantSpec, expert_memory, quant_metadata, quantize_experts
 from moekit.tasks import LanguageModel
 from moekit.utils.machine import machine_info
@@ -52,18 +59,25 @@ gc.collect(); print(rss() - before)
 
 
 @torch.inference_mode()
-def _test_metric(net: nn.Module, batches: list[tuple[Tensor, Tensor]], lm: bool) -> float:
-    """Accuracy of a classifier, or the perplexity of a language model, over ``batches``."""
-    total, count = 0.0, 0
-    for x, y in batches:
+def _test_metric(
+    net: nn.Module, batches: list[tuple[Tensor, Tensor]], lm: bool, reference: list[Tensor] | None
+) -> tuple[float, float, list[Tensor]]:
+    """Accuracy of a classifier (or the perplexity of a language model) over ``batches``, the relative error of
+    its logits against ``reference`` (the float model's), and its logits."""
+    total, count, err, norm, outputs = 0.0, 0, 0.0, 0.0, []
+    for i, (x, y) in enumerate(batches):
         logits = net(x)
+        outputs.append(logits)
+        if reference is not None:
+            err += float((logits - reference[i]).pow(2).sum())
+            norm += float(reference[i].pow(2).sum())
         if lm:
             total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
-            count += y.numel()
         else:
             total += float((logits.argmax(-1) == y).sum())
-            count += y.numel()
-    return math.exp(total / count) if lm else total / count
+        count += y.numel()
+    metric = math.exp(total / count) if lm else total / count
+    return metric, math.sqrt(err / norm) if norm else 0.0, outputs
 
 
 def _resident_bytes(path: Path) -> int:
@@ -104,20 +118,27 @@ def main(argv: list[str] | None = None) -> None:
 
     variants: dict[str, nn.Module] = {"float32": float_task.net}
     with tempfile.TemporaryDirectory() as tmp:
-        files = {"float32": args.ckpt}
+        # The float model as weights and hyper-parameters only (no optimizer state), read by the same loader.
+        checkpoint = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+        files = {"float32": Path(tmp) / "float32.ckpt"}
+        torch.save(
+            {k: checkpoint[k] for k in ("state_dict", "hyper_parameters", TASK_KEY) if k in checkpoint},
+            files["float32"],
+        )
+        del checkpoint
         quantize_times = {}
         for name in args.formats:
             for method in args.methods:
                 task = load_task(str(args.ckpt))
                 spec = QuantSpec(QuantFormat(name, args.group_size), method)
+                key = f"{name} {method}"
                 start = time.perf_counter()
                 quantize_experts(task.net, spec, lambda: calibration)
-                quantize_times[f"{name} {method}"] = time.perf_counter() - start
-                files[f"{name} {method}"] = save_quantized_task(
-                    task, quant_metadata(spec, task.net), Path(tmp) / f"{name}-{method}.safetensors"
-                )
-                variants[f"{name} {method}"] = (task.net, method)
-                print(f"quantized: {name} {method} ({quantize_times[f'{name} {method}']:.1f} s)", flush=True)
+                quantize_times[key] = time.perf_counter() - start
+                path = Path(tmp) / f"{name}-{method}.safetensors"
+                files[key] = save_quantized_task(task, quant_metadata(spec, task.net), path)
+                variants[key] = task.net
+                print(f"quantized: {key} ({quantize_times[key]:.1f} s)", flush=True)
         times: dict[str, list[float]] = {key: [] for key in variants}
         with torch.inference_mode():
             for _ in range(args.rounds):
@@ -131,12 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     metric_name = "test perplexity" if lm else "test top-1"
     rows = []
     base: dict[str, float] = {}
+    reference: list[Tensor] | None = None
     for key, net in variants.items():
         memory = expert_memory(net)
-        metric = _test_metric(net, test, lm)
+        metric, logit_error, logits = _test_metric(net, test, lm, reference)
         step = statistics.median(times[key])
         if key == "float32":
             base = {"metric": metric, "step": step, "rss": resident[key]}
+            reference = logits
         shown = f"{metric:.3f}" if lm else f"{100 * metric:.2f}%"
         change = (metric - base["metric"]) * (1 if lm else 100)
         cells = [
@@ -145,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{memory.bits_per_weight:.2f}",
             shown,
             f"{change:+.3f}" if lm else f"{change:+.2f}",
+            f"{100 * logit_error:.2f}%",
             f"{1e3 * step:.1f}",
             f"{step / base['step']:.2f}x",
+            f"{memory.resident / 2**20:.2f}",
             f"{resident[key] / 2**20:.1f}",
             f"{resident[key] / base['rss']:.2f}x",
             f"{quantize_times[key]:.0f}" if key in quantize_times else "",
@@ -158,9 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         f"calibration: {args.calibration_batches} training batches, group size {args.group_size}; "
         f"{machine.get('cpu', 'cpu')}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "",
-        f"| experts | expert MiB | bits / expert weight | {metric_name} | change | batch ms | vs float | "
-        "resident MiB | vs float | quantize s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| experts | expert MiB stored | bits / expert weight | {metric_name} | change | logit error | batch ms | "
+        "vs float | expert MiB in memory | process MiB after loading | vs float | quantize s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     text = "\n".join(lines)

@@ -51,7 +51,6 @@ class QuantizedWeight(nn.Module):
             self.register_buffer(name, tensors[name])
         if fmt.symmetric:
             code = code or build_code(self.counts, int(self.code_bits))
-            self.code_bits_used = code.bits
             self.register_buffer("word_table", code.table, persistent=False)
             self.register_buffer("word_lengths", code.lengths, persistent=False)
             # Per chunk, the last codeword and its share of symbols; per expert, its codewords' range.
@@ -124,7 +123,7 @@ class QuantizedWeight(nn.Module):
         return {
             "zero_fraction": float(counts[1]) / float(counts.sum()),
             "entropy_bits": entropy_bits(counts),
-            "code_bits_per_weight": self.codewords.numel() * self.code_bits_used / float(counts.sum()),
+            "code_bits_per_weight": self.codewords.numel() * int(self.code_bits) / float(counts.sum()),
         }
 
     def extra_repr(self) -> str:

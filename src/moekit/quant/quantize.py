@@ -181,7 +181,7 @@ def _hessians(
         handle.remove()
     if not total:
         raise ValueError("the calibration inputs never reached the expert bank; check the calibration data")
-    return total[0], rows[0]
+    return total[0].cpu(), rows[0]  # GPTQ runs on the CPU, in float64
 
 
 def _quantize_matrix(
