@@ -7,7 +7,7 @@ from torch import nn
 
 from conftest import reference_expert
 from moekit.moe import ExpertBank, grouped_linear
-from moekit.moe.experts import _HAS_GROUPED_MM
+from moekit.moe.grouped_linear import _HAS_GROUPED_MM
 
 KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 

@@ -230,8 +230,9 @@ def test_experts_built_on_meta_take_no_memory():
 @pytest.mark.parametrize("name", ["int4", "ternary"])
 def test_a_quantized_checkpoint_reloads_bit_exactly(name, tmp_path):
     from conftest import TINY_NET
-    from moekit.checkpoint import load_task, save_quantized_task
+    from moekit.checkpoint import load_task
     from moekit.quant import quant_metadata
+    from moekit.quantized_checkpoint import save_quantized_task
     from moekit.tasks import ImageClassifier
 
     task = ImageClassifier(net=TINY_NET, num_classes=10).eval()

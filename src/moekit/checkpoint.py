@@ -10,9 +10,8 @@
   between the complete temporary file and the rename: the tests kill runs in the middle of a write with it.
 * Reading weights users bring (:func:`read_state_dict`, :func:`load_weights`): our Lightning checkpoints,
   safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
-* Quantized checkpoints (:func:`save_quantized_task`; ``scripts/quantize.py``): one safetensors file with
-  the packed expert codes, the float rest of the network and the task's hyper-parameters as metadata;
-  :func:`load_task` reads them too, building the float experts on the meta device only.
+* Quantized checkpoints (``scripts/quantize.py``; :mod:`moekit.quantized_checkpoint`): :func:`load_task`
+  reads them too.
 * Reading training checkpoints (:func:`check_ckpt_path`, :func:`check_resume_checkpoint`, :func:`load_task`):
   a missing, corrupt, sharded or foreign checkpoint is a :class:`CheckpointError` naming it, the checkpoints
   beside it and the fix; :func:`find_resume_checkpoint` resolves ``ckpt_path=last`` / ``auto`` to the newest
@@ -58,8 +57,7 @@ __all__ = [
     "find_resume_checkpoint",
     "RESUME_ALIASES",
     "load_task",
-    "save_quantized_task",
-    "HPARAMS_KEY",
+    "task_class",
 ]
 
 RESUME_ALIASES = ("last", "auto")
@@ -383,7 +381,7 @@ def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: M
         )
 
 
-def _task_class(checkpoint: dict) -> type[MoETask]:
+def task_class(checkpoint: dict) -> type[MoETask]:
     """The task class a checkpoint names (checkpoints without the entry are image classifiers)."""
     from moekit.tasks import MoETask
 
@@ -396,68 +394,15 @@ def _task_class(checkpoint: dict) -> type[MoETask]:
     return cls
 
 
-# ---------------------------------------------------------------------------------------------
-# Quantized checkpoints (scripts/quantize.py)
-# ---------------------------------------------------------------------------------------------
-HPARAMS_KEY = "moekit_hyper_parameters"
-"""The metadata entry (JSON) of a quantized checkpoint holding the task's hyper-parameters."""
-
-
-def save_quantized_task(module: MoETask, quant_metadata: str, path: str | os.PathLike) -> Path:
-    """Write a task whose expert banks are quantized as one safetensors file (atomically): the network's
-    tensors (packed codes, scales, the float rest) and, as metadata, the task class, its hyper-parameters,
-    class names and the quantization (``quant_metadata``, from :func:`moekit.quant.quant_metadata`)."""
-    import json
-
-    from moekit.models.export import export_safetensors
-
-    try:
-        hparams = json.dumps(dict(module.hparams))
-    except TypeError as err:
-        raise CheckpointError(f"the task's hyper-parameters cannot be stored as JSON ({err})") from None
-    metadata = {
-        TASK_KEY: f"{type(module).__module__}:{type(module).__qualname__}",
-        HPARAMS_KEY: hparams,
-        CLASS_NAMES_KEY: json.dumps(getattr(module, "class_names", None)),
-        QUANT_METADATA_KEY: quant_metadata,
-    }
-    return export_safetensors(module.net, path, metadata)
-
-
-def _load_quantized_task(path: str) -> MoETask:
-    import json
-
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    from moekit.moe.experts import experts_on_meta
-    from moekit.quant import load_quantized_banks
-
-    with safe_open(path, "pt") as file:
-        metadata = file.metadata() or {}
-    if QUANT_METADATA_KEY not in metadata or HPARAMS_KEY not in metadata:
-        raise CheckpointError(
-            f"ckpt_path={path!r} is a safetensors file but not a quantized moekit checkpoint (its metadata has no "
-            f"{QUANT_METADATA_KEY!r}); pass a .ckpt written by scripts/train.py or a file from scripts/quantize.py"
-        )
-    cls = _task_class(metadata)
-    with experts_on_meta():  # the stored codes replace the experts: never hold them in float
-        module = cls(**{**json.loads(metadata[HPARAMS_KEY]), "init_from": None})
-    tensors = load_file(path)
-    load_quantized_banks(module.net, tensors, metadata[QUANT_METADATA_KEY])
-    load_weights(module.net, tensors, path)
-    module.on_load_checkpoint({CLASS_NAMES_KEY: json.loads(metadata.get(CLASS_NAMES_KEY, "null"))})
-    module.quantization = json.loads(metadata[QUANT_METADATA_KEY])
-    return module
-
-
 def load_task(ckpt_path: str) -> MoETask:
     """The task (image classifier, language model) of a checkpoint written by ``scripts/train.py`` or
     ``scripts/quantize.py``, in eval mode on the CPU, with a clear error for anything else."""
     check_ckpt_path(ckpt_path)
     if str(ckpt_path).endswith(".safetensors"):
+        from moekit.quantized_checkpoint import load_quantized_task
+
         try:
-            return _load_quantized_task(str(ckpt_path)).eval()
+            return load_quantized_task(str(ckpt_path)).eval()
         except CheckpointError:
             raise
         except Exception as err:
@@ -467,7 +412,7 @@ def load_task(ckpt_path: str) -> MoETask:
             ) from None
     try:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        cls = _task_class(checkpoint)
+        cls = task_class(checkpoint)
         # The checkpoint holds the trained weights: do not read the run's initial weights file again.
         module = cls(**{**checkpoint["hyper_parameters"], "init_from": None})
         module.load_state_dict(checkpoint["state_dict"])

@@ -37,8 +37,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from moekit.checkpoint import TASK_KEY, load_task, save_quantized_task
+from moekit.checkpoint import TASK_KEY, load_task
 from moekit.quant import FORMATS, METHODS, QuantFormat, QuantSpec, expert_memory, quant_metadata, quantize_experts
+from moekit.quantized_checkpoint import save_quantized_task
 from moekit.tasks import LanguageModel
 from moekit.utils.machine import machine_info
 

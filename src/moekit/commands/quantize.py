@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from moekit.checkpoint import CheckpointError, load_task, save_quantized_task
+from moekit.checkpoint import CheckpointError, load_task
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.quant import (
     CalibrationError,
@@ -20,6 +20,7 @@ from moekit.quant import (
     quant_metadata,
     quantize_experts,
 )
+from moekit.quantized_checkpoint import save_quantized_task
 
 from .common import datamodule_for
 

@@ -49,8 +49,9 @@ from .build import build_moe_layer, expert_hidden_features
 from .capacity import Capacity
 from .dense_moe import DenseMoE
 from .depth import DepthRouter, MixtureOfDepths, depth_routers, top_c_routing
-from .experts import ExpertBank, ExpertsConfig, grouped_linear
+from .experts import ExpertBank, ExpertsConfig
 from .experts_choice import ExpertsChoiceMoE
+from .grouped_linear import grouped_linear
 from .soft_moe import SoftMoE
 from .tokens_choice import BaseMoE, HashMoE, HierarchicalMoE, SharedExperts, TokensChoiceMoE, TopKMoE
 

@@ -26,7 +26,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from moekit.moe.experts import ExpertBank, GroupSizes
+from moekit.moe.experts import ExpertBank
+from moekit.moe.grouped_linear import GroupSizes
 
 from .bank import QuantizedExpertBank, QuantizedWeight
 from .formats import QuantFormat

@@ -1,0 +1,160 @@
+"""Per-expert affine maps of rows sorted by expert: the kernels an :class:`~moekit.moe.ExpertBank` runs.
+
+``"loop"`` - one BLAS call per expert from a custom autograd function that writes into preallocated
+outputs (ragged counts are read on the host: a sync, free on CPU); ``"bmm"`` - one batched matmul (equal
+groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with device-side offsets (no host sync).
+``"auto"`` picks per device and layout (:data:`AUTO_KERNELS`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["grouped_linear", "AUTO_KERNELS", "Kernel", "GroupSizes"]
+
+Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
+GroupSizes = int | Tensor
+
+# Keys: (device type, "equal" | "ragged"). On CPUs, one batched matmul beats the per-expert loop on equal
+# groups and the loop ties with torch._grouped_mm on ragged ones (scripts/bench_moe.py; docs/performance.md).
+# The CUDA entries (bmm; grouped_mm for bf16) follow the kernels GPU MoE stacks use.
+AUTO_KERNELS: dict[tuple[str, str], str] = {
+    ("cpu", "equal"): "bmm",
+    ("cpu", "ragged"): "loop",
+    ("cuda", "equal"): "bmm",
+    ("cuda", "ragged"): "grouped_mm",
+}
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+class _LoopGroupedLinear(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ weight[e] (+ bias[e])`` with one BLAS call per expert.
+
+    Outputs and gradients are written into preallocated tensors: no per-expert autograd nodes and no
+    zero-filled full-size gradient per expert (which ``weight[e]`` indexing in a Python loop costs).
+    The per-expert views come from one ``split`` / ``unbind`` each, to keep Python overhead low.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
+        rows = sum(sizes)
+        out = x.new_empty(x.shape[0], weight.shape[-1])
+        x_parts = x[:rows].split(sizes)
+        out_parts = out[:rows].split(sizes)
+        if bias is None:
+            for e, (x_e, w_e) in enumerate(zip(x_parts, weight.unbind(0))):
+                if sizes[e]:
+                    torch.mm(x_e, w_e, out=out_parts[e])
+        else:
+            for e, (x_e, w_e, b_e) in enumerate(zip(x_parts, weight.unbind(0), bias.unbind(0))):
+                if sizes[e]:
+                    torch.addmm(b_e, x_e, w_e, out=out_parts[e])
+        if rows < x.shape[0]:
+            out[rows:].zero_()
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        sizes = ctx.sizes
+        rows = sum(sizes)
+        grad_out = grad_out.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g_parts = grad_out[:rows].split(sizes)
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = torch.empty_like(x)
+            for e, (g_e, w_t, gx_e) in enumerate(
+                zip(g_parts, weight.transpose(1, 2).unbind(0), grad_x[:rows].split(sizes))
+            ):
+                if sizes[e]:
+                    torch.mm(g_e, w_t, out=gx_e)
+            if rows < x.shape[0]:
+                grad_x[rows:].zero_()
+        if need_w:
+            grad_w = torch.empty_like(weight)
+            x_t_parts = x[:rows].t().split(sizes, dim=1)
+            for e, (x_t, g_e, gw_e) in enumerate(zip(x_t_parts, g_parts, grad_w.unbind(0))):
+                if sizes[e]:
+                    torch.mm(x_t, g_e, out=gw_e)
+                else:
+                    gw_e.zero_()
+        if need_b and ctx.has_bias:
+            grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[-1])
+            for e, (g_e, gb_e) in enumerate(zip(g_parts, grad_b.unbind(0))):
+                if sizes[e]:
+                    torch.sum(g_e, dim=0, out=gb_e)
+        return grad_x, grad_w, grad_b, None
+
+
+def _grouped_mm_ok(x: Tensor, weight: Tensor) -> bool:
+    """``torch._grouped_mm`` needs 16-byte aligned rows of both operands."""
+    size = x.element_size()
+    return _HAS_GROUPED_MM and (x.shape[-1] * size) % 16 == 0 and (weight.shape[-1] * size) % 16 == 0
+
+
+def _resolve_kernel(kernel: str, x: Tensor, weight: Tensor, equal_groups: bool) -> str:
+    if kernel == "auto":
+        kernel = AUTO_KERNELS.get((x.device.type, "equal" if equal_groups else "ragged"), "loop")
+        if kernel == "grouped_mm" and not (x.dtype == torch.bfloat16 and _grouped_mm_ok(x, weight)):
+            kernel = "bmm" if equal_groups else "loop"
+    if kernel == "bmm" and not equal_groups:
+        raise ValueError("kernel='bmm' needs equal rows per expert (capacity buffers); use 'loop' or 'grouped_mm'")
+    if kernel == "grouped_mm" and not _grouped_mm_ok(x, weight):
+        raise ValueError(
+            f"kernel='grouped_mm' needs torch._grouped_mm (torch {torch.__version__}: "
+            f"{'present' if _HAS_GROUPED_MM else 'absent'}) and 16-byte aligned rows; got in={x.shape[-1]}, "
+            f"out={weight.shape[-1]} in {x.dtype}. Use kernel='loop' or 'auto'."
+        )
+    return kernel
+
+
+def grouped_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, group_sizes: GroupSizes, kernel: str = "auto"
+) -> Tensor:
+    """Per-expert affine map of rows sorted by expert.
+
+    Args:
+        x: ``[rows, in]``, the rows of expert 0 first, then expert 1, ...
+        weight: ``[experts, in, out]``.
+        bias: ``[experts, out]`` or None.
+        group_sizes: ``int`` rows per expert (all equal) or ``LongTensor [experts]`` counts.
+        kernel: ``"auto" | "loop" | "bmm" | "grouped_mm"``.
+
+    Returns:
+        ``[rows, out]``; rows after the last group are zeros.
+    """
+    num_experts = weight.shape[0]
+    equal = isinstance(group_sizes, int)
+    kernel = _resolve_kernel(kernel, x, weight, equal)
+    if kernel == "bmm":
+        xb = x.view(num_experts, group_sizes, x.shape[-1])
+        out = torch.bmm(xb, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), xb, weight)
+        return out.view(x.shape[0], weight.shape[-1])
+    if kernel == "loop":
+        sizes = [group_sizes] * num_experts if equal else group_sizes.tolist()
+        return _LoopGroupedLinear.apply(x, weight, bias, sizes)
+    # grouped_mm: device-side offsets, no host sync.
+    if equal:
+        counts = torch.full((num_experts,), group_sizes, device=x.device, dtype=torch.int64)
+    else:
+        counts = group_sizes
+    offsets = counts.cumsum(0)
+    row = torch.arange(x.shape[0], device=x.device)
+    valid = (row < offsets[-1]).unsqueeze(-1)
+    if not equal:  # rows past the last group: grouped_mm leaves their outputs and gradients unset
+        x = torch.where(valid, x, x.new_zeros(()))
+    out = torch._grouped_mm(x, weight, offs=offsets.to(torch.int32))
+    if bias is not None:
+        expert_of_row = torch.searchsorted(offsets, row, right=True).clamp_(max=num_experts - 1)
+        out = out + bias.index_select(0, expert_of_row)
+    if not equal:
+        out = torch.where(valid, out, out.new_zeros(()))
+    return out
