@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from moekit.callbacks import ExpertLoadMonitor, ThroughputMonitor
 from moekit.configs import CONFIG_DIR, compose, instantiate
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
+from moekit.utils.machine import resolve_precision
 
 
 class StepTimer(Callback):
@@ -66,7 +67,7 @@ def _fit(cfg, loader: DataLoader, steps: int, warmup: int, monitor: bool, log_di
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        precision=cfg.trainer.precision,
+        precision=resolve_precision(cfg.trainer.precision, "cpu")[0],
         max_steps=warmup + steps,
         log_every_n_steps=50,
         gradient_clip_val=cfg.trainer.gradient_clip_val,
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# expert-load monitor overhead: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"allocator {active_allocator()}; {OmegaConf.select(cfg, 'model.model_name')} (soft_moe_vit), "
-        f"batch {args.batch_size}, {cfg.trainer.precision}, {args.steps} timed steps x {args.rounds} rounds per arm"
+        f"batch {args.batch_size}, {resolve_precision(cfg.trainer.precision, 'cpu')[0]}, "
+        f"{args.steps} timed steps x {args.rounds} rounds per arm"
     )
     times: dict[str, list[float]] = {"without": [], "with": []}
     try:

@@ -69,7 +69,7 @@ from moekit.tasks.optim import build_optimizer, param_groups
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 from moekit.utils.atomic import write_json_atomic
 from moekit.utils.format import si
-from moekit.utils.machine import machine_info
+from moekit.utils.machine import machine_info, resolve_precision
 
 GROUPS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     # group: (overrides of every model, {model: its overrides}; the first model is the dense baseline)
@@ -164,8 +164,8 @@ def applicable_overrides(model: Sequence[str], overrides: Sequence[str]) -> tupl
     return kept, dropped
 
 
-def _precision(value: Any) -> str:
-    precision = str(value)
+def _precision(value: Any, accelerator: Any = "auto") -> str:
+    precision, _ = resolve_precision(value, accelerator)
     if precision not in _AUTOCAST and precision not in _FULL:
         raise ValueError(
             f"trainer.precision={precision!r} is not supported by this benchmark; use bf16-mixed or 32-true"
@@ -214,7 +214,7 @@ def build_candidate(
         task=task,
         optimizer=optimizer,
         batch=batch,
-        precision=_precision(cfg.trainer.precision),
+        precision=_precision(cfg.trainer.precision, cfg.trainer.get("accelerator", "auto")),
         clip_val=float(clip_val) if clip_val else None,
         summary=summary,
         examples_per_step=examples,

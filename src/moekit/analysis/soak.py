@@ -39,6 +39,7 @@ import torch
 from lightning import Callback, LightningModule, Trainer
 from omegaconf import DictConfig
 
+from moekit.commands.common import choose_precision
 from moekit.configs import CONFIG_DIR, compose, instantiate, instantiate_group
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
@@ -166,6 +167,7 @@ def soak(args: argparse.Namespace, work_dir: Path) -> list[Record]:
         work_dir / "fashion-mnist", n_train=args.steps_per_epoch * args.batch_size + VAL_IMAGES, n_test=64
     )
     cfg = compose_run_config(args, data_root, work_dir / "run")
+    choose_precision(cfg)
     L.seed_everything(cfg.seed, verbose=False)
     datamodule = instantiate(cfg.data, _convert_="all")
     module = instantiate(cfg.task, net=cfg.model, _recursive_=False)

@@ -1,5 +1,5 @@
-"""What the commands share: the dataset a checkpoint is tested on, the exit status of a phase a signal ended, and
-the lines a command prints at its end."""
+"""What the commands share: the precision ``auto`` stands for, the dataset a checkpoint is tested on, the exit
+status of a phase a signal ended, and the lines a command prints at its end."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from moekit.configs import instantiate
 from moekit.tasks import MoETask
+from moekit.utils.machine import resolve_precision
 
-__all__ = ["datamodule_for", "signal_ends_phase", "where", "floats"]
+__all__ = ["choose_precision", "datamodule_for", "signal_ends_phase", "where", "floats"]
 
 log = logging.getLogger("moekit")
 
@@ -32,6 +33,15 @@ def signal_ends_phase(phase: str, rerun: str) -> Iterator[None]:
     except SIGTERMException:
         log.error("received SIGTERM during %s, which did not finish; %s", phase, rerun)
         raise SystemExit(128 + signal.SIGTERM) from None
+
+
+def choose_precision(cfg: DictConfig) -> None:
+    """Replace ``trainer.precision=auto`` by this machine's fastest setting (:func:`resolve_precision`) and say
+    which and why."""
+    if cfg.trainer.get("precision") == "auto":
+        precision, why = resolve_precision("auto", cfg.trainer.get("accelerator", "auto"))
+        cfg.trainer.precision = precision
+        log.info("trainer.precision=auto: %s (%s)", precision, why)
 
 
 def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:

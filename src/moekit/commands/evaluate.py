@@ -13,7 +13,7 @@ from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.utils.machine import check_accelerator
 
-from .common import datamodule_for, floats, signal_ends_phase, where
+from .common import choose_precision, datamodule_for, floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
@@ -24,6 +24,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Test a checkpoint: the network and, unless ``data`` is set, the dataset come from it."""
     module = load_task(cfg.ckpt_path)
     L.seed_everything(cfg.seed, workers=True)
+    choose_precision(cfg)
     check_target_keys(cfg.trainer, "trainer")
     check_accelerator(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")

@@ -22,7 +22,7 @@ from moekit.tasks import ImageClassifier, LanguageModel, MoETask
 from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
 from moekit.utils.machine import check_accelerator
 
-from .common import floats, signal_ends_phase, where
+from .common import choose_precision, floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
@@ -51,6 +51,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     checkpoint's score as ``best/<monitored metric>``) and writes them with the model's size, FLOPs, time and
     machine to ``<paths.output_dir>/results.json``."""
     L.seed_everything(cfg.seed, workers=True)
+    choose_precision(cfg)  # "auto" -> this machine's; before the checks and the run record (which holds it)
     for name in ("data", "model", "task", "trainer"):
         check_target_keys(cfg.get(name), name)
     check_accelerator(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))

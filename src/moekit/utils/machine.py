@@ -17,6 +17,8 @@ __all__ = [
     "check_fits_in_memory",
     "check_accelerator",
     "cpu_model",
+    "cpu_flags",
+    "resolve_precision",
     "machine_info",
     "machine_label",
 ]
@@ -90,6 +92,37 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_precision(precision: Any, accelerator: Any = "auto", flags: set[str] | None = None) -> tuple[str, str]:
+    """``trainer.precision``, with ``auto`` replaced by what this machine trains fastest in: ``(value, why)``.
+
+    On a CUDA GPU ``bf16-mixed`` (``16-mixed`` without bf16 support). On a CPU ``bf16-mixed`` only with AMX
+    (``amx_bf16``: bf16 matrix units), else ``32-true``: without AMX bf16 autocast runs slower than float32
+    (the main job's training step 1.67x slower on a Xeon with avx512_bf16 only). Other values pass through.
+    """
+    if str(precision) != "auto":
+        return str(precision), "as configured"
+    accelerator = str(accelerator).lower()
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return "16-mixed", f"{torch.cuda.get_device_name()} has no bf16"
+        return "bf16-mixed", "a CUDA GPU: bf16 autocast"
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return "bf16-mixed", f"{cpu_model()} has AMX (bf16 matrix units)"
+    return "32-true", f"{cpu_model()} has no AMX, where bf16 autocast runs slower than float32"
+
+
 def machine_info() -> dict[str, Any]:
     """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
     threads, torch / Python versions, the OS, the memory allocator, and the GPU's name (None without CUDA)."""
@@ -103,6 +136,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "allocator": active_allocator(),
+        "cpu_amx": "amx_bf16" in cpu_flags(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
