@@ -12,13 +12,15 @@ import torch.nn.functional as F
 from moekit.analysis import bench_models as bench
 from moekit.analysis.step_times import STEP_TIMES_KIND, load_step_times
 from moekit.moe import collect_moe_outputs, moe_layers
+from moekit.utils.machine import resolve_precision
 
 pytestmark = pytest.mark.usefixtures("one_thread_no_reexec")
 
 
 def test_timed_step_is_a_training_step():
     overrides = ["experiment=tokens_choice_vit", *bench.QUICK, "model.embed_dim=48", "moe.num_experts=4"]
-    c = bench.build_candidate("top2", overrides, batch_size=4)
+    # bf16 on any CPU here (the experiment's "auto" would pick float32 without AMX): the step must run under it
+    c = bench.build_candidate("top2", [*overrides, "trainer.precision=bf16-mixed"], batch_size=4)
     net = c.task.net
     # The composed config: the overrides reached the model, the experiment its trainer and optimizer.
     assert net.embed_dim == 48 and len(net.blocks) == 2
@@ -184,5 +186,5 @@ def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
         row["model_config"]["moe"]["top_k"] == 1 == row["model_config"]["moe"]["capacity_factor"] for row in rows[1:]
     )
     assert all(row["batch_size"] == bench.QUICK_BATCH == row["examples_per_step"] for row in rows)
-    assert all(row["precision"] == "bf16-mixed" for row in rows)
+    assert all(row["precision"] == resolve_precision("auto", "cpu")[0] for row in rows)
     assert len(load_step_times([out])) == 3  # three different models
