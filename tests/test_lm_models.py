@@ -332,6 +332,36 @@ def test_sampled_generation_is_reproducible_and_the_same_with_and_without_cache(
     assert torch.equal(sample(True), sample(False))
 
 
+def test_each_token_reaches_on_token_as_it_is_sampled():
+    model = build("transformer", "mixtral", tie_embeddings=False)
+    prompt = torch.randint(VOCAB, (2, 3))
+    seen: list[torch.Tensor] = []
+
+    def on_token(next_token: torch.Tensor) -> None:
+        seen.append(next_token.clone())
+        assert len(seen) == len(steps), "called once per step, before the next forward"
+
+    steps: list[int] = []
+    model.register_forward_pre_hook(lambda *_: steps.append(1))
+    tokens = generate(model, prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(0), on_token=on_token)
+    assert torch.equal(torch.stack(seen, dim=1), tokens[:, 3:])
+
+
+def test_the_sample_stream_prints_whole_characters_as_they_come(capsys):
+    from moekit.commands.sample import _Stream
+    from moekit.data.tokenizers import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    prompt = list("caf".encode())
+    stream = _Stream(tokenizer, prompt)
+    outputs = []
+    for byte in "é!".encode():  # é is two bytes: nothing is printed after the first
+        stream(torch.tensor([byte]))
+        outputs.append(capsys.readouterr().out)
+    stream.finish("café!")
+    assert outputs == ["--- sample 0 ---\ncaf", "é", "!"] and capsys.readouterr().out == "\n"
+
+
 def test_sampled_tokens_lie_in_the_top_k_set_and_the_nucleus():
     logits = torch.randn(64, VOCAB) * 3
     generator = torch.Generator().manual_seed(0)

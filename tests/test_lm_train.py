@@ -92,7 +92,7 @@ def test_perplexity_of_a_repeated_corpus_drops_far_below_uniform(trained_lm):
 
 
 @pytest.mark.e2e
-def test_train_then_eval_then_sample_from_the_checkpoint(trained_lm, tmp_path):
+def test_train_then_eval_then_sample_from_the_checkpoint(trained_lm, tmp_path, capsys):
     out, metrics = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
     assert isinstance(load_task(str(ckpt)), LanguageModel)
@@ -102,10 +102,12 @@ def test_train_then_eval_then_sample_from_the_checkpoint(trained_lm, tmp_path):
     cfg = compose_config(
         "sample", [f"ckpt_path={ckpt}", "prompt='the quick '", "max_new_tokens=22", "temperature=0"], tmp_path / "s"
     )
+    capsys.readouterr()
     (greedy,) = sample(cfg)
     assert greedy.startswith("the quick ")
     # the model learned the phrase: greedy decoding continues it
     assert greedy == (PHRASE * 2)[: len(greedy)]
+    assert capsys.readouterr().out == f"--- sample 0 ---\n{greedy}\n", "streamed: the same text, printed once"
     cfg.use_cache = False
     assert sample(cfg) == [greedy], "the KV cache changes nothing"
 

@@ -16,7 +16,8 @@ __all__ = ["sample"]
 
 def sample(cfg: DictConfig) -> list[str]:
     """Generate ``num_samples`` continuations of ``prompt`` with a language-model checkpoint (the
-    tokenizer comes from the checkpoint's data config). Prints and returns the texts."""
+    tokenizer comes from the checkpoint's data config). Prints and returns the texts; a single sample is
+    printed as it is generated (``stream``)."""
     module = load_task(cfg.ckpt_path)
     if not isinstance(module, LanguageModel):
         raise ValueError(
@@ -40,6 +41,7 @@ def sample(cfg: DictConfig) -> list[str]:
     net = module.net.to(device)
     prompt = torch.tensor([prompt_ids] * cfg.num_samples, device=device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    stream = _Stream(tokenizer, prompt_ids) if cfg.stream and cfg.num_samples == 1 else None
     tokens = generate(
         net,
         prompt,
@@ -49,8 +51,33 @@ def sample(cfg: DictConfig) -> list[str]:
         top_p=cfg.top_p,
         use_cache=cfg.use_cache,
         generator=generator,
+        on_token=stream,
     )
     texts = [tokenizer.decode(row.tolist()) for row in tokens.cpu()]
+    if stream is not None:
+        stream.finish(texts[0])
+        return texts
     for i, text in enumerate(texts):
         print(f"--- sample {i} ---\n{text}")
     return texts
+
+
+class _Stream:
+    """Prints one sample's text as its tokens come: the prompt, then each step's new characters (a byte that
+    starts a multi-byte character waits for the rest of it)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.printed = tokenizer.decode(self.ids)
+        print(f"--- sample 0 ---\n{self.printed}", end="", flush=True)
+
+    def __call__(self, next_token: torch.Tensor) -> None:
+        self.ids.append(int(next_token[0]))
+        text = self.tokenizer.decode(self.ids)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            print(text[len(self.printed) :], end="", flush=True)
+            self.printed = text
+
+    def finish(self, text: str) -> None:
+        print(text[len(self.printed) :] if text.startswith(self.printed) else f"\n{text}", flush=True)

@@ -11,6 +11,8 @@ exponential race) that stays on the device: no host synchronisation per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -86,12 +88,14 @@ def generate(
     top_p: float | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    on_token: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
     """Extend ``prompt_ids: [batch, T0]`` by ``max_new_tokens`` sampled tokens -> ``[batch, T0 + max_new_tokens]``.
 
     Runs ``model`` in eval mode (its mode is restored afterwards) without gradients. With
     ``use_cache`` the prompt is run once into ``model.init_cache(batch)`` and then one token per step;
     without, every step re-runs the whole sequence. Sampling arguments as in :func:`sample_next_token`.
+    ``on_token``, if given, receives each step's new tokens ``[batch]`` as soon as they are sampled (streaming).
 
     Raises:
         ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids, or
@@ -121,6 +125,8 @@ def generate(
         for t in range(prompt_len, total):
             next_token = sample_next_token(logits, temperature, top_k, top_p, generator)
             tokens[:, t] = next_token
+            if on_token is not None:
+                on_token(next_token)
             if t + 1 == total:
                 break
             if use_cache:
