@@ -352,7 +352,7 @@ def test_the_sample_stream_prints_whole_characters_as_they_come(capsys):
     from moekit.data.tokenizers import ByteTokenizer
 
     tokenizer = ByteTokenizer()
-    prompt = list("caf".encode())
+    prompt = list(b"caf")
     stream = _Stream(tokenizer, prompt)
     outputs = []
     for byte in "é!".encode():  # é is two bytes: nothing is printed after the first
