@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from moekit.checkpoint import TASK_KEY, load_task
+from moekit.commands.quantize import calibration_inputs
 from moekit.quant import FORMATS, METHODS, QuantFormat, QuantSpec, expert_memory, quant_metadata, quantize_experts
 from moekit.quantized_checkpoint import save_quantized_task
 from moekit.tasks import LanguageModel
@@ -103,13 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     float_task = load_task(str(args.ckpt))
     lm = isinstance(float_task, LanguageModel)
     datamodule = instantiate(OmegaConf.create(float_task.hparams["run_config"]["data"]), _convert_="all")
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    calibration = []
-    for x, _ in datamodule.train_dataloader():
-        calibration.append(x)
-        if len(calibration) == args.calibration_batches:
-            break
+    calibration = calibration_inputs(datamodule, args.calibration_batches)
     datamodule.setup("test")
     test = []
     for batch in datamodule.test_dataloader():

@@ -31,18 +31,17 @@ __all__ = ["quantize", "calibration_inputs", "FORMAT_OF_BITS"]
 FORMAT_OF_BITS = {8: "int8", 4: "int4", 2: "int2", "ternary": "ternary"}
 
 
-def calibration_inputs(cfg: DictConfig, module) -> list[torch.Tensor]:
-    """The inputs of the first ``calibration_batches`` batches of the training split (shuffled with ``seed``)."""
-    datamodule = datamodule_for(cfg, module)
+def calibration_inputs(datamodule, batches: int) -> list[torch.Tensor]:
+    """The inputs of the first ``batches`` batches of ``datamodule``'s training split (its seeded shuffle)."""
     datamodule.prepare_data()
     datamodule.setup("fit")
     inputs = []
     for batch in datamodule.train_dataloader():
         inputs.append(batch[0])
-        if len(inputs) == cfg.calibration_batches:
+        if len(inputs) == batches:
             return inputs
     raise ValueError(
-        f"calibration_batches={cfg.calibration_batches} but the training split has only {len(inputs)} batches; "
+        f"calibration_batches={batches} but the training split has only {len(inputs)} batches; "
         f"lower calibration_batches to {len(inputs)} or less"
     )
 
@@ -66,7 +65,7 @@ def quantize(cfg: DictConfig) -> Path:
     output = Path(cfg.output_path or Path(cfg.ckpt_path).with_suffix(f".{name}-{cfg.method}.safetensors"))
     check_writable_dir(output.parent, "the folder of output_path")
     float_bytes = expert_memory(module.net)
-    inputs = calibration_inputs(cfg, module) if cfg.method == "gptq" else None
+    inputs = calibration_inputs(datamodule_for(cfg, module), cfg.calibration_batches) if cfg.method == "gptq" else None
     try:
         quantize_experts(module.net, spec, (lambda: inputs) if inputs else None, log=log.info)
     except CalibrationError as err:
