@@ -509,6 +509,26 @@ CASES = [
         ["'{blocker}'", "folder you can write to"],
         keeps=["blocker"],
     ),
+    Case(
+        "export_an_unknown_format",
+        "export.py",
+        ["ckpt_path={ckpt}", "format=onnx"],
+        ["format='onnx'", "allowed: safetensors, hf"],
+        cli=False,
+    ),
+    Case(
+        "export_a_vit_to_transformers",
+        "export.py",
+        ["ckpt_path={ckpt}", "format=hf", "output_path={tmp}/hf"],
+        ["VisionTransformer has no transformers layout", "only the Transformer LM"],
+        cli=False,
+    ),
+    Case(
+        "init_from_a_folder_that_is_no_transformers_model",
+        "train.py",
+        [*FAST, "data.root={fm}", "task.init_from=hf:{fm}"],
+        ["task.init_from=hf:{fm}", "has no config.json", "transformers model folder"],
+    ),
     # -- quantization --
     Case(
         "quantize_unsupported_bits",

@@ -19,6 +19,7 @@ from moekit.models import (
     generate,
     lm_summary,
     sample_next_token,
+    upcycle,
 )
 from moekit.moe import ExpertBank, HashMoE, MoELayer, collect_moe_outputs, get_moe_layer, moe_layers, require_causal
 from moekit.recipes import list_recipes
@@ -320,6 +321,30 @@ def test_greedy_generation_is_the_argmax_rollout_with_and_without_cache(kind, ro
     assert model.training, "generate restores the mode"
 
 
+@torch.no_grad()
+def windowed_argmax_rollout(model: nn.Module, prompt: torch.Tensor, steps: int, window: int) -> torch.Tensor:
+    """Greedy tokens past ``window``: each one is the argmax of the model on a context that starts at ``start``,
+    which jumps to the last ``window // 2`` tokens when the context would exceed ``window``."""
+    tokens, start = prompt, max(0, prompt.shape[1] - window)
+    for _ in range(steps):
+        if tokens.shape[1] - start > window:
+            start = tokens.shape[1] - window // 2
+        tokens = torch.cat([tokens, model(tokens[:, start:])[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+@pytest.mark.parametrize("prompt_len", [4, 30], ids=["short_prompt", "prompt_beyond_the_window"])
+def test_generation_slides_past_max_seq_len_with_and_without_cache(prompt_len):
+    model = build("transformer", "mixtral", tie_embeddings=False).eval()  # max_seq_len 24
+    prompt = torch.randint(VOCAB, (2, prompt_len))
+    expected = windowed_argmax_rollout(model, prompt, 40, window=24)
+    for use_cache in (True, False):
+        out = generate(model, prompt, 40, temperature=0, use_cache=use_cache, slide=True)
+        assert out.shape == (2, prompt_len + 40) and torch.equal(out, expected), use_cache
+    if prompt_len < 24:  # until the window is full, sliding changes nothing
+        assert torch.equal(expected[:, :24], argmax_rollout(model, prompt, 24 - prompt_len))
+
+
 def test_sampled_generation_is_reproducible_and_the_same_with_and_without_cache():
     model = build("transformer", "mixtral", tie_embeddings=False)
     prompt = torch.randint(VOCAB, (2, 3))
@@ -430,6 +455,26 @@ def test_gpt2_initialisation_and_experts_like_the_dense_mlp():
     assert bank.fc1_weight.abs().max() > 3 * 0.02, "a plain normal like GPT-2, not cut at 2 std"
 
 
+@pytest.mark.parametrize("recipe", ["mixtral", "deepseek"])
+@torch.no_grad()
+def test_an_upcycled_transformer_lm_computes_its_dense_twin(recipe):
+    """Sparse upcycling: experts copy the dense MLP of their block. With gates renormalised over the chosen experts
+    and no capacity limit, the MoE model is the dense model (shared experts, which start fresh, are zeroed here)."""
+    common = dict(TINY_TRANSFORMER, gated=True, tie_embeddings=False)
+    dense = TransformerLM(**common, moe=None).eval()
+    moe = dict(recipe=recipe, num_experts=4, top_k=2, granularity=1)
+    if recipe == "deepseek":
+        moe |= dict(num_shared_experts=1)
+    upcycled = upcycle(TransformerLM(**common, moe=moe, moe_blocks="every_2").eval(), dense)
+    for _, layer in moe_layers(upcycled):
+        if layer.shared_experts is not None:
+            layer.shared_experts.fc2_weight.zero_()
+    input_ids = torch.randint(VOCAB, (3, 12))
+    torch.testing.assert_close(upcycled(input_ids), dense(input_ids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"upcycle: the dense weights do not fit the MoE model: .*shape mismatches"):
+        upcycle(TransformerLM(**{**common, "mlp_ratio": 4.0}, moe=moe), dense)
+
+
 def test_lm_summary_dense_twin_matches_top1_and_twice_wide_twin_matches_top2():
     common = dict(vocab_size=VOCAB, max_seq_len=16, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
     dense = lm_summary(TransformerLM(**common, moe=None), seq_len=16)
@@ -475,7 +520,7 @@ def test_sequences_longer_than_max_seq_len_are_refused():
         model(torch.randint(VOCAB, (1, 5)), cache=cache)
     calls = []
     model.register_forward_pre_hook(lambda *args: calls.append(1))
-    with pytest.raises(ValueError, match="exceeds max_seq_len=24"):
+    with pytest.raises(ValueError, match="exceeds max_seq_len=24.*or pass slide=True"):
         generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=5)
     assert not calls, "refused before any forward"
 

@@ -4,6 +4,7 @@ bad input through the real scripts."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -14,9 +15,11 @@ from hydra.utils import instantiate
 from conftest import CONFIGS, REPO, compose_config, run_script
 from moekit.checkpoint import load_task
 from moekit.commands.evaluate import evaluate
+from moekit.commands.export import export
 from moekit.commands.quantize import quantize
 from moekit.commands.sample import sample
 from moekit.commands.train import train
+from moekit.models import TransformerLM, export_safetensors
 from moekit.moe import HashMoE
 from moekit.quant import expert_memory
 from moekit.tasks import LanguageModel
@@ -75,6 +78,7 @@ def trained_lm(repeated_corpus, tmp_path_factory):
             "trainer.max_epochs=6",
             "task.optimizer.lr=1e-2",
             "model.dropout=0.0",
+            "model.norm=rmsnorm",  # Mixtral's, so that the model exports to transformers
             "data.val_fraction=0.1",
             "data.test_fraction=0.1",
         ),
@@ -113,13 +117,16 @@ def test_train_then_eval_then_sample_from_the_checkpoint(trained_lm, tmp_path, c
 
 
 @pytest.mark.e2e
-def test_sample_refuses_an_empty_prompt_and_a_too_long_generation(trained_lm, tmp_path):
+def test_sample_refuses_an_empty_prompt_and_slides_past_max_seq_len(trained_lm, tmp_path):
     out, _ = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
     with pytest.raises(ValueError, match="encodes to no tokens"):
         sample(compose_config("sample", [f"ckpt_path={ckpt}", "prompt=''"], tmp_path))
+    too_long = [f"ckpt_path={ckpt}", "prompt='the quick '", "max_new_tokens=23", "temperature=0"]
     with pytest.raises(ValueError, match="lower max_new_tokens to 22"):  # 10 prompt tokens, max_seq_len 32
-        sample(compose_config("sample", [f"ckpt_path={ckpt}", "prompt='the quick '", "max_new_tokens=23"], tmp_path))
+        sample(compose_config("sample", [*too_long, "slide=false"], tmp_path))
+    (text,) = sample(compose_config("sample", too_long, tmp_path))  # the default slides past the limit
+    assert len(text) == 33 and text.startswith("the quick ")
 
 
 @pytest.mark.parametrize(
@@ -277,3 +284,42 @@ def test_quantized_lm_experts_serve_eval_and_sample(trained_lm, tmp_path):
     assert math.isfinite(
         evaluate(compose_config("eval", [f"ckpt_path={paths['ternary']}"], tmp_path / "t"))["test/ppl"]
     )
+
+
+@pytest.mark.e2e
+def test_a_trained_lm_exports_to_transformers_and_fine_tunes_from_the_folder(trained_lm, repeated_corpus, tmp_path):
+    """scripts/export.py format=hf writes a folder transformers loads with moekit's logits; task.init_from=hf:<folder>
+    starts a run from it, with the folder's architecture in place of the experiment's tiny one."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = trained_lm
+    ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
+    folder = export(compose_config("export", [f"ckpt_path={ckpt}", "format=hf"], tmp_path / "export"))
+    assert folder == ckpt.with_name(f"{ckpt.stem}-hf")
+    ids = torch.tensor([list(PHRASE.encode())[:30]])
+    with torch.no_grad():
+        ours = load_task(ckpt).net.eval()(ids)
+        theirs = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+    overrides = ["trainer.max_epochs=1", "task.optimizer.lr=1e-7", f"task.init_from=hf:{folder}", "model.dim=48"]
+    metrics = train(compose_config("train", lm_overrides("moe_transformer_lm", repeated_corpus, *overrides), tmp_path))
+    assert metrics["test/ppl"] < 2.0, "a random start at this learning rate stays near the uniform 256"
+    width = json.loads((folder / "config.json").read_text())["hidden_size"]
+    assert width != 48 and load_task(tmp_path / "checkpoints" / "last.ckpt").net.dim == width, "the folder's width"
+
+
+def test_init_mode_upcycle_starts_the_moe_lm_from_its_dense_twin(tmp_path):
+    """task.init_mode=upcycle: experts copy the dense checkpoint's MLPs; with Mixtral's renormalised gates and no
+    capacity limit the MoE LM computes the dense LM."""
+    common = {"vocab_size": 64, "max_seq_len": 16, "dim": 32, "depth": 2, "num_heads": 2, "gated": True}
+    torch.manual_seed(0)
+    dense = TransformerLM(**common, moe=None).eval()
+    path = export_safetensors(dense, tmp_path / "dense.safetensors")
+    net = {"_target_": "moekit.models.TransformerLM", **common, "moe": {"recipe": "mixtral", "num_experts": 4}}
+    task = LanguageModel(net=net, vocab_size=64, init_from=str(path), init_mode="upcycle").eval()
+    ids = torch.randint(64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(task.net(ids), dense(ids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="init_mode='grow'; allowed: 'finetune', 'upcycle'"):
+        LanguageModel(net=net, vocab_size=64, init_from=str(path), init_mode="grow")

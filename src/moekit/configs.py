@@ -102,6 +102,7 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"add {' '.join(example.get(key, f'{key}=<value>') for key in missing)} to the command"
         )
     check_settings(_resolved_nodes(cfg, ("task", "trainer", "model", *QUANTIZE_KEYS)))
+    _check_hf_folder(OmegaConf.select(cfg, "task.init_from", default=None))
     _check_logger_packages(cfg.get("logger"))
     model = cfg.get("model")
     if not isinstance(model, DictConfig) or str(model.get("_target_")) not in MODEL_KINDS:
@@ -120,6 +121,18 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
         )
     if depth is not None and causal:
         depth.check_causal(what)
+
+
+def _check_hf_folder(init_from: Any) -> None:
+    """``task.init_from=hf:<folder>`` names a transformers model folder: refuse one without a ``config.json``."""
+    if not (isinstance(init_from, str) and init_from.startswith("hf:")):
+        return
+    folder = Path(init_from[3:])
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"task.init_from={init_from}: {str(folder)!r} has no config.json; point hf: at a transformers model folder "
+            "(what save_pretrained or scripts/export.py format=hf wrote)"
+        )
 
 
 # Loggers whose package moekit does not install by default: the module each needs and the extra that installs it.

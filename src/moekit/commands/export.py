@@ -1,7 +1,9 @@
-"""``scripts/export.py``: a checkpoint's network as a safetensors state dict (timm loads those of the ViTs)."""
+"""``scripts/export.py``: a checkpoint's network as a safetensors state dict (timm loads those of the ViTs), or, with
+``format=hf``, a Transformer LM as a transformers model folder (``AutoModelForCausalLM.from_pretrained`` loads it)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -9,21 +11,29 @@ from omegaconf import DictConfig
 
 from moekit.checkpoint import CheckpointError, load_task
 from moekit.errors import check_writable_dir, storage_errors
-from moekit.models import export_safetensors
+from moekit.models import export_hf, export_safetensors
 
 log = logging.getLogger("moekit")
 
 __all__ = ["export"]
 
 
+EXPORT_FORMATS = ("safetensors", "hf")
+
+
 def export(cfg: DictConfig) -> Path:
-    """Write the checkpoint's network as a safetensors state dict (timm loads those of the ViTs)."""
+    """Write the checkpoint's network as a safetensors state dict (timm loads those of the ViTs), or as a transformers
+    model folder (``format=hf``)."""
+    if cfg.format not in EXPORT_FORMATS:
+        raise ValueError(f"format={cfg.format!r}; allowed: {', '.join(EXPORT_FORMATS)}")
     if str(cfg.ckpt_path).endswith(".safetensors"):
         raise CheckpointError(
             f"ckpt_path={cfg.ckpt_path!r} is a safetensors file: a quantized checkpoint (eval.py, predict.py and "
             "sample.py load it) or an export already; export the training checkpoint (.ckpt)"
         )
     module = load_task(cfg.ckpt_path)
+    if cfg.format == "hf":
+        return _export_hf(module, cfg)
     output = Path(cfg.get("output_path") or Path(cfg.ckpt_path).with_suffix(".safetensors"))
     check_writable_dir(output.parent, "the folder of output_path")
     with storage_errors(output.parent):
@@ -41,3 +51,22 @@ def export(cfg: DictConfig) -> Path:
         how = f"{target}({args}).load_state_dict(safetensors.torch.load_file({str(path)!r}))"
     log.info("exported %s\n  load it with: %s", path, how)
     return path
+
+
+def _export_hf(module, cfg: DictConfig) -> Path:
+    ckpt = Path(cfg.ckpt_path)
+    folder = Path(cfg.get("output_path") or ckpt.with_name(f"{ckpt.stem}-hf"))
+    check_writable_dir(folder.parent, "the folder of output_path")
+    with storage_errors(folder.parent):
+        export_hf(module.net, folder)
+    config = json.loads((folder / "config.json").read_text())
+    log.info(
+        "exported %s (%s layout)\n  load it with: transformers.AutoModelForCausalLM.from_pretrained(%r)\n"
+        "  moekit reads it back with task.init_from=hf:%s or moekit.models.load_hf_lm(%r)",
+        folder,
+        config["model_type"],
+        str(folder),
+        folder,
+        str(folder),
+    )
+    return folder

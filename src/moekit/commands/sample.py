@@ -31,11 +31,11 @@ def sample(cfg: DictConfig) -> list[str]:
     if cfg.num_samples < 1:
         raise ValueError(f"num_samples={cfg.num_samples} must be >= 1")
     max_seq_len = getattr(module.net, "max_seq_len", None)
-    if max_seq_len is not None and len(prompt_ids) + cfg.max_new_tokens > max_seq_len:
+    if not cfg.slide and max_seq_len is not None and len(prompt_ids) + cfg.max_new_tokens > max_seq_len:
         raise ValueError(
             f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceed the model's "
-            f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len - len(prompt_ids))} "
-            "or shorten the prompt"
+            f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len - len(prompt_ids))}, "
+            "shorten the prompt, or set slide=true (a sliding window over the last max_seq_len tokens)"
         )
     device = torch.device(cfg.device)
     net = module.net.to(device)
@@ -52,6 +52,7 @@ def sample(cfg: DictConfig) -> list[str]:
         use_cache=cfg.use_cache,
         generator=generator,
         on_token=stream,
+        slide=cfg.slide,
     )
     texts = [tokenizer.decode(row.tolist()) for row in tokens.cpu()]
     if stream is not None:

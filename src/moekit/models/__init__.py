@@ -10,7 +10,9 @@
   from them; :func:`fit_hash_routing` fits the hash tables that come from data (token frequency, clusters).
 * :func:`model_summary` - total / expert / active-per-token parameters and measured FLOPs per image;
   :func:`lm_summary` - the same per token for language models.
-* :func:`upcycle_vit` - sparse upcycling from a dense ViT.
+* :func:`upcycle_vit` / :func:`upcycle` - sparse upcycling from a dense ViT / any dense twin (the Transformer LM's).
+* :func:`export_hf` / :func:`load_hf_lm` - the Transformer LM as a transformers model folder (Mixtral or Qwen2-MoE
+  layout) and back (:mod:`moekit.models.hf_export`, :mod:`moekit.models.hf_import`).
 * :func:`export_safetensors` - weights that ``timm.create_model(name, pretrained=True,
   pretrained_cfg_overlay=dict(file=path))`` loads.
 """
@@ -21,12 +23,14 @@ from torch import nn
 from . import registry
 from .export import export_safetensors
 from .generate import generate, sample_next_token
+from .hf_export import export_hf
+from .hf_import import load_hf_lm
 from .lm_common import fit_hash_routing
 from .lstm_lm import LSTMCache, LSTMMoELM
 from .placement import MoEBlocks, resolve_moe_blocks
 from .summary import LMSummary, ModelSummary, MoELayerSummary, lm_summary, model_summary
 from .transformer_lm import LMCache, TransformerLM
-from .upcycle import upcycle_vit
+from .upcycle import upcycle, upcycle_vit
 from .vit import EXPERT_INIT_STD, create_moe_vit
 
 
@@ -62,6 +66,9 @@ __all__ = [
     "generate",
     "sample_next_token",
     "fit_hash_routing",
+    "upcycle",
     "upcycle_vit",
+    "export_hf",
+    "load_hf_lm",
     "export_safetensors",
 ]

@@ -89,17 +89,23 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     on_token: Callable[[Tensor], None] | None = None,
+    slide: bool = False,
 ) -> Tensor:
     """Extend ``prompt_ids: [batch, T0]`` by ``max_new_tokens`` sampled tokens -> ``[batch, T0 + max_new_tokens]``.
 
     Runs ``model`` in eval mode (its mode is restored afterwards) without gradients. With
     ``use_cache`` the prompt is run once into ``model.init_cache(batch)`` and then one token per step;
-    without, every step re-runs the whole sequence. Sampling arguments as in :func:`sample_next_token`.
+    without, every step re-runs the whole context. Sampling arguments as in :func:`sample_next_token`.
     ``on_token``, if given, receives each step's new tokens ``[batch]`` as soon as they are sampled (streaming).
 
+    ``slide``: generate past the model's ``max_seq_len`` with a sliding window. The context is the last
+    ``max_seq_len`` tokens at most (a longer prompt is cut to them); when it is full, it restarts from its last
+    ``max_seq_len // 2`` tokens, re-encoded into a fresh cache at positions ``0 ..`` - the positions the model was
+    trained on - so that each restart costs one forward of half a window, not one per token.
+
     Raises:
-        ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids, or
-            ``T0 + max_new_tokens`` beyond the model's ``max_seq_len`` (checked before any work).
+        ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids, or, without
+            ``slide``, ``T0 + max_new_tokens`` beyond the model's ``max_seq_len`` (checked before any work).
     """
     _check_sampling(temperature, top_k, top_p)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -111,7 +117,12 @@ def generate(
         raise ValueError(f"use_cache=True needs {type(model).__name__}.init_cache(batch_size); pass use_cache=False")
     batch, prompt_len = prompt_ids.shape
     total = prompt_len + max_new_tokens
-    check_seq_len(total, getattr(model, "max_seq_len", None))
+    limit = getattr(model, "max_seq_len", None)
+    if not slide:
+        try:
+            check_seq_len(total, limit)
+        except ValueError as err:
+            raise ValueError(f"{err}, or pass slide=True (a sliding window over the last max_seq_len tokens)") from None
 
     tokens = prompt_ids.new_empty(batch, total)
     tokens[:, :prompt_len] = prompt_ids
@@ -119,9 +130,15 @@ def generate(
         return tokens
     was_training = model.training
     model.eval()
+    start = max(0, prompt_len - limit) if slide and limit is not None else 0  # the context: tokens[start:]
+
+    def encode(end: int) -> Tensor:  # a fresh context tokens[start:end] -> the next-token logits
+        context = tokens[:, start:end]
+        return model(context, cache=cache)[:, -1] if use_cache else model(context)[:, -1]
+
     try:
         cache = model.init_cache(batch) if use_cache else None
-        logits = model(prompt_ids, cache=cache)[:, -1] if use_cache else model(prompt_ids)[:, -1]
+        logits = encode(prompt_len)
         for t in range(prompt_len, total):
             next_token = sample_next_token(logits, temperature, top_k, top_p, generator)
             tokens[:, t] = next_token
@@ -129,10 +146,14 @@ def generate(
                 on_token(next_token)
             if t + 1 == total:
                 break
-            if use_cache:
+            if slide and limit is not None and t + 1 - start > limit:  # full: restart from the last half
+                start = t + 1 - max(1, limit // 2)
+                cache = model.init_cache(batch) if use_cache else None
+                logits = encode(t + 1)
+            elif use_cache:
                 logits = model(next_token.unsqueeze(1), cache=cache)[:, -1]
             else:
-                logits = model(tokens[:, : t + 1])[:, -1]
+                logits = encode(t + 1)
     finally:
         model.train(was_training)
     return tokens

@@ -22,6 +22,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RotaryEmbedding: head_dim={head_dim} must be even (dim / num_heads)")
+        self.base = base
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [max_seq_len, hd / 2]
         self.register_buffer("cos", angles.cos(), persistent=False)

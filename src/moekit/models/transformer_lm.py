@@ -52,7 +52,7 @@ class LMCache:
     """Keys and values of a :class:`TransformerLM` for incremental decoding (one batch, one position).
 
     Attributes:
-        keys, values: one pre-allocated ``[batch, heads, max_seq_len, head_dim]`` buffer per block;
+        keys, values: one pre-allocated ``[batch, kv_heads, max_seq_len, head_dim]`` buffer per block;
             positions ``0 .. position - 1`` hold the (rotated, for RoPE) keys and the values of the
             tokens seen so far.
         position: tokens stored so far = the position of the next token.
@@ -74,23 +74,37 @@ class LMCache:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``.
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``; with ``num_kv_heads`` below
+    ``num_heads``, grouped-query attention (each key/value head serves ``num_heads / num_kv_heads`` query heads).
 
     ``forward(x: [batch, tokens, dim], start, kv_cache, positions, key_mask)`` -> ``[batch, tokens, dim]``.
     The tokens sit at positions ``start ..``; with ``kv_cache = (keys, values)`` buffers of
-    ``[batch, heads, max_seq_len, head_dim]`` their keys and values are written at those positions
+    ``[batch, kv_heads, max_seq_len, head_dim]`` their keys and values are written at those positions
     and the queries attend to everything stored up to themselves. For a Mixture-of-Depths block,
     ``positions: [batch, tokens]`` are the chosen tokens' positions (for RoPE; they attend causally among
     themselves), and ``key_mask: [batch, keys]`` bool the keys a query may see besides itself (the tokens
     the block processed).
     """
 
-    def __init__(self, dim: int, num_heads: int, *, bias: bool, dropout: float, rope: RotaryEmbedding | None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool,
+        qkv_bias: bool | None = None,
+        dropout: float,
+        rope: RotaryEmbedding | None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = dim // num_heads
         self.dropout = dropout
-        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        # q, k, v stacked: [heads + 2 * kv_heads] x head_dim outputs
+        qkv_width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv = nn.Linear(dim, qkv_width, bias=bias if qkv_bias is None else qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.proj_drop = nn.Dropout(dropout)
         self.rope = rope
@@ -104,11 +118,15 @@ class CausalSelfAttention(nn.Module):
         key_mask: Tensor | None = None,
     ) -> Tensor:
         batch, tokens, dim = x.shape
-        qkv = self.qkv(x).view(batch, tokens, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, tokens, head_dim]
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((q_width, kv_width, kv_width), dim=-1)
+        q = q.view(batch, tokens, self.num_heads, self.head_dim).transpose(1, 2)  # [batch, heads, tokens, hd]
+        k = k.view(batch, tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [batch, kv_heads, tokens, hd]
+        v = v.view(batch, tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rope is not None:
             q, k = self.rope(q, start, positions), self.rope(k, start, positions)
         dropout_p = self.dropout if self.training else 0.0
+        sdpa_kwargs = {"dropout_p": dropout_p, "enable_gqa": self.num_kv_heads != self.num_heads}
         end = start + tokens
         if kv_cache is not None:
             key_buffer, value_buffer = kv_cache
@@ -120,23 +138,23 @@ class CausalSelfAttention(nn.Module):
             query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)  # [tokens, 1]
             key_pos = torch.arange(end, device=x.device)  # [end]
             mask = (key_pos <= query_pos) & (key_mask.unsqueeze(1) | (key_pos == query_pos))  # [batch, tokens, end]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), **sdpa_kwargs)
         elif start == 0:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
         else:  # cached: query i (position start + i) sees keys 0 .. start + i; one query sees all of them
             mask = None
             if tokens > 1:
                 query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)
                 mask = torch.arange(end, device=x.device).unsqueeze(0) <= query_pos
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
         out = out.transpose(1, 2).reshape(batch, tokens, dim)
         return self.proj_drop(self.proj(out))
 
 
-def _make_norm(norm: str, dim: int, bias: bool) -> nn.Module:
+def _make_norm(norm: str, dim: int, bias: bool, eps: float | None) -> nn.Module:
     if norm == "layernorm":
-        return nn.LayerNorm(dim, bias=bias)
-    return nn.RMSNorm(dim)
+        return nn.LayerNorm(dim, eps=1e-5 if eps is None else eps, bias=bias)
+    return nn.RMSNorm(dim, eps=eps)
 
 
 class TransformerBlock(nn.Module):
@@ -157,12 +175,13 @@ class TransformerBlock(nn.Module):
         dim: int,
         norm: str,
         bias: bool,
+        norm_eps: float | None = None,
         depth_router: DepthRouter | None = None,
     ) -> None:
         super().__init__()
-        self.norm1 = _make_norm(norm, dim, bias)
+        self.norm1 = _make_norm(norm, dim, bias, norm_eps)
         self.attn = attn
-        self.norm2 = _make_norm(norm, dim, bias)
+        self.norm2 = _make_norm(norm, dim, bias, norm_eps)
         self.mlp = mlp
         self.mlp_takes_token_ids = takes_token_ids(mlp)
         self.depth_router = depth_router
@@ -221,18 +240,22 @@ class TransformerLM(nn.Module):
         max_seq_len: the longest sequence (prompt + generated tokens with a cache); longer inputs raise.
         dim, depth, num_heads: width, blocks, attention heads (``dim`` divisible by ``num_heads``; with
             RoPE the head size must be even).
+        num_kv_heads: key/value heads (grouped-query attention, a divisor of ``num_heads``); None = ``num_heads``.
         mlp_ratio: feed-forward hidden size ``int(dim * mlp_ratio)``, of the dense MLPs; each expert's is
             that divided by the recipe's ``granularity``.
         gated: GLU feed-forwards and experts, ``act(x W_gate) * (x W_up)``: SwiGLU with the default
             activation (Mixtral's experts).
         act_layer: the activation (a timm name); None = ``"gelu"``, or ``"silu"`` when ``gated``.
         bias: biases of the linear layers and LayerNorms.
+        qkv_bias: biases of the query/key/value projection alone (Qwen's attention); None = ``bias``.
         dropout: after the embeddings, on the attention probabilities, after the attention projection,
             and inside the feed-forwards (timm ``Mlp``'s ``drop``: after the activation and after fc2).
         tie_embeddings: the head reuses the token-embedding matrix.
         norm: ``"layernorm"`` or ``"rmsnorm"``.
+        norm_eps: the norms' epsilon; None = torch's default (LayerNorm 1e-5, RMSNorm the dtype's machine epsilon).
         pos_embedding: ``"rope"`` (rotary, applied to queries and keys) or ``"learned"`` (absolute,
             added to the token embeddings).
+        rope_base: the rotary frequencies' base (``theta``; 10000 in RoFormer, 1e6 in Mixtral).
         moe: the MoE recipe of the MoE blocks (:mod:`moekit.recipes`: a name, a recipe mapping, or None for
             the dense twin, every block a dense MLP of the same hidden size). Its experts have the form of the
             dense MLPs (``gated``, ``act_layer``, ``bias``, ``dropout``); hash routing reads these token ids.
@@ -266,14 +289,18 @@ class TransformerLM(nn.Module):
         dim: int = 256,
         depth: int = 4,
         num_heads: int = 4,
+        num_kv_heads: int | None = None,
         mlp_ratio: float = 4.0,
         gated: bool = False,
         act_layer: str | None = None,
         bias: bool = False,
+        qkv_bias: bool | None = None,
         dropout: float = 0.0,
         tie_embeddings: bool = True,
         norm: NormName = "layernorm",
+        norm_eps: float | None = None,
         pos_embedding: PosEmbedding = "rope",
+        rope_base: float = 10000.0,
         moe: str | Mapping[str, Any] | None = "mixtral",
         moe_blocks: MoEBlocks = "all",
         mod: DepthSpec | Mapping[str, Any] | None = None,
@@ -290,6 +317,16 @@ class TransformerLM(nn.Module):
             check_positive_int(value, key, name)
         if dim % num_heads:
             raise ValueError(f"{name}: dim={dim} is not divisible by num_heads={num_heads}; pick a divisor of dim")
+        if num_kv_heads is not None:
+            check_positive_int(num_kv_heads, "num_kv_heads", name)
+            if num_heads % num_kv_heads:
+                raise ValueError(
+                    f"{name}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}; pick a divisor "
+                    "of num_heads (or null: one key/value head per query head)"
+                )
+        for key, value in (("norm_eps", norm_eps), ("rope_base", rope_base)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}: {key}={value!r} must be a positive number")
         if pos_embedding not in ("rope", "learned"):
             raise ValueError(f"{name}: pos_embedding={pos_embedding!r}; allowed: 'rope', 'learned'")
         if pos_embedding == "rope" and (dim // num_heads) % 2:
@@ -310,6 +347,7 @@ class TransformerLM(nn.Module):
         self.dim = dim
         self.depth = depth
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = dim // num_heads
         act_name = act_layer or ("silu" if gated else "gelu")
         act = get_act_layer(act_name)
@@ -331,7 +369,7 @@ class TransformerLM(nn.Module):
 
         self.token_embedding = nn.Embedding(vocab_size, dim)
         self.position_embedding = nn.Embedding(max_seq_len, dim) if pos_embedding == "learned" else None
-        rope = RotaryEmbedding(self.head_dim, max_seq_len) if pos_embedding == "rope" else None
+        rope = RotaryEmbedding(self.head_dim, max_seq_len, base=rope_base) if pos_embedding == "rope" else None
         self.embed_drop = nn.Dropout(dropout)
         blocks = []
         for i in range(depth):
@@ -340,11 +378,15 @@ class TransformerLM(nn.Module):
                 mlp = build_moe_layer(spec, **mlp_kwargs, model_settings=model_settings)
             else:
                 mlp = SwiGLU(**mlp_kwargs) if gated else Mlp(**mlp_kwargs)
-            attn = CausalSelfAttention(dim, num_heads, bias=bias, dropout=dropout, rope=rope)
+            attn = CausalSelfAttention(
+                dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, qkv_bias=qkv_bias, dropout=dropout, rope=rope
+            )
             router = DepthRouter(dim, depth_spec, causal=True) if i in self.mod_block_indices else None
-            blocks.append(TransformerBlock(attn, mlp, dim=dim, norm=norm, bias=bias, depth_router=router))
+            blocks.append(
+                TransformerBlock(attn, mlp, dim=dim, norm=norm, bias=bias, norm_eps=norm_eps, depth_router=router)
+            )
         self.blocks = nn.ModuleList(blocks)
-        self.norm = _make_norm(norm, dim, bias)
+        self.norm = _make_norm(norm, dim, bias, norm_eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         if tie_embeddings:
             self.head.weight = self.token_embedding.weight
@@ -383,7 +425,7 @@ class TransformerLM(nn.Module):
         """An empty :class:`LMCache` for ``batch_size`` sequences, on the model's device and in its dtype."""
         check_positive_int(batch_size, "batch_size", "TransformerLM.init_cache")
         weight = self.token_embedding.weight
-        shape = (batch_size, self.num_heads, self.max_seq_len, self.head_dim)
+        shape = (batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
         keys = [weight.new_zeros(shape) for _ in self.blocks]
         values = [weight.new_zeros(shape) for _ in self.blocks]
         flags = (batch_size, self.max_seq_len)

@@ -1,9 +1,10 @@
-"""Sparse upcycling (Komatsuzaki et al. 2023): start an MoE ViT from a trained dense ViT.
+"""Sparse upcycling (Komatsuzaki et al. 2023): start an MoE model from its trained dense twin.
 
 Every weight outside the MoE layers is copied from the dense model; every expert of an MoE layer
 becomes a copy of the dense MLP that sat at the same place (``blocks.i.mlp.fc1`` / ``fc2``, or timm's
 ``SwiGLU`` / ``GluMlp`` for gated experts); routers, Soft MoE's slot parameters and always-on shared
-experts keep their fresh initialisation.
+experts keep their fresh initialisation. :func:`upcycle` serves any model whose MoE layers replace dense MLPs at the
+same names (the Transformer LM and its dense twin); :func:`upcycle_vit` also reads timm ViT checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from moekit.moe import ExpertBank, moe_layers
 
-__all__ = ["upcycle_vit"]
+__all__ = ["upcycle", "upcycle_vit"]
 
 
 def _dense_mlp(entries: Mapping[str, Tensor], prefix: str, offending: list[str]) -> nn.Module:
@@ -55,7 +56,6 @@ def _shape_check(bank: ExpertBank, mlp: nn.Module) -> None:
     probe.load_dense_mlp(mlp)
 
 
-@torch.no_grad()
 def upcycle_vit(
     moe_model: nn.Module,
     dense: nn.Module | Mapping[str, Tensor],
@@ -80,10 +80,23 @@ def upcycle_vit(
         ValueError: listing every missing key, unexpected key and shape mismatch; nothing is written then.
     """
     source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
-    source = checkpoint_filter_fn(source, moe_model)
+    return upcycle(moe_model, checkpoint_filter_fn(source, moe_model), noise_std, caller="upcycle_vit")
+
+
+@torch.no_grad()
+def upcycle(
+    moe_model: nn.Module,
+    dense: nn.Module | Mapping[str, Tensor],
+    noise_std: float = 0.0,
+    caller: str = "upcycle",
+) -> nn.Module:
+    """Initialise ``moe_model`` from its dense twin (the same model with ``moe=None``, e.g. a
+    :class:`~moekit.models.TransformerLM`): ``dense`` is that model or its ``state_dict()``. Arguments, result and
+    errors as :func:`upcycle_vit`'s (``caller`` names the function in the errors)."""
+    source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
     layers = {f"{name}.": layer for name, layer in moe_layers(moe_model)}
     if not layers:
-        raise ValueError(f"upcycle_vit: {type(moe_model).__name__} has no MoE layer to upcycle into")
+        raise ValueError(f"{caller}: {type(moe_model).__name__} has no MoE layer to upcycle into")
 
     def moe_prefix(key: str):
         return next((prefix for prefix in layers if key.startswith(prefix)), None)
@@ -110,7 +123,7 @@ def upcycle_vit(
     if missing or unexpected or problems:
         found = (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", problems))
         raise ValueError(
-            "upcycle_vit: the dense weights do not fit the MoE model: "
+            f"{caller}: the dense weights do not fit the MoE model: "
             + "; ".join(f"{what} {items}" for what, items in found if items)
         )
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import Capacity, tokens_choice_capacity
@@ -41,14 +41,18 @@ __all__ = ["TokensChoiceMoE", "SharedExperts", "TopKMoE", "HashMoE", "BaseMoE", 
 @dataclass(kw_only=True)
 class SharedExperts:
     """``num_shared_experts`` always-on experts of the routed experts' hidden size, applied to every token and
-    added to the routed output (DeepSeekMoE); computed as one dense MLP of ``num_shared_experts`` x that size."""
+    added to the routed output (DeepSeekMoE); computed as one dense MLP of ``num_shared_experts`` x that size.
+    ``shared_expert_gate`` scales their output per token by ``sigmoid(x w)``, a learned gate (Qwen1.5-MoE)."""
 
     num_shared_experts: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         value = self.num_shared_experts
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"num_shared_experts={value!r} must be an int >= 0")
+        if self.shared_expert_gate and not value:
+            raise ValueError("shared_expert_gate=True gates the shared experts, but num_shared_experts=0; set both")
 
 
 class TokensChoiceMoE(MoELayer):
@@ -69,11 +73,20 @@ class TokensChoiceMoE(MoELayer):
         self.top_k = self.router.top_k
         self.capacity = options.get(Capacity, Capacity())
         self.experts = experts.build(mlp, num_experts=self.num_experts, device=device, dtype=dtype)
-        shared = options.get(SharedExperts, SharedExperts()).num_shared_experts
+        shared = options.get(SharedExperts, SharedExperts())
         self.shared_experts = (
-            experts.build(mlp, num_experts=1, hidden_features=shared * mlp.hidden_features, device=device, dtype=dtype)
-            if shared
+            experts.build(
+                mlp,
+                num_experts=1,
+                hidden_features=shared.num_shared_experts * mlp.hidden_features,
+                device=device,
+                dtype=dtype,
+            )
+            if shared.num_shared_experts
             else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(mlp.in_features, 1, bias=False, device=device, dtype=dtype) if shared.shared_expert_gate else None
         )
 
     # The capacity factors are attributes of the layer for the capacity tuner (moekit.callbacks.CapacityTuner).
@@ -136,7 +149,10 @@ class TokensChoiceMoE(MoELayer):
         expert_out = self.experts(dispatch(x_ND, plan), plan.counts)  # [N * K, O], sorted by expert
         out_NO = combine(expert_out, plan, routing.gates)
         if self.shared_experts is not None:
-            out_NO = out_NO + self.shared_experts(x_ND, x_ND.shape[0])
+            shared_NO = self.shared_experts(x_ND, x_ND.shape[0])
+            if self.shared_expert_gate is not None:
+                shared_NO = torch.sigmoid(self.shared_expert_gate(x_ND)) * shared_NO
+            out_NO = out_NO + shared_NO
 
         self._record(
             routing.aux_losses,

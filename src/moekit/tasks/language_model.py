@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from moekit.checkpoint import load_weights, read_state_dict
-from moekit.models import fit_hash_routing
+from moekit.models import fit_hash_routing, upcycle
+from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
+from moekit.models.hf_layout import HF_PREFIX
 
 from .base import MoETask, plain
 
@@ -40,8 +42,12 @@ class LanguageModel(MoETask):
         optimizer: ``{name, lr, weight_decay, betas, eps, decay_1d}``.
         scheduler: :class:`~moekit.tasks.optim.ScheduleConfig` fields.
         compile: ``torch.compile`` the network in place (state-dict keys unchanged).
-        init_from: weights to start from (fine-tuning): our checkpoint, a safetensors or torch state
-            dict of the same network.
+        init_from: weights to start from: our checkpoint, a safetensors or torch state dict of the same network, or
+            ``hf:<folder>``, a transformers model folder of the Mixtral or Qwen2-MoE layout, whose architecture then
+            replaces the network config's (:func:`moekit.models.hf_import.apply_hf_settings`; the run keeps its
+            ``max_seq_len``, ``dropout`` and MoE loss weights).
+        init_mode: ``"finetune"`` (load every weight) or ``"upcycle"`` (a dense twin's checkpoint into this MoE
+            network: experts copy the dense MLP of their block, routers start fresh; :func:`moekit.models.upcycle`).
         run_config: the resolved run configuration, stored with the checkpoint and logged.
     """
 
@@ -53,10 +59,16 @@ class LanguageModel(MoETask):
         scheduler: Mapping[str, Any] | None = None,
         compile: bool = False,
         init_from: str | None = None,
+        init_mode: str = "finetune",
         run_config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         net, optimizer, scheduler, run_config = map(plain, (net, optimizer, scheduler, run_config))
+        if init_mode not in ("finetune", "upcycle"):
+            raise ValueError(f"init_mode={init_mode!r}; allowed: 'finetune', 'upcycle'")
+        hf_folder = init_from[len(HF_PREFIX) :] if init_from and init_from.startswith(HF_PREFIX) else None
+        if hf_folder is not None:
+            net = self._hf_architecture(net, hf_folder, vocab_size, init_mode)
         self.save_hyperparameters(
             {
                 "net": net,
@@ -65,6 +77,7 @@ class LanguageModel(MoETask):
                 "scheduler": scheduler,
                 "compile": compile,
                 "init_from": init_from,
+                "init_mode": init_mode,
                 "run_config": run_config,
             }
         )
@@ -75,12 +88,34 @@ class LanguageModel(MoETask):
                 f"the network has vocab_size={net_vocab} but the tokenizer has vocab_size={vocab_size}; "
                 "set model.vocab_size to the tokenizer's (data.vocab_size)"
             )
-        if init_from:
+        if hf_folder is not None:
+            load_weights(self.net, read_hf_state_dict(hf_folder), source=init_from)
+        elif init_from and init_mode == "upcycle":
+            upcycle(self.net, read_state_dict(init_from))
+        elif init_from:
             load_weights(self.net, read_state_dict(init_from), source=init_from)
         if compile:
             self.net.compile()
         # Token-weighted mean cross-entropy of each evaluation split, reduced over ranks.
         self.eval_ce = nn.ModuleDict({split: MeanMetric() for split in ("val", "test")})
+
+    @staticmethod
+    def _hf_architecture(net: dict, folder: str, vocab_size: int, init_mode: str) -> dict:
+        """``net`` with the architecture of the transformers model in ``folder`` (the changes are logged)."""
+        if init_mode != "finetune":
+            raise ValueError(
+                f"init_mode={init_mode!r} with task.init_from=hf:{folder}: a transformers folder holds an MoE model "
+                "already; use init_mode=finetune"
+            )
+        net, changes = apply_hf_settings(net, folder)
+        if net["vocab_size"] != vocab_size:
+            raise ValueError(
+                f"the transformers model in {folder} has a vocabulary of {net['vocab_size']} tokens but the data's "
+                f"tokenizer has {vocab_size}; train with the model's own tokenizer: data.tokenizer.kind=file "
+                f"data.tokenizer.path={folder}/tokenizer.json data.vocab_size={net['vocab_size']}"
+            )
+        log.info("the architecture of %s replaces the model config:\n  %s", folder, "\n  ".join(changes) or "(same)")
+        return net
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
