@@ -60,6 +60,34 @@ def reference_soft_moe(layer, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(outputs)
 
 
+def reference_lory(layer, x: torch.Tensor) -> torch.Tensor:
+    """Lory, one sequence, segment and token at a time: the experts' weights merged with the softmax of the router
+    on the previous segment's mean input (the learned prior for the first segment), then the merged MLP."""
+    bank, seg = layer.experts, layer.segment_len
+    outputs = []
+    for X in x:  # [tokens, d]
+        rows = []
+        for begin in range(0, X.shape[0], seg):
+            if begin == 0:
+                w = torch.softmax(layer.prior_logits, dim=0)
+            else:
+                w = torch.softmax(layer.router_weight @ X[begin - seg : begin].mean(dim=0), dim=0)
+            merged = type(bank)(
+                1,
+                bank.in_features,
+                bank.hidden_features,
+                bank.out_features,
+                act_layer=type(bank.act),
+                gated=bank.gated,
+                bias=(bank.fc1_bias is not None, bank.fc2_bias is not None),
+            )
+            for name, param in bank.named_parameters():
+                getattr(merged, name).data.copy_(torch.einsum("e,e...->...", w, param).unsqueeze(0))
+            rows += [reference_expert(merged, 0, X[t : t + 1])[0] for t in range(begin, min(begin + seg, len(X)))]
+        outputs.append(torch.stack(rows))
+    return torch.stack(outputs)
+
+
 def reference_tokens_choice(layer, x: torch.Tensor, expert_ids, gates, keep) -> torch.Tensor:
     """Output of a tokens-choice layer token by token: sum of kept gated expert outputs."""
     flat = x.reshape(-1, x.shape[-1])

@@ -47,6 +47,7 @@ TRANSFORMER_ROUTERS = {
     ),
     "dense_moe": dict(recipe="dense_moe", num_experts=3),
     "strictly_balanced_position": dict(recipe="strictly_balanced", num_experts=4, top_k=2, balance_scope="position"),
+    "lory": dict(recipe="lory", num_experts=4, segment_len=4),  # 3 segments of the 12 tokens
     "dense_model": None,
 }
 
@@ -190,7 +191,7 @@ def decode_in_pieces(model: nn.Module, input_ids: torch.Tensor, prefill: int, ch
 
 
 @pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
-@pytest.mark.parametrize("router", ["mixtral", "switch_position_capacity", "hash"])
+@pytest.mark.parametrize("router", ["mixtral", "switch_position_capacity", "hash", "lory"])
 @torch.no_grad()
 def test_kv_cache_decoding_equals_the_full_forward(router, pos_embedding):
     model = build("transformer", router, pos_embedding=pos_embedding).eval()

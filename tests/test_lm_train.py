@@ -53,7 +53,13 @@ def lm_overrides(experiment: str, corpus: Path, *extra: str) -> list[str]:
 
 
 def test_the_lm_experiments_exist():
-    assert LM_EXPERIMENTS == ["dense_transformer_lm", "mod_transformer_lm", "moe_lstm_lm", "moe_transformer_lm"]
+    assert LM_EXPERIMENTS == [
+        "dense_transformer_lm",
+        "lory_transformer_lm",
+        "mod_transformer_lm",
+        "moe_lstm_lm",
+        "moe_transformer_lm",
+    ]
 
 
 @pytest.mark.parametrize("experiment", LM_EXPERIMENTS)

@@ -1,12 +1,12 @@
-"""Experts-choice, BASE, hash, hierarchical and dense-mixture layers."""
+"""Experts-choice, BASE, hash, hierarchical, dense-mixture and Lory layers."""
 
 import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from conftest import reference_expert, reference_tokens_choice
+from conftest import reference_expert, reference_lory, reference_tokens_choice
 from moekit.models import TransformerLM, fit_hash_routing
-from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE
+from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE, LoryMoE
 from moekit.moe.assignment import balanced_assignment, balanced_capacities
 from moekit.moe.losses import cv_squared, load_probabilities, smooth_load
 
@@ -240,3 +240,37 @@ def test_dense_mixture_runs_every_expert_on_every_token():
     expected = sum(gates[:, e : e + 1] * reference_expert(layer.experts, e, flat) for e in range(3))
     torch.testing.assert_close(layer(x), expected.view(2, 5, 8), rtol=1e-5, atol=1e-6)
     assert layer.causal_safe
+
+
+# ----------------------------------------------------------------------------- Lory
+@pytest.mark.parametrize("gated, bias", [(True, False), (False, True)])
+def test_lory_equals_the_segment_loop_of_the_paper(gated, bias):
+    layer = LoryMoE(
+        8, 16, num_experts=4, segment_len=3, act_layer=torch.nn.SiLU, bias=bias, **({"gated": True} if gated else {})
+    )
+    with torch.no_grad():
+        layer.router_weight.normal_()
+        layer.prior_logits.normal_()
+    x = torch.randn(2, 10, 8)  # segments of 3, 3, 3 and 1 tokens
+    torch.testing.assert_close(layer(x), reference_lory(layer, x), rtol=1e-5, atol=1e-6)
+    assert layer.stats["expert_load"].sum() == pytest.approx(1.0)
+
+
+def test_lory_is_fully_differentiable_and_decodes_in_pieces():
+    layer = LoryMoE(8, 16, num_experts=4, segment_len=4, z_loss_weight=1e-3)
+    x = torch.randn(3, 13, 8, requires_grad=True)
+    out = layer(x)
+    (out.square().sum() + sum(layer.aux_losses.values())).backward()
+    assert layer.router_weight.grad.abs().sum() > 0 and layer.prior_logits.grad.abs().sum() > 0
+    assert (layer.experts.fc1_weight.grad.flatten(1).abs().sum(1) > 0).all(), "every expert learns from every segment"
+    assert x.grad[:, :12].abs().sum() > 0 and set(layer.aux_losses) == {"z"}
+    with torch.no_grad():  # a decode: 5 tokens, then 1 at a time, with the carried state
+        state = layer.init_state(3, x)
+        pieces = [layer(x[:, :5], start=0, state=state)] + [
+            layer(x[:, t : t + 1], start=t, state=state) for t in range(5, 13)
+        ]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), out, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="start=5 without a state"):
+        layer(x[:, 5:], start=5)
+    with pytest.raises(ValueError, match="segment_len=0 must be a positive int"):
+        LoryMoE(8, 16, segment_len=0)

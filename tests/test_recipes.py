@@ -3,6 +3,7 @@ cannot serve a model, and built as their comment line says (layer, experts, k, c
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -29,14 +30,15 @@ FAMILIES = {
     "lstm_lm": ["experiment=base/lstm_lm", "data.seq_len=64", "model.expert_hidden=288"],  # fine-grained: 288 / 9
 }
 # What each family cannot serve: hash routing needs token ids; a causal LM refuses token-mixing routing.
+# Lory routes by position: only the Transformer LM passes positions and a decoding state.
 REFUSED = {
-    "vit": {"hash": "has no token ids"},
+    "vit": {"hash": "has no token ids", "lory": "needs the tokens' positions"},
     "transformer_lm": {
         name: "would see the future"
         for name in ("soft_moe", "experts_choice", "base", "switch", "top2", "vmoe", "strictly_balanced")
     },
 }
-REFUSED["lstm_lm"] = REFUSED["transformer_lm"]
+REFUSED["lstm_lm"] = {**REFUSED["transformer_lm"], "lory": "needs the tokens' positions"}
 
 
 def stated_compute(name: str) -> float:
@@ -109,6 +111,10 @@ def _routing_flops(layer: MoELayer, tokens: int) -> float:
     """Per token, the FLOPs of a layer besides its experts: router logits, Soft MoE's dispatch and combine, the
     gate-weighted sum of the expert outputs (what the FLOP counter sees in eval mode)."""
     d, e = layer.in_features, layer.num_experts
+    if layer.registry_name == "lory":  # per segment: merging the E experts' weights, and router logits but the first
+        segments = math.ceil(tokens / layer.segment_len)
+        merge = 2 * e * (layer.experts.fc1_weight[0].numel() + layer.experts.fc2_weight[0].numel())
+        return (segments * merge + (segments - 1) * 2 * d * e) / tokens
     if isinstance(layer, SoftMoE):
         return 3 * 2 * d * layer.num_slots  # logits, dispatch, combine
     if isinstance(layer, ExpertsChoiceMoE):

@@ -50,12 +50,12 @@ __all__ = [
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The template's configs in a source checkout (``pip install -e .``), where the benchmarks compose their runs."""
 
-MODEL_KINDS: dict[str, tuple[str, bool, bool]] = {
-    "moekit.models.create_model": ("a ViT", False, False),
-    "moekit.models.TransformerLM": ("the Transformer LM", True, True),
-    "moekit.models.LSTMMoELM": ("the LSTM MoE LM", True, True),
+MODEL_KINDS: dict[str, tuple[str, bool, bool, bool]] = {
+    "moekit.models.create_model": ("a ViT", False, False, False),
+    "moekit.models.TransformerLM": ("the Transformer LM", True, True, True),
+    "moekit.models.LSTMMoELM": ("the LSTM MoE LM", True, True, False),
 }
-"""``model._target_ -> (what it is, causal, has token ids)``: what a model's MoE recipe must fit."""
+"""``model._target_ -> (what it is, causal, has token ids, has positions)``: what a model's MoE recipe must fit."""
 
 # The config nodes whose keys are read (and checked) by what they build; an added key elsewhere is ignored.
 _READ_NODES = frozenset({"model", "moe", "mod", "data", "task", "trainer", "callbacks", "logger"})
@@ -108,10 +108,10 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
     if not isinstance(model, DictConfig) or str(model.get("_target_")) not in MODEL_KINDS:
         return
     settings = OmegaConf.to_container(model, resolve=True)
-    what, causal, token_ids = MODEL_KINDS[str(model._target_)]
+    what, causal, token_ids, positions = MODEL_KINDS[str(model._target_)]
     spec = resolve_recipe(settings.get("moe"))
     if spec is not None:
-        check_fits(spec, model=what, causal=causal, token_ids=token_ids)
+        check_fits(spec, model=what, causal=causal, token_ids=token_ids, positions=positions)
     group = cfg.get("mod")
     depth = resolve_depth(settings["mod"] if "mod" in settings else OmegaConf.to_container(group) if group else None)
     if depth is not None and "mod" not in settings:

@@ -13,6 +13,7 @@ __all__ = [
     "check_dropout",
     "check_cache_batch",
     "takes_token_ids",
+    "takes_positions",
     "fit_hash_routing",
     "INIT_STD",
 ]
@@ -61,6 +62,11 @@ def check_cache_batch(cache, batch: int, name: str) -> None:
 def takes_token_ids(layer: nn.Module) -> bool:
     """Whether ``layer`` routes by token id (its router reads ids: hash routing) and must get them."""
     return getattr(getattr(layer, "router", None), "needs_token_ids", False)
+
+
+def takes_positions(layer: nn.Module) -> bool:
+    """Whether ``layer`` routes by position (Lory's segments) and must get ``start`` and its decoding state."""
+    return getattr(layer, "needs_positions", False)
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from .lm_common import (
     check_input_ids,
     check_positive_int,
     check_seq_len,
+    takes_positions,
     takes_token_ids,
 )
 from .placement import MoEBlocks, resolve_moe_blocks
@@ -58,6 +59,8 @@ class LMCache:
         position: tokens stored so far = the position of the next token.
         processed: per block, ``[batch, max_seq_len]`` bool for a Mixture-of-Depths block (which of the
             stored tokens the block processed: the only keys its queries see), None for the others.
+        layer_states: per block, the decoding state of an MoE layer that routes by position (Lory's
+            :class:`~moekit.moe.SegmentState`), None for the others.
 
     Pre-allocated rather than grown by ``torch.cat`` each step: a concatenation copies the whole cache at
     every decoded token.
@@ -67,6 +70,7 @@ class LMCache:
     values: list[Tensor]
     position: int = 0
     processed: list[Tensor | None] = field(default_factory=list)
+    layer_states: list[Any] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -184,10 +188,15 @@ class TransformerBlock(nn.Module):
         self.norm2 = _make_norm(norm, dim, bias, norm_eps)
         self.mlp = mlp
         self.mlp_takes_token_ids = takes_token_ids(mlp)
+        self.mlp_takes_positions = takes_positions(mlp)
         self.depth_router = depth_router
 
-    def _mlp(self, h: Tensor, token_ids: Tensor) -> Tensor:
-        return self.mlp(h, token_ids=token_ids) if self.mlp_takes_token_ids else self.mlp(h)
+    def _mlp(self, h: Tensor, token_ids: Tensor, start: int = 0, state: Any = None) -> Tensor:
+        if self.mlp_takes_token_ids:
+            return self.mlp(h, token_ids=token_ids)
+        if self.mlp_takes_positions:
+            return self.mlp(h, start=start, state=state)
+        return self.mlp(h)
 
     def forward(
         self,
@@ -196,10 +205,11 @@ class TransformerBlock(nn.Module):
         start: int = 0,
         kv_cache: tuple[Tensor, Tensor] | None = None,
         processed: Tensor | None = None,
+        mlp_state: Any = None,
     ) -> Tensor:
         if self.depth_router is None:
             x = x + self.attn(self.norm1(x), start, kv_cache)
-            return x + self._mlp(self.norm2(x), token_ids)
+            return x + self._mlp(self.norm2(x), token_ids, start, mlp_state)
         if self.depth_router.routes_top_c and kv_cache is None:
             return self._forward_top_c(x, token_ids)
         return self._forward_per_token(x, token_ids, start, kv_cache, processed)
@@ -358,11 +368,16 @@ class TransformerLM(nn.Module):
 
         self.moe_block_indices: tuple[int, ...] = ()
         if spec is not None:
-            check_fits(spec, model="the Transformer LM", causal=True, token_ids=True)
+            check_fits(spec, model="the Transformer LM", causal=True, token_ids=True, positions=True)
             self.moe_block_indices = resolve_moe_blocks(moe_blocks, depth, model_name=name)
         self.mod_block_indices: tuple[int, ...] = ()
         if depth_spec is not None:
             depth_spec.check_causal(name)
+            if spec is not None and spec["layer"] == "lory":
+                raise ValueError(
+                    f"{name}: moe={spec.get('name', 'lory')} routes segments of consecutive tokens, and "
+                    "Mixture-of-Depths blocks process a subset of them; use mod=none with it"
+                )
             self.mod_block_indices = resolve_moe_blocks(
                 depth_spec.blocks, depth, model_name=name, setting="mod.blocks", kind="routed"
             )
@@ -433,7 +448,8 @@ class TransformerLM(nn.Module):
             weight.new_zeros(flags, dtype=torch.bool) if i in self.mod_block_indices else None
             for i in range(self.depth)
         ]
-        return LMCache(keys=keys, values=values, position=0, processed=processed)
+        states = [block.mlp.init_state(batch_size, weight) if block.mlp_takes_positions else None for block in self.blocks]
+        return LMCache(keys=keys, values=values, position=0, processed=processed, layer_states=states)
 
     def forward(self, input_ids: Tensor, cache: LMCache | None = None) -> Tensor:
         """``input_ids: [batch, tokens]`` long -> logits ``[batch, tokens, vocab_size]``.
@@ -460,7 +476,8 @@ class TransformerLM(nn.Module):
                 continue
             kv_cache = None if cache is None else (cache.keys[i], cache.values[i])
             processed = cache.processed[i] if cache is not None and cache.processed else None
-            x = block(x, input_ids, start, kv_cache, processed)
+            mlp_state = cache.layer_states[i] if cache is not None and cache.layer_states else None
+            x = block(x, input_ids, start, kv_cache, processed, mlp_state)
         if cache is not None:
             cache.position = start + tokens
         return self.head(self.norm(x))

@@ -10,6 +10,8 @@ Layers (all built from the timm ``Mlp`` keywords plus their settings; registry n
 * :class:`HashMoE` [``hash``] - fixed token-id hashing (needs ``token_ids``: language models).
 * :class:`DenseMoE` [``dense_moe``] - every expert on every token, softmax-gated.
 * :class:`HierarchicalMoE` [``hierarchical``] - Shazeer's two-level gating.
+* :class:`LoryMoE` [``lory``] - Lory's causal soft MoE: experts merged per segment, routed by the previous segment
+  (needs positions: the Transformer LM).
 * :class:`StrictlyBalancedMoE` [``strictly_balanced``] - Shazeer's strictly balanced gating (batchwise mask in
   training, learned thresholds at inference).
 
@@ -52,6 +54,7 @@ from .depth import DepthRouter, MixtureOfDepths, depth_routers, top_c_routing
 from .experts import ExpertBank, ExpertsConfig
 from .experts_choice import ExpertsChoiceMoE
 from .grouped_linear import grouped_linear
+from .lory import LoryMoE, SegmentState
 from .soft_moe import SoftMoE
 from .tokens_choice import BaseMoE, HashMoE, HierarchicalMoE, SharedExperts, TokensChoiceMoE, TopKMoE
 
@@ -84,6 +87,8 @@ __all__ = [
     "HierarchicalMoE",
     "ExpertsChoiceMoE",
     "DenseMoE",
+    "LoryMoE",
+    "SegmentState",
     "DepthRouter",
     "MixtureOfDepths",
     "depth_routers",

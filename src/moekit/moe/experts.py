@@ -276,6 +276,24 @@ class ExpertBank(nn.Module):
             y = grouped_linear(h, w2, b2, group_sizes, self.kernel)
         return self.drop2(y)
 
+    def merged(self, x_BTD: Tensor, weights_BE: Tensor) -> Tensor:
+        """Experts merged in parameter space (SMEAR, Muqeeth et al. 2023; Lory): sequence ``b`` of ``x_BTD`` goes
+        through one MLP whose weights are ``sum_e weights_BE[b, e] * expert_e``'s. ``[B, T, in] -> [B, T, out]``.
+        Merging costs ``E / T`` of the tokens' compute; the merged weights are materialised per sequence."""
+        x_BTD, (w1, b1, w2, b2) = self._cast(x_BTD)
+        weights_BE = weights_BE.to(x_BTD.dtype)
+        with torch.autocast(x_BTD.device.type, enabled=False):
+            w1_BDH = (weights_BE @ w1.flatten(1)).view(-1, *w1.shape[1:])  # [B, in, hidden (x2 gated)]
+            h_BTH = torch.bmm(x_BTD, w1_BDH)
+            if b1 is not None:
+                h_BTH = h_BTH + (weights_BE @ b1).unsqueeze(1)
+            h_BTH = self.drop1(expert_activation(h_BTH, self.act, self.gated))
+            w2_BHD = (weights_BE @ w2.flatten(1)).view(-1, *w2.shape[1:])  # [B, hidden, out]
+            y_BTD = torch.bmm(h_BTH, w2_BHD)
+            if b2 is not None:
+                y_BTD = y_BTD + (weights_BE @ b2).unsqueeze(1)
+        return self.drop2(y_BTD)
+
     def hidden(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
         """``[rows, hidden]``: what reaches ``fc2`` for rows sorted by (local) expert, before dropout (the
         inputs whose statistics GPTQ needs for ``fc2``)."""

@@ -44,6 +44,8 @@ _CAPACITY_LAYERS = frozenset({"top_k", "hierarchical"})
 _BALANCE_SCOPE_LAYERS = frozenset({"strictly_balanced"})
 # Layers that route by token id (a model must pass ``token_ids``).
 _TOKEN_ID_LAYERS = frozenset({"hash"})
+# Layers that route by position in the sequence (a model must pass positions and a decoding state).
+_POSITION_LAYERS = frozenset({"lory"})
 
 
 def list_recipes() -> list[str]:
@@ -124,7 +126,7 @@ def mixes_tokens(spec: Mapping[str, Any]) -> bool:
     return has_capacity and spec.get("capacity_scope", "batch") != "position"
 
 
-def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: bool) -> None:
+def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: bool, positions: bool = False) -> None:
     """Refuse a recipe its model cannot serve, with the reason and the alternative.
 
     Args:
@@ -132,8 +134,15 @@ def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: 
         model: the model, for the message (``"a ViT"``, ``"the Transformer LM"``).
         causal: the model is a causal (decoder) language model.
         token_ids: the model passes token ids to its MoE layers.
+        positions: the model passes token positions and a decoding state to its MoE layers.
     """
     what = _label(spec)
+    if spec["layer"] in _POSITION_LAYERS and not positions:
+        raise ValueError(
+            f"{what} routes each segment of a sequence by the previous segment, which needs the tokens' positions "
+            f"and a decoding state; {model} does not pass them (the Transformer LM does). Use another recipe, e.g. "
+            "moe=mixtral or moe=dense_moe"
+        )
     if needs_token_ids(spec) and not token_ids:
         raise ValueError(
             f"{what} routes each token by its token id, and {model} has no token ids (its tokens are "

@@ -1,0 +1,136 @@
+"""Lory (Zhong et al. 2024, "Lory: Fully Differentiable Mixture-of-Experts for Autoregressive Language Model
+Pre-training"): a soft, fully differentiable MoE that is causal by construction.
+
+A sequence is cut into segments of ``segment_len`` tokens. Segment ``j`` is processed by one MLP whose weights are
+the experts' merged in parameter space (SMEAR), ``theta_j = sum_e w_je theta_e``, with the weights routed from the
+mean of the *previous* segment's inputs::
+
+    w_j = softmax(W_r mean(x[segment j - 1]))        j >= 1
+    w_0 = softmax(b)                                  a learned mixture: the first segment has no previous one
+
+Every token of segment ``j`` is processed with weights that depend on earlier tokens only, so the layer is
+causal; no token is dropped and every expert gets a gradient from every segment. The first segment's mixture is
+moekit's choice for segment 0 (data-independent, so that nothing leaks from later tokens). Merging costs
+``E / segment_len`` of the tokens' compute; each expert is the size of the dense MLP it replaces, so the FLOPs per
+token are the dense model's plus that.
+
+Cached decoding carries, per sequence, the running sum of the current segment's inputs and its weights
+(:class:`SegmentState`), so that decoding token by token gives the full forward's outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .base import MlpSpec, MoELayer, register_moe_layer
+from .experts import ExpertsConfig
+from .losses import router_z_loss
+from .routing import logit_checksum, router_logits, router_weight
+from .stats import dense_mixture_stats
+
+__all__ = ["LoryMoE", "SegmentState"]
+
+
+@dataclass
+class SegmentState:
+    """Where a sequence stands in its current segment (one per layer of a decoding cache).
+
+    Attributes:
+        sum_BD: float32 sum of the current segment's inputs so far, per sequence.
+        weights_BE: float32 merging weights of the current segment, per sequence.
+    """
+
+    sum_BD: Tensor
+    weights_BE: Tensor
+
+
+@register_moe_layer("lory")
+class LoryMoE(MoELayer):
+    """Lory's segment-routed, parameter-merged MoE. ``forward(x, start=0, state=None)``: ``x: [batch, tokens, dim]``
+    holds the tokens at positions ``start ..`` of each sequence; ``state`` (:meth:`init_state`) carries the segment
+    across the calls of a cached decode (without it the call is a whole sequence from position ``start = 0``).
+    Settings: :class:`LoryMoE.Config` and :class:`~moekit.moe.experts.ExpertsConfig` (``num_experts``, 8)."""
+
+    @dataclass(kw_only=True)
+    class Config:
+        """Attributes:
+        segment_len: tokens per segment (routed together, by the previous segment).
+        z_loss_weight: ST-MoE router z-loss on the segment logits (0 = off).
+        """
+
+        segment_len: int = 64
+        z_loss_weight: float = 0.0
+
+        def __post_init__(self) -> None:
+            value = self.segment_len
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"segment_len={value!r} must be a positive int (tokens per routed segment)")
+            if not self.z_loss_weight >= 0:
+                raise ValueError(f"z_loss_weight={self.z_loss_weight!r} must be >= 0")
+
+    configs = (Config, ExpertsConfig)
+    defaults = {"num_experts": 8}
+    needs_positions = True
+    """Its MoE block passes each token's position and the decoding state (:func:`moekit.models.lm_common`)."""
+
+    def build(self, mlp: MlpSpec, config: Config, experts: ExpertsConfig, *, device=None, dtype=None) -> None:
+        self.num_experts = experts.num_experts
+        self.segment_len = config.segment_len
+        self.z_loss_weight = config.z_loss_weight
+        self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
+        self.prior_logits = nn.Parameter(torch.zeros(self.num_experts, device=device, dtype=dtype))  # segment 0
+        self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    @property
+    def causal_safe(self) -> bool:
+        return True
+
+    def expert_rows_per_token(self, num_tokens: int) -> float:
+        return 1.0  # one merged expert per token (merging adds E / segment_len of that)
+
+    def init_state(self, batch: int, like: Tensor) -> SegmentState:
+        """The state at position 0 of ``batch`` sequences (on ``like``'s device)."""
+        zeros = torch.zeros(batch, self.in_features, device=like.device, dtype=torch.float32)
+        return SegmentState(sum_BD=zeros, weights_BE=self._prior(batch))
+
+    def _prior(self, batch: int) -> Tensor:
+        return torch.softmax(self.prior_logits.float(), dim=-1).expand(batch, -1)
+
+    def forward(self, x: Tensor, start: int = 0, state: SegmentState | None = None) -> Tensor:
+        """``x: [batch, tokens, in_features]`` at positions ``start ..`` -> ``[batch, tokens, out_features]``."""
+        self._check_input(x)
+        batch, tokens, _ = x.shape
+        if state is None:
+            if start != 0:
+                raise ValueError(f"LoryMoE: start={start} without a state; a call without one is a whole sequence")
+            state = self.init_state(batch, x)
+        seg = self.segment_len
+        outputs, logits, weights, done = [], [], [], 0
+        while done < tokens:  # one step per segment the call touches (not per token)
+            position = start + done
+            if position % seg == 0 and position > 0:  # a segment begins: route it by the previous one
+                logits_BE = router_logits(state.sum_BD / seg, self.router_weight)
+                state.weights_BE = torch.softmax(logits_BE, dim=-1)
+                state.sum_BD = torch.zeros_like(state.sum_BD)
+                logits.append(logits_BE)
+            count = min(tokens - done, seg - position % seg)
+            chunk_BTD = x[:, done : done + count]
+            outputs.append(self.experts.merged(chunk_BTD, state.weights_BE))
+            weights.append(state.weights_BE.unsqueeze(1).expand(-1, count, -1))
+            state.sum_BD = state.sum_BD + chunk_BTD.float().sum(dim=1)
+            done += count
+        out_BTD = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+        losses = {}
+        if self.z_loss_weight and logits:
+            losses["z"] = self.z_loss_weight * router_z_loss(torch.cat(logits))
+        gates_NE = torch.cat(weights, dim=1).reshape(batch * tokens, -1).detach()  # each token's mixture
+        checksum = logit_checksum(torch.cat(logits)) if logits else None
+        self._record(losses, lambda: dense_mixture_stats(gates_NE), batch * tokens, checksum)
+        return out_BTD
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, segment_len={self.segment_len}"
