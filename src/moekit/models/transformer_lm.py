@@ -448,7 +448,9 @@ class TransformerLM(nn.Module):
             weight.new_zeros(flags, dtype=torch.bool) if i in self.mod_block_indices else None
             for i in range(self.depth)
         ]
-        states = [block.mlp.init_state(batch_size, weight) if block.mlp_takes_positions else None for block in self.blocks]
+        states = [
+            block.mlp.init_state(batch_size, weight) if block.mlp_takes_positions else None for block in self.blocks
+        ]
         return LMCache(keys=keys, values=values, position=0, processed=processed, layer_states=states)
 
     def forward(self, input_ids: Tensor, cache: LMCache | None = None) -> Tensor:
