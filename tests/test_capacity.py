@@ -2,6 +2,7 @@
 Soft MoE slots, against hand-computed values."""
 
 import pytest
+import torch
 
 from moekit.moe import Capacity, ExpertsChoiceMoE, SoftMoE, TopKMoE
 from moekit.moe.capacity import experts_choice_capacity, round_capacity, soft_moe_slots, tokens_choice_capacity
@@ -49,7 +50,12 @@ def test_layers_use_the_rule():
         ({"capacity_factor": 0}, r"capacity_factor=0 must be a positive number, or null"),
         ({"capacity_factor": -1.0}, r"capacity_factor=-1.0 must be a positive number"),
         ({"eval_capacity_factor": "x"}, r"eval_capacity_factor='x' must be a positive number"),
-        ({"capacity_scope": "sequence"}, r"capacity_scope='sequence'; allowed: 'batch', 'position'"),
+        ({"capacity_scope": "sequence"}, r"capacity_scope='sequence'; allowed: 'batch', 'position', 'group'"),
+        ({"capacity_scope": "group", "group_size": 0}, r"group_size=0 must be a positive int"),
+        (
+            {"group_size": 64},
+            r"group_size=64 counts capacity per group, but capacity_scope='batch'; set capacity_scope",
+        ),
     ],
 )
 def test_bad_capacity_settings_name_the_value(settings, message):
@@ -61,3 +67,57 @@ def test_eval_capacity_factor_same_follows_the_training_factor():
     assert Capacity(capacity_factor=1.25).eval_capacity_factor == 1.25
     assert Capacity(capacity_factor=1.25, eval_capacity_factor=2.0).eval_capacity_factor == 2.0
     assert Capacity().dropless and not Capacity(eval_capacity_factor=2.0).dropless
+
+
+def per_group_keep(expert_ids, batch: int, tokens: int, group_size: int, capacity: int, num_experts: int):
+    """The drops of a group capacity, one sequence, group and token at a time: each token's choices in order,
+    kept while the expert has taken fewer than ``capacity`` assignments of the group."""
+    keep = torch.zeros_like(expert_ids, dtype=torch.bool)
+    for b in range(batch):
+        for begin in range(0, tokens, group_size):
+            taken = [0] * num_experts
+            for t in range(begin, min(begin + group_size, tokens)):
+                for j, e in enumerate(expert_ids[b * tokens + t].tolist()):
+                    keep[b * tokens + t, j] = taken[e] < capacity
+                    taken[e] += 1
+    return keep
+
+
+@pytest.mark.parametrize("group_size, tokens", [(5, 12), (4, 12), (None, 12)])
+def test_group_capacity_equals_the_per_group_loop_and_decodes_in_pieces(group_size, tokens):
+    torch.manual_seed(0)
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0, capacity_scope="group", group_size=group_size)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 3.0)  # decisive routing: the capacity binds
+    x = torch.randn(3, tokens, 8)
+    routing = layer.router(x.reshape(-1, 8))
+    plan = layer.plan(routing, 3, tokens)
+    size = group_size or tokens
+    capacity = tokens_choice_capacity(size, 2, 4, 1.0)
+    assert torch.equal(plan.keep, per_group_keep(routing.expert_ids, 3, tokens, size, capacity, 4))
+    assert not plan.keep.all(), "some assignments are dropped"
+    if group_size is None:
+        return
+    layer.eval()
+    with torch.no_grad():  # a decode: 3 tokens, then one at a time, carrying the group counts
+        state = layer.init_state(3, x)
+        pieces = [layer(x[:, :3], start=0, state=state)]
+        pieces += [layer(x[:, t : t + 1], start=t, state=state) for t in range(3, tokens)]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), layer(x), rtol=1e-5, atol=1e-6)
+
+
+def test_experts_choice_groups_equal_routing_each_group_alone():
+    torch.manual_seed(0)
+    grouped = ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=1.0, group_size=6)
+    whole = ExpertsChoiceMoE(8, 16, num_experts=4, capacity_factor=1.0)
+    whole.load_state_dict(grouped.state_dict())
+    x = torch.randn(18, 8)
+    token_idx, gates, _, _ = grouped.route(x)
+    assert token_idx.shape == (4, 3 * experts_choice_capacity(6, 4, 1.0)) == (4, 6)
+    for g in range(3):
+        idx_g, gates_g, _, _ = whole.route(x[6 * g : 6 * (g + 1)])
+        torch.testing.assert_close(token_idx[:, 2 * g : 2 * (g + 1)], idx_g + 6 * g)
+        torch.testing.assert_close(gates[:, 2 * g : 2 * (g + 1)], gates_g)
+    assert grouped.tokens_per_expert(18) == 6
+    with pytest.raises(ValueError, match=r"20 tokens \(batch x tokens\) are not whole groups of group_size=6"):
+        grouped.route(torch.randn(20, 8))

@@ -47,6 +47,8 @@ TRANSFORMER_ROUTERS = {
     ),
     "dense_moe": dict(recipe="dense_moe", num_experts=3),
     "strictly_balanced_position": dict(recipe="strictly_balanced", num_experts=4, top_k=2, balance_scope="position"),
+    "top2_group_capacity": dict(recipe="top2", num_experts=4, capacity_scope="group", group_size=5),
+    "mixtral_sequence_capacity": dict(recipe="mixtral", num_experts=4, capacity_factor=1.0, capacity_scope="group"),
     "lory": dict(recipe="lory", num_experts=4, segment_len=4),  # 3 segments of the 12 tokens
     "dense_model": None,
 }
@@ -156,6 +158,7 @@ def test_the_causality_check_catches_a_capacity_over_the_batch():
         ("switch", "set moe.capacity_scope=position"),
         (dict(recipe="mixtral", eval_capacity_factor=2.0), "set moe.capacity_scope=position"),
         ("strictly_balanced", "set moe.balance_scope=position"),
+        (dict(recipe="top2", capacity_scope="group", batch_priority=True), "set moe.capacity_scope=position"),
     ],
 )
 def test_token_mixing_recipes_are_refused(moe, fix):
@@ -164,6 +167,15 @@ def test_token_mixing_recipes_are_refused(moe, fix):
     assert fix in str(err.value), "the message names the fix"
     with pytest.raises(ValueError, match=r"so the LSTM MoE LM \(causal\) would see the future"):
         LSTMMoELM(**TINY_LSTM, moe=moe)
+
+
+def test_the_lstm_lm_refuses_what_needs_positions_and_the_transformer_sizes_groups_by_max_seq_len():
+    with pytest.raises(ValueError, match=r"capacity_scope=group\), which a cached decode must carry"):
+        LSTMMoELM(**TINY_LSTM, moe=dict(recipe="top2", capacity_scope="group"))
+    with pytest.raises(ValueError, match=r"needs the tokens' positions and a decoding state; the LSTM MoE LM"):
+        LSTMMoELM(**TINY_LSTM, moe="lory")
+    model = TransformerLM(**TINY_TRANSFORMER, moe=dict(recipe="top2", capacity_scope="group"))
+    assert {layer.capacity.group_size for _, layer in moe_layers(model)} == {24}, "a group is a whole sequence"
 
 
 @pytest.mark.parametrize("layer", ["soft_moe", "experts_choice", "base"])
@@ -191,13 +203,16 @@ def decode_in_pieces(model: nn.Module, input_ids: torch.Tensor, prefill: int, ch
 
 
 @pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
-@pytest.mark.parametrize("router", ["mixtral", "switch_position_capacity", "hash", "lory"])
+@pytest.mark.parametrize(
+    "router",
+    ["mixtral", "switch_position_capacity", "hash", "lory", "top2_group_capacity", "mixtral_sequence_capacity"],
+)
 @torch.no_grad()
 def test_kv_cache_decoding_equals_the_full_forward(router, pos_embedding):
     model = build("transformer", router, pos_embedding=pos_embedding).eval()
     input_ids = torch.randint(VOCAB, (4, 16))
     full = model(input_ids)
-    if router == "switch_position_capacity":  # capacity 1 per expert per position for 4 sequences: drops
+    if router in ("switch_position_capacity", "top2_group_capacity"):  # the capacity binds: drops
         dropped = [s["dropped_fraction"] for s in collect_moe_outputs(model).stats.values()]
         assert max(dropped) > 0, "the capacity binds, so the test compares dropping too"
     torch.testing.assert_close(decode_in_pieces(model, input_ids, prefill=5, chunk=4), full, atol=1e-5, rtol=1e-5)

@@ -8,8 +8,10 @@ cache (:meth:`TransformerLM.init_cache`) that the forward extends in place, so
 It refuses, at construction, MoE recipes whose routing of a token looks at other tokens
 (:func:`moekit.recipes.check_fits`, :func:`moekit.moe.require_causal`): Soft MoE, experts-choice, BASE, and
 tokens-choice capacity over the whole batch. Tokens-choice layers with a capacity are causal with
-``capacity_scope="position"`` (each position's tokens compete among themselves only), which also makes cached
-decoding drop exactly what the full forward drops.
+``capacity_scope="position"`` (each position's tokens compete among themselves only) or ``"group"`` (a sequence's
+tokens served in order; the cache carries the counts), and cached decoding drops exactly what the full forward
+drops. Lory (``moe=lory``), the causal soft MoE, routes each segment by the previous one; the cache carries the
+segment too.
 """
 
 from __future__ import annotations
@@ -269,9 +271,10 @@ class TransformerLM(nn.Module):
         moe: the MoE recipe of the MoE blocks (:mod:`moekit.recipes`: a name, a recipe mapping, or None for
             the dense twin, every block a dense MLP of the same hidden size). Its experts have the form of the
             dense MLPs (``gated``, ``act_layer``, ``bias``, ``dropout``); hash routing reads these token ids.
-            Only recipes that route each token on its own are accepted (:func:`moekit.recipes.check_fits`):
-            ``mixtral``, ``deepseek``, ``noisy_top_k``, ``hash``, ``hierarchical``, ``dense_moe``, and capacity
-            limits with ``capacity_scope="position"``.
+            Only recipes that route each token on its own or from earlier tokens are accepted
+            (:func:`moekit.recipes.check_fits`): ``mixtral``, ``deepseek``, ``noisy_top_k``, ``hash``,
+            ``hierarchical``, ``dense_moe``, ``lory``, and capacity limits with ``capacity_scope`` ``"position"`` or
+            ``"group"`` (whose ``group_size`` defaults to ``max_seq_len``: one sequence).
         moe_blocks: which blocks are MoE (see :func:`~moekit.models.placement.resolve_moe_blocks`:
             ``"all"``, ``"every_2"``, ``"last_<n>"``, indices, ...).
         mod: Mixture-of-Depths (:mod:`moekit.moe.depth`): None, or the settings of
@@ -390,6 +393,8 @@ class TransformerLM(nn.Module):
         for i in range(depth):
             if i in self.moe_block_indices:
                 model_settings = {"vocab_size": vocab_size, "gated": gated}
+                if spec.get("capacity_scope") == "group":  # a group is a sequence unless the recipe sizes it
+                    model_settings["group_size"] = max_seq_len
                 mlp = build_moe_layer(spec, **mlp_kwargs, model_settings=model_settings)
             else:
                 mlp = SwiGLU(**mlp_kwargs) if gated else Mlp(**mlp_kwargs)

@@ -28,7 +28,8 @@ __all__ = [
     "Capacity",
 ]
 
-CapacityScope = Literal["batch", "position"]
+CapacityScope = Literal["batch", "position", "group"]
+CAPACITY_SCOPES = ("batch", "position", "group")
 
 
 def round_capacity(rows: float) -> int:
@@ -70,7 +71,11 @@ class Capacity:
         capacity_scope: ``"batch"``: one capacity over all ``batch * tokens`` tokens of the forward (vision);
             ``"position"``: a capacity over the ``batch`` tokens at each sequence position, so whether a token
             is dropped never depends on other positions (causal; cached decoding drops what the full forward
-            drops).
+            drops); ``"group"``: a capacity over each group of ``group_size`` consecutive tokens of a sequence
+            (V-MoE's and Switch's groups), served in token order - each token's choices before the next token's -
+            so that a token's drops depend on earlier tokens only (causal; a decoding cache carries the counts).
+        group_size: tokens per group of the ``"group"`` scope; None = the whole sequence (each image of a ViT; in
+            the Transformer LM, ``max_seq_len`` tokens).
         batch_priority: Batch Prioritized Routing (Riquelme et al. 2021): when capacity binds, the tokens with
             the highest top router score are served first instead of the earliest ones.
     """
@@ -78,6 +83,7 @@ class Capacity:
     capacity_factor: float | None = None
     eval_capacity_factor: float | None | Literal["same"] = "same"
     capacity_scope: CapacityScope = "batch"
+    group_size: int | None = None
     batch_priority: bool = False
 
     def __post_init__(self) -> None:
@@ -85,8 +91,18 @@ class Capacity:
         if self.eval_capacity_factor == "same":
             self.eval_capacity_factor = self.capacity_factor
         check_factor(self.eval_capacity_factor, "eval_capacity_factor", optional=True)
-        if self.capacity_scope not in ("batch", "position"):
-            raise ValueError(f"capacity_scope={self.capacity_scope!r}; allowed: 'batch', 'position'")
+        if self.capacity_scope not in CAPACITY_SCOPES:
+            raise ValueError(
+                f"capacity_scope={self.capacity_scope!r}; allowed: {', '.join(repr(s) for s in CAPACITY_SCOPES)}"
+            )
+        size = self.group_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"group_size={size!r} must be a positive int (tokens per group) or null (a sequence)")
+        if size is not None and self.capacity_scope != "group":
+            raise ValueError(
+                f"group_size={size} counts capacity per group, but capacity_scope={self.capacity_scope!r}; "
+                "set capacity_scope=group (or leave group_size null)"
+            )
 
     @property
     def dropless(self) -> bool:

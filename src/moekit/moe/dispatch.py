@@ -48,12 +48,14 @@ def _keep_within_capacity(
     priority: Tensor | None,
     group_ids: Tensor | None,
     num_groups: int,
+    token_major: bool = False,
+    earlier_counts: Tensor | None = None,
 ) -> Tensor:
     """``[N, k]`` bool: an assignment is kept if fewer than ``capacity`` assignments come before it in
     its queue. There is one queue per expert (per ``(group, expert)`` pair when ``group_ids`` is given).
-    A queue holds all first choices, then all second choices, ...; within one choice rank, tokens come
-    in ``priority`` order (highest first; Batch Prioritized Routing) or in index order (first come,
-    first served)."""
+    A queue holds all first choices, then all second choices, ... (``token_major``: each token's choices, then
+    the next token's); tokens come in ``priority`` order (highest first; Batch Prioritized Routing) or in index
+    order (first come, first served). ``earlier_counts: [num_groups * E]`` assignments queued before this call."""
     num_tokens, top_k = expert_ids.shape
     if group_ids is not None:
         expert_ids = expert_ids + (group_ids * num_experts).unsqueeze(1)  # queue id = group * E + expert
@@ -62,13 +64,17 @@ def _keep_within_capacity(
         token_order = torch.arange(num_tokens, device=expert_ids.device)
     else:
         token_order = priority_order(priority)
-    queue = expert_ids.index_select(0, token_order).t().reshape(-1)  # [k * N], choice-major
+    ordered = expert_ids.index_select(0, token_order)  # [N, k] in token_order
+    queue = (ordered if token_major else ordered.t()).reshape(-1)
     sorted_experts, perm = torch.sort(queue, stable=True)
     counts = torch.bincount(queue, minlength=num_experts)
     starts = counts.cumsum(0) - counts
     position_sorted = torch.arange(queue.numel(), device=queue.device) - starts.index_select(0, sorted_experts)
     position = torch.empty_like(position_sorted).scatter_(0, perm, position_sorted)
-    keep_queue = (position < capacity).view(top_k, num_tokens).t()  # [N, k] in token_order
+    if earlier_counts is not None:
+        position = position + earlier_counts.index_select(0, queue)
+    keep_queue = position < capacity
+    keep_queue = keep_queue.view(num_tokens, top_k) if token_major else keep_queue.view(top_k, num_tokens).t()
     return torch.empty_like(keep_queue).index_copy_(0, token_order, keep_queue)
 
 
@@ -80,6 +86,8 @@ def plan_dispatch(
     group_ids: Tensor | None = None,
     num_groups: int = 1,
     keep: Tensor | None = None,
+    token_major: bool = False,
+    earlier_counts: Tensor | None = None,
 ) -> DispatchPlan:
     """Plan the dispatch of ``expert_ids: [N, k]``.
 
@@ -97,6 +105,10 @@ def plan_dispatch(
         num_groups: the number of groups ``group_ids`` uses.
         keep: ``[N, k]`` bool, the assignments the router made (a router with a variable number of experts per
             token passes ``k = E`` candidates and marks the real ones); only with ``capacity`` None.
+        token_major: queue each token's choices before the next token's (then a token's drops depend on earlier
+            tokens only), instead of all first choices before all second choices (GShard, V-MoE).
+        earlier_counts: ``[num_groups, E]`` assignments each group sent to each expert before this call (a
+            decoding cache's), counted against the capacity first.
     """
     if keep is not None:
         if capacity is not None:
@@ -106,7 +118,10 @@ def plan_dispatch(
         keep = torch.ones_like(expert_ids, dtype=torch.bool)
         key = expert_ids.reshape(-1)
     else:
-        keep = _keep_within_capacity(expert_ids, num_experts, capacity, priority, group_ids, num_groups)
+        earlier = earlier_counts.reshape(-1) if earlier_counts is not None else None
+        keep = _keep_within_capacity(
+            expert_ids, num_experts, capacity, priority, group_ids, num_groups, token_major, earlier
+        )
         key = torch.where(keep, expert_ids, num_experts).reshape(-1)  # dropped ones sort last
     order = torch.sort(key, stable=True).indices
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]

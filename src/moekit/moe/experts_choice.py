@@ -40,11 +40,15 @@ class ExpertsChoiceMoE(MoELayer):
             ``C = R(tokens * c / E)`` tokens of the forward (all ``batch * tokens`` together;
             :func:`~moekit.moe.capacity.experts_choice_capacity`).
         eval_capacity_factor: the same in eval mode (``"same"``: ``capacity_factor``).
+        group_size: experts choose within each group of this many consecutive tokens of the flattened
+            ``batch * tokens`` (``C = R(group_size * c / E)`` from each; V-MoE routes within groups); None = all
+            tokens of the forward together.
         z_loss_weight: ST-MoE router z-loss weight (0 = off).
         """
 
         capacity_factor: float = 1.0
         eval_capacity_factor: float | Literal["same"] = "same"
+        group_size: int | None = None
         z_loss_weight: float = 0.0
 
         def __post_init__(self) -> None:
@@ -54,6 +58,9 @@ class ExpertsChoiceMoE(MoELayer):
             check_factor(self.eval_capacity_factor, "eval_capacity_factor")
             if not self.z_loss_weight >= 0:
                 raise ValueError(f"z_loss_weight={self.z_loss_weight!r} must be >= 0")
+            size = self.group_size
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise ValueError(f"group_size={size!r} must be a positive int (tokens per group) or null (all)")
 
     configs = (Config, ExpertsConfig)
 
@@ -69,21 +76,35 @@ class ExpertsChoiceMoE(MoELayer):
         self.capacity_factor = float(config.capacity_factor)
         self.eval_capacity_factor = float(config.eval_capacity_factor)
         self.z_loss_weight = config.z_loss_weight
+        self.group_size = config.group_size
         self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
         self.experts = experts.build(mlp, device=device, dtype=dtype)
 
     def tokens_per_expert(self, num_tokens: int) -> int:
-        """``C`` for the current mode."""
+        """The tokens each expert takes from ``num_tokens`` in the current mode (``C`` from each group)."""
+        size = self.group_size or num_tokens
+        return self._capacity_per_group(size) * (num_tokens // size)
+
+    def _capacity_per_group(self, size: int) -> int:
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        return experts_choice_capacity(num_tokens, self.num_experts, factor)
+        return experts_choice_capacity(size, self.num_experts, factor)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Route ``x: [N, d]``. Returns ``(token_idx [E, C], gates [E, C], probs [N, E], logits [N, E])``:
         expert ``e`` processes tokens ``token_idx[e]`` with weights ``gates[e] = probs[token_idx[e], e]``."""
         logits = router_logits(x, self.router_weight)
         probs = torch.softmax(logits, dim=-1)
-        gates, token_idx = probs.t().topk(self.tokens_per_expert(x.shape[0]), dim=-1)
-        return token_idx, gates, probs, logits
+        num_tokens, size = x.shape[0], self.group_size or x.shape[0]
+        if num_tokens % size:
+            raise ValueError(
+                f"ExpertsChoiceMoE: {num_tokens} tokens (batch x tokens) are not whole groups of group_size={size}; "
+                "choose a group_size that divides them (e.g. the tokens of one image)"
+            )
+        groups, per_group = num_tokens // size, self._capacity_per_group(size)
+        gates_EGC, idx_EGC = probs.t().reshape(self.num_experts, groups, size).topk(per_group, dim=-1)
+        offsets_G1 = torch.arange(groups, device=x.device).unsqueeze(1) * size
+        token_idx = (idx_EGC + offsets_G1).reshape(self.num_experts, -1)  # [E, groups * C]
+        return token_idx, gates_EGC.reshape(self.num_experts, -1), probs, logits
 
     def forward(self, x: Tensor) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""

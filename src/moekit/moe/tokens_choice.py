@@ -55,13 +55,23 @@ class SharedExperts:
             raise ValueError("shared_expert_gate=True gates the shared experts, but num_shared_experts=0; set both")
 
 
+@dataclass
+class GroupCounts:
+    """A decoding cache's state of a layer with ``capacity_scope="group"``: ``counts_BE``, the assignments each
+    sequence's current group has sent to each expert so far (dropped ones included)."""
+
+    counts_BE: Tensor
+
+
 class TokensChoiceMoE(MoELayer):
     """Base of the tokens-choice layers. A subclass sets :attr:`Router` and :attr:`configs`: its router's
     ``Config``, :class:`~moekit.moe.experts.ExpertsConfig`, and, where it takes them,
     :class:`~moekit.moe.capacity.Capacity` and :class:`SharedExperts`; their fields are its settings.
 
-    ``forward(x, token_ids=None)``: ``x: [batch, tokens, in_features]``; ``token_ids: [batch, tokens]`` are
-    read by routers that route by id (:class:`HashMoE`).
+    ``forward(x, token_ids=None, start=0, state=None)``: ``x: [batch, tokens, in_features]``; ``token_ids:
+    [batch, tokens]`` are read by routers that route by id (:class:`HashMoE`). With ``capacity_scope="group"`` the
+    tokens sit at positions ``start ..`` of their sequences and ``state`` (:meth:`init_state`) carries the current
+    group's counts across the calls of a cached decode (without it, a call is a whole sequence from position 0).
     """
 
     Router: ClassVar[type[Router]]
@@ -108,11 +118,30 @@ class TokensChoiceMoE(MoELayer):
 
     @property
     def causal_safe(self) -> bool:
-        return self.capacity.dropless or self.capacity.capacity_scope == "position"
+        scope = self.capacity.capacity_scope
+        return (
+            self.capacity.dropless
+            or scope == "position"
+            or (scope == "group" and not self.capacity.batch_priority)  # token order within a group: causal
+        )
+
+    @property
+    def needs_positions(self) -> bool:
+        """Groups of consecutive tokens: a model passes positions and, when decoding, the group counts."""
+        return self.capacity.capacity_scope == "group"
+
+    def init_state(self, batch: int, like: Tensor) -> GroupCounts:
+        """The decoding state at position 0 of ``batch`` sequences (on ``like``'s device)."""
+        return GroupCounts(torch.zeros(batch, self.num_experts, dtype=torch.long, device=like.device))
 
     def expert_rows_per_token(self, num_tokens: int) -> float:
         # With a per-position capacity the drops depend on the batch size, not on num_tokens: report k.
-        capacity = self.expert_capacity(num_tokens) if self.capacity.capacity_scope == "batch" else None
+        scope, capacity = self.capacity.capacity_scope, None
+        if scope == "batch":
+            capacity = self.expert_capacity(num_tokens)
+        elif scope == "group":
+            num_tokens = self.capacity.group_size or num_tokens
+            capacity = self.expert_capacity(num_tokens)
         routed = self.top_k if capacity is None else min(self.top_k, capacity * self.num_experts / num_tokens)
         shared = self.shared_experts.hidden_features / self.experts.hidden_features if self.shared_experts else 0.0
         return routed + shared
@@ -122,12 +151,16 @@ class TokensChoiceMoE(MoELayer):
         factor = self.capacity.factor(self.training)
         return None if factor is None else tokens_choice_capacity(num_tokens, self.top_k, self.num_experts, factor)
 
-    def plan(self, routing: Routing, batch: int, tokens: int) -> DispatchPlan:
+    def plan(
+        self, routing: Routing, batch: int, tokens: int, start: int = 0, state: GroupCounts | None = None
+    ) -> DispatchPlan:
         """Apply capacity (and Batch Prioritized Routing) to the routing of ``batch * tokens`` tokens
-        (flattened batch-major)."""
+        (flattened batch-major) at positions ``start ..`` of their sequences."""
         priority = routing.priority if self.capacity.batch_priority else None
         if self.capacity.capacity_scope == "batch":
             return plan_dispatch(routing.expert_ids, self.num_experts, self.expert_capacity(batch * tokens), priority)
+        if self.capacity.capacity_scope == "group":
+            return self._plan_groups(routing.expert_ids, priority, batch, tokens, start, state)
         positions = torch.arange(tokens, device=routing.expert_ids.device).repeat(batch)
         return plan_dispatch(
             routing.expert_ids,
@@ -138,14 +171,52 @@ class TokensChoiceMoE(MoELayer):
             num_groups=tokens,
         )
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+    def _plan_groups(
+        self, expert_ids_NK: Tensor, priority: Tensor | None, batch: int, tokens: int, start: int, state
+    ) -> DispatchPlan:
+        """Capacity per group of ``group_size`` consecutive positions of each sequence, in token order."""
+        if state is None and start != 0:
+            raise ValueError(
+                f"{type(self).__name__}: start={start} without a state; a call without one is a whole sequence"
+            )
+        size = self.capacity.group_size or tokens
+        factor = self.capacity.factor(self.training)
+        first = start // size
+        groups = (start + tokens - 1) // size - first + 1  # the groups of each sequence this call touches
+        local_T = torch.arange(start, start + tokens, device=expert_ids_NK.device) // size - first
+        group_ids_N = (torch.arange(batch, device=local_T.device).unsqueeze(1) * groups + local_T).reshape(-1)
+        num_experts = self.num_experts
+        earlier = None
+        if state is not None and start % size:  # the first group continues from earlier calls
+            earlier = torch.zeros(batch, groups, num_experts, dtype=torch.long, device=local_T.device)
+            earlier[:, 0] = state.counts_BE
+        capacity = None if factor is None else tokens_choice_capacity(size, self.top_k, num_experts, factor)
+        plan = plan_dispatch(
+            expert_ids_NK,
+            num_experts,
+            capacity,
+            priority,
+            group_ids_N,
+            batch * groups,
+            token_major=True,
+            earlier_counts=earlier,
+        )
+        if state is not None:  # the counts of each sequence's last group, for the next call
+            queue = (group_ids_N.unsqueeze(1) * num_experts + expert_ids_NK).reshape(-1)
+            counts = torch.bincount(queue, minlength=batch * groups * num_experts).view(batch, groups, num_experts)
+            state.counts_BE = counts[:, -1] + (earlier[:, -1] if earlier is not None and groups == 1 else 0)
+        return plan
+
+    def forward(
+        self, x: Tensor, token_ids: Tensor | None = None, start: int = 0, state: GroupCounts | None = None
+    ) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
         self._check_input(x)
         B, T, D = x.shape
         x_ND = x.reshape(B * T, D)
         routing = self.router(x_ND, token_ids.reshape(-1) if token_ids is not None else None)
 
-        plan = self.plan(routing, B, T)
+        plan = self.plan(routing, B, T, start, state)
         expert_out = self.experts(dispatch(x_ND, plan), plan.counts)  # [N * K, O], sorted by expert
         out_NO = combine(expert_out, plan, routing.gates)
         if self.shared_experts is not None:

@@ -113,7 +113,8 @@ def needs_token_ids(spec: Mapping[str, Any]) -> bool:
 def mixes_tokens(spec: Mapping[str, Any]) -> bool:
     """Whether the recipe's routing of a token depends on other tokens of the forward (then a causal language
     model would let a token see the future): Soft MoE, experts-choice, BASE, tokens-choice capacity over the whole
-    batch (``capacity_scope: position`` keeps it per token) and strictly balanced gating over the whole batch
+    batch (``capacity_scope: position`` keeps it per token; ``group`` serves a sequence's tokens in order) and
+    strictly balanced gating over the whole batch
     (``balance_scope: position``)."""
     layer = spec["layer"]
     if layer in _TOKEN_MIXING_LAYERS:
@@ -123,7 +124,10 @@ def mixes_tokens(spec: Mapping[str, Any]) -> bool:
     if layer not in _CAPACITY_LAYERS:
         return False
     has_capacity = spec.get("capacity_factor") is not None or spec.get("eval_capacity_factor") not in (None, "same")
-    return has_capacity and spec.get("capacity_scope", "batch") != "position"
+    scope = spec.get("capacity_scope", "batch")
+    if scope == "group":  # consecutive tokens served in order: causal unless priority reorders them
+        return has_capacity and spec.get("batch_priority", False)
+    return has_capacity and scope != "position"
 
 
 def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: bool, positions: bool = False) -> None:
@@ -162,4 +166,11 @@ def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: 
         raise ValueError(
             f"{what} ({spec['layer']}) routes a token by looking at the other tokens of the batch, later ones "
             f"included, so {model} (causal) would see the future; {fix}"
+        )
+    group_scope = spec["layer"] in _CAPACITY_LAYERS and spec.get("capacity_scope") == "group"
+    if causal and group_scope and not positions:
+        raise ValueError(
+            f"{what} counts capacity per group of a sequence's tokens (capacity_scope=group), which a cached decode "
+            f"must carry from token to token; {model} does not (the Transformer LM does). Set "
+            "moe.capacity_scope=position"
         )
