@@ -169,13 +169,16 @@ def test_token_mixing_recipes_are_refused(moe, fix):
         LSTMMoELM(**TINY_LSTM, moe=moe)
 
 
-def test_the_lstm_lm_refuses_what_needs_positions_and_the_transformer_sizes_groups_by_max_seq_len():
+def test_what_routes_by_position_is_refused_without_positions_and_groups_are_sequences():
     with pytest.raises(ValueError, match=r"capacity_scope=group\), which a cached decode must carry"):
         LSTMMoELM(**TINY_LSTM, moe=dict(recipe="top2", capacity_scope="group"))
     with pytest.raises(ValueError, match=r"needs the tokens' positions and a decoding state; the LSTM MoE LM"):
         LSTMMoELM(**TINY_LSTM, moe="lory")
     model = TransformerLM(**TINY_TRANSFORMER, moe=dict(recipe="top2", capacity_scope="group"))
     assert {layer.capacity.group_size for _, layer in moe_layers(model)} == {24}, "a group is a whole sequence"
+    for moe in ("lory", dict(recipe="top2", capacity_scope="group")):
+        with pytest.raises(ValueError, match="routes by the tokens' positions .* use mod=none"):
+            TransformerLM(**TINY_TRANSFORMER, moe=moe, mod=dict(capacity=0.5, blocks="every_2"))
 
 
 @pytest.mark.parametrize("layer", ["soft_moe", "experts_choice", "base"])

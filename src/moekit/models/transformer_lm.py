@@ -28,7 +28,7 @@ from timm.layers import Mlp, SwiGLU, get_act_layer
 from torch import Tensor, nn
 
 from moekit.moe import DepthRouter, ExpertBank, MoELayer, build_moe_layer, require_causal
-from moekit.recipes import check_fits, resolve_recipe
+from moekit.recipes import check_fits, resolve_recipe, routes_by_position
 from moekit.recipes.depth import DepthSpec, resolve_depth
 
 from .lm_common import (
@@ -376,10 +376,11 @@ class TransformerLM(nn.Module):
         self.mod_block_indices: tuple[int, ...] = ()
         if depth_spec is not None:
             depth_spec.check_causal(name)
-            if spec is not None and spec["layer"] == "lory":
+            if spec is not None and routes_by_position(spec):
                 raise ValueError(
-                    f"{name}: moe={spec.get('name', 'lory')} routes segments of consecutive tokens, and "
-                    "Mixture-of-Depths blocks process a subset of them; use mod=none with it"
+                    f"{name}: moe={spec.get('name') or spec['layer']} routes by the tokens' positions (Lory's "
+                    "segments, capacity_scope=group), and Mixture-of-Depths blocks process a subset of them; use "
+                    "mod=none with it, or capacity_scope=position"
                 )
             self.mod_block_indices = resolve_moe_blocks(
                 depth_spec.blocks, depth, model_name=name, setting="mod.blocks", kind="routed"

@@ -30,6 +30,7 @@ __all__ = [
     "resolve_recipe",
     "needs_token_ids",
     "mixes_tokens",
+    "routes_by_position",
     "check_fits",
 ]
 
@@ -110,6 +111,13 @@ def needs_token_ids(spec: Mapping[str, Any]) -> bool:
     return spec["layer"] in _TOKEN_ID_LAYERS
 
 
+def routes_by_position(spec: Mapping[str, Any]) -> bool:
+    """Whether the recipe's layer reads the tokens' positions, and a decoding state, in a language model: Lory's
+    segments and capacity per group of a sequence's tokens (``capacity_scope: group``)."""
+    layer = spec["layer"]
+    return layer in _POSITION_LAYERS or (layer in _CAPACITY_LAYERS and spec.get("capacity_scope") == "group")
+
+
 def mixes_tokens(spec: Mapping[str, Any]) -> bool:
     """Whether the recipe's routing of a token depends on other tokens of the forward (then a causal language
     model would let a token see the future): Soft MoE, experts-choice, BASE, tokens-choice capacity over the whole
@@ -167,8 +175,7 @@ def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: 
             f"{what} ({spec['layer']}) routes a token by looking at the other tokens of the batch, later ones "
             f"included, so {model} (causal) would see the future; {fix}"
         )
-    group_scope = spec["layer"] in _CAPACITY_LAYERS and spec.get("capacity_scope") == "group"
-    if causal and group_scope and not positions:
+    if causal and routes_by_position(spec) and not positions:
         raise ValueError(
             f"{what} counts capacity per group of a sequence's tokens (capacity_scope=group), which a cached decode "
             f"must carry from token to token; {model} does not (the Transformer LM does). Set "
