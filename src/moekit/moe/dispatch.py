@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .routing import count_ids
+
 __all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine"]
 
 
@@ -67,7 +69,7 @@ def _keep_within_capacity(
     ordered = expert_ids.index_select(0, token_order)  # [N, k] in token_order
     queue = (ordered if token_major else ordered.t()).reshape(-1)
     sorted_experts, perm = torch.sort(queue, stable=True)
-    counts = torch.bincount(queue, minlength=num_experts)
+    counts = count_ids(queue, num_experts)
     starts = counts.cumsum(0) - counts
     position_sorted = torch.arange(queue.numel(), device=queue.device) - starts.index_select(0, sorted_experts)
     position = torch.empty_like(position_sorted).scatter_(0, perm, position_sorted)
@@ -124,7 +126,7 @@ def plan_dispatch(
         )
         key = torch.where(keep, expert_ids, num_experts).reshape(-1)  # dropped ones sort last
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    counts = count_ids(key, num_experts + 1)[:num_experts]
     return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1])
 
 

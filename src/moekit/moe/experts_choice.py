@@ -22,7 +22,7 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, experts_choice_capacity
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import logit_checksum, router_logits, router_weight
+from .routing import count_ids, logit_checksum, router_logits, router_weight
 from .stats import experts_choice_stats
 
 __all__ = ["ExpertsChoiceMoE"]
@@ -122,7 +122,7 @@ class ExpertsChoiceMoE(MoELayer):
         probs, gates = probs.detach(), gates.detach()
         self._record(
             losses,
-            lambda: experts_choice_stats(probs, torch.bincount(flat_idx, minlength=num_tokens), gates),
+            lambda: experts_choice_stats(probs, count_ids(flat_idx, num_tokens), gates),
             num_tokens,
             logit_checksum(logits),
             lambda: torch.zeros_like(probs).index_put_(  # [N, E]: 1 where expert e took token n

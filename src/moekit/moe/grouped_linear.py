@@ -1,8 +1,8 @@
 """Per-expert affine maps of rows sorted by expert: the kernels an :class:`~moekit.moe.ExpertBank` runs.
 
-``"loop"`` - one BLAS call per expert from a custom autograd function that writes into preallocated
-outputs (ragged counts are read on the host: a sync, free on CPU); ``"bmm"`` - one batched matmul (equal
-groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with device-side offsets (no host sync).
+``"loop"`` - one BLAS call per expert from a custom operator that writes into preallocated outputs (ragged
+counts are read on the host: a sync, free on CPU; opaque to ``torch.compile``, so no graph break); ``"bmm"`` - one
+batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with device-side offsets (no host sync).
 ``"auto"`` picks per device and layout (:data:`AUTO_KERNELS`).
 """
 
@@ -31,67 +31,97 @@ AUTO_KERNELS: dict[tuple[str, str], str] = {
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
-class _LoopGroupedLinear(torch.autograd.Function):
-    """``y[rows of e] = x[rows of e] @ weight[e] (+ bias[e])`` with one BLAS call per expert.
+def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+    sizes = counts.tolist()  # the host sync the loop needs (free on CPU)
+    rows = sum(sizes)
+    out = x.new_empty(x.shape[0], weight.shape[-1])
+    x_parts = x[:rows].split(sizes)
+    out_parts = out[:rows].split(sizes)
+    if bias is None:
+        for e, (x_e, w_e) in enumerate(zip(x_parts, weight.unbind(0))):
+            if sizes[e]:
+                torch.mm(x_e, w_e, out=out_parts[e])
+    else:
+        for e, (x_e, w_e, b_e) in enumerate(zip(x_parts, weight.unbind(0), bias.unbind(0))):
+            if sizes[e]:
+                torch.addmm(b_e, x_e, w_e, out=out_parts[e])
+    if rows < x.shape[0]:
+        out[rows:].zero_()
+    return out
 
-    Outputs and gradients are written into preallocated tensors: no per-expert autograd nodes and no
-    zero-filled full-size gradient per expert (which ``weight[e]`` indexing in a Python loop costs).
-    The per-expert views come from one ``split`` / ``unbind`` each, to keep Python overhead low.
-    """
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
-        rows = sum(sizes)
-        out = x.new_empty(x.shape[0], weight.shape[-1])
-        x_parts = x[:rows].split(sizes)
-        out_parts = out[:rows].split(sizes)
-        if bias is None:
-            for e, (x_e, w_e) in enumerate(zip(x_parts, weight.unbind(0))):
-                if sizes[e]:
-                    torch.mm(x_e, w_e, out=out_parts[e])
-        else:
-            for e, (x_e, w_e, b_e) in enumerate(zip(x_parts, weight.unbind(0), bias.unbind(0))):
-                if sizes[e]:
-                    torch.addmm(b_e, x_e, w_e, out=out_parts[e])
+def _loop_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor, need_x: bool, need_w: bool, need_b: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of :func:`_loop_forward` (an empty tensor for each one not needed)."""
+    sizes = counts.tolist()
+    rows = sum(sizes)
+    grad_out = grad_out.contiguous()
+    g_parts = grad_out[:rows].split(sizes)
+    grad_x = grad_w = grad_b = x.new_empty(0)
+    if need_x:
+        grad_x = torch.empty_like(x)
+        for e, (g_e, w_t, gx_e) in enumerate(
+            zip(g_parts, weight.transpose(1, 2).unbind(0), grad_x[:rows].split(sizes))
+        ):
+            if sizes[e]:
+                torch.mm(g_e, w_t, out=gx_e)
         if rows < x.shape[0]:
-            out[rows:].zero_()
-        ctx.save_for_backward(x, weight)
-        ctx.sizes = sizes
-        ctx.has_bias = bias is not None
-        return out
+            grad_x[rows:].zero_()
+    if need_w:
+        grad_w = torch.empty_like(weight)
+        x_t_parts = x[:rows].t().split(sizes, dim=1)
+        for e, (x_t, g_e, gw_e) in enumerate(zip(x_t_parts, g_parts, grad_w.unbind(0))):
+            if sizes[e]:
+                torch.mm(x_t, g_e, out=gw_e)
+            else:
+                gw_e.zero_()
+    if need_b:
+        grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[-1])
+        for e, (g_e, gb_e) in enumerate(zip(g_parts, grad_b.unbind(0))):
+            if sizes[e]:
+                torch.sum(g_e, dim=0, out=gb_e)
+    return grad_x, grad_w, grad_b
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        sizes = ctx.sizes
-        rows = sum(sizes)
-        grad_out = grad_out.contiguous()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g_parts = grad_out[:rows].split(sizes)
-        grad_x = grad_w = grad_b = None
-        if need_x:
-            grad_x = torch.empty_like(x)
-            for e, (g_e, w_t, gx_e) in enumerate(
-                zip(g_parts, weight.transpose(1, 2).unbind(0), grad_x[:rows].split(sizes))
-            ):
-                if sizes[e]:
-                    torch.mm(g_e, w_t, out=gx_e)
-            if rows < x.shape[0]:
-                grad_x[rows:].zero_()
-        if need_w:
-            grad_w = torch.empty_like(weight)
-            x_t_parts = x[:rows].t().split(sizes, dim=1)
-            for e, (x_t, g_e, gw_e) in enumerate(zip(x_t_parts, g_parts, grad_w.unbind(0))):
-                if sizes[e]:
-                    torch.mm(x_t, g_e, out=gw_e)
-                else:
-                    gw_e.zero_()
-        if need_b and ctx.has_bias:
-            grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[-1])
-            for e, (g_e, gb_e) in enumerate(zip(g_parts, grad_b.unbind(0))):
-                if sizes[e]:
-                    torch.sum(g_e, dim=0, out=gb_e)
-        return grad_x, grad_w, grad_b, None
+
+# The loop as custom operators: torch.compile treats them as opaque kernels of known output shape, so the host read
+# of the counts inside them breaks no graph. Outputs and gradients are written into preallocated tensors: no
+# per-expert autograd nodes and no zero-filled full-size gradient per expert (which ``weight[e]`` indexing in a
+# Python loop costs); the per-expert views come from one ``split`` / ``unbind`` each, to keep Python overhead low.
+_loop_op = torch.library.custom_op("moekit::grouped_linear_loop", _loop_forward, mutates_args=())
+_loop_backward_op = torch.library.custom_op("moekit::grouped_linear_loop_backward", _loop_backward, mutates_args=())
+
+
+@_loop_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[-1])
+
+
+@_loop_backward_op.register_fake
+def _(grad_out, x, weight, counts, need_x, need_w, need_b):
+    empty = x.new_empty(0)
+    return (
+        torch.empty_like(x) if need_x else empty,
+        torch.empty_like(weight) if need_w else empty,
+        x.new_empty(weight.shape[0], weight.shape[-1]) if need_b else empty,
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, counts = inputs
+    ctx.save_for_backward(x, weight, counts)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad_out: Tensor):
+    x, weight, counts = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and ctx.has_bias
+    grad_x, grad_w, grad_b = _loop_backward_op(grad_out, x, weight, counts, need_x, need_w, need_b)
+    return (grad_x if need_x else None, grad_w if need_w else None, grad_b if need_b else None, None)
+
+
+_loop_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _grouped_mm_ok(x: Tensor, weight: Tensor) -> bool:
@@ -139,8 +169,8 @@ def grouped_linear(
         out = torch.bmm(xb, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), xb, weight)
         return out.view(x.shape[0], weight.shape[-1])
     if kernel == "loop":
-        sizes = [group_sizes] * num_experts if equal else group_sizes.tolist()
-        return _LoopGroupedLinear.apply(x, weight, bias, sizes)
+        counts = torch.full((num_experts,), group_sizes, dtype=torch.long) if equal else group_sizes
+        return _loop_op(x, weight, bias, counts)
     # grouped_mm: device-side offsets, no host sync.
     if equal:
         counts = torch.full((num_experts,), group_sizes, device=x.device, dtype=torch.int64)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .routing import count_ids
+
 __all__ = [
     "switch_load_balancing_loss",
     "switch_loss_from_fractions",
@@ -39,7 +41,7 @@ def switch_load_balancing_loss(router_probs: Tensor, expert_ids: Tensor, num_exp
     perfectly balanced router gives ``f_i = 1/E`` for any ``k``) and ``P_i`` the mean router probability
     of expert ``i``. The loss is 1 at perfect balance and ``E`` when all tokens collapse onto one expert.
     """
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(router_probs.dtype)
+    counts = count_ids(expert_ids, num_experts).to(router_probs.dtype)
     return switch_loss_from_fractions(router_probs, counts / expert_ids.numel())
 
 

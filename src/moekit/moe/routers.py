@@ -36,6 +36,7 @@ from .routing import (
     check_loss_weights,
     check_router_init,
     check_top_k,
+    count_ids,
     logit_checksum,
     router_logits,
     router_precision,
@@ -250,7 +251,7 @@ class TopKRouter(Router):
             )
         if self.pending_counts is not None and self.training:
             with torch.no_grad():
-                self.pending_counts += torch.bincount(expert_ids_NK.reshape(-1), minlength=self.num_experts).float()
+                self.pending_counts += count_ids(expert_ids_NK, self.num_experts).float()
 
         if cfg.switch_loss_weight and self.switch_fraction is not None:
             losses["switch"] = cfg.switch_loss_weight * switch_loss_from_fractions(probs_NE, self.switch_fraction)

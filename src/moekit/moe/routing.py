@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "count_ids",
     "Routing",
     "Router",
     "logit_checksum",
@@ -48,6 +49,13 @@ class Routing:
     priority: Tensor | None = None
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     logit_checksum: Tensor | None = None
+
+
+def count_ids(ids: Tensor, size: int) -> Tensor:
+    """``[size]`` long: how often each of ``0 .. size - 1`` occurs in ``ids``. ``torch.bincount`` with a static
+    output shape, so that ``torch.compile`` traces it without a graph break."""
+    flat = ids.reshape(-1)
+    return torch.zeros(size, dtype=torch.long, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def router_weight(num_experts: int, in_features: int, device=None, dtype=None) -> nn.Parameter:

@@ -32,7 +32,7 @@ from .experts import ExpertsConfig
 from .hash_routing import HashRouter
 from .hierarchical_routing import HierarchicalRouter
 from .routers import BalancedRouter, TopKRouter
-from .routing import Router, Routing
+from .routing import Router, Routing, count_ids
 from .stats import tokens_choice_stats
 
 __all__ = ["TokensChoiceMoE", "SharedExperts", "TopKMoE", "HashMoE", "BaseMoE", "HierarchicalMoE"]
@@ -203,7 +203,7 @@ class TokensChoiceMoE(MoELayer):
         )
         if state is not None:  # the counts of each sequence's last group, for the next call
             queue = (group_ids_N.unsqueeze(1) * num_experts + expert_ids_NK).reshape(-1)
-            counts = torch.bincount(queue, minlength=batch * groups * num_experts).view(batch, groups, num_experts)
+            counts = count_ids(queue, batch * groups * num_experts).view(batch, groups, num_experts)
             state.counts_BE = counts[:, -1] + (earlier[:, -1] if earlier is not None and groups == 1 else 0)
         return plan
 

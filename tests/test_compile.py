@@ -1,0 +1,56 @@
+"""``torch.compile`` and the MoE layers: no graph break inside any layer but BASE's (whose balanced-assignment solver
+iterates on the host), none in the Transformer LM, and a compiled tokens-choice layer (the ragged loop kernel, a
+custom operator) gives the eager outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from moekit.models import TransformerLM, create_model
+from moekit.moe import build_moe_layer
+from moekit.recipes import list_recipes
+
+HOST_ITERATIVE = {"base"}  # the balanced assignment (auction rounds) reads prices on the host
+
+
+def settings_for(name: str) -> dict:
+    return {"vocab_size": 50} if name == "hash" else {"num_tokens": 16} if name == "soft_moe" else {}
+
+
+@pytest.mark.parametrize("name", sorted(set(list_recipes()) - HOST_ITERATIVE))
+def test_no_graph_break_inside_an_moe_layer(name):
+    torch.manual_seed(0)
+    layer = build_moe_layer(name, in_features=32, hidden_features=64, model_settings=settings_for(name))
+    kwargs = {"token_ids": torch.randint(50, (2, 16))} if name == "hash" else {}
+    dynamo.reset()
+    explanation = dynamo.explain(layer)(torch.randn(2, 16, 32), **kwargs)
+    assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("model", ["transformer_lm", "soft_moe_vit"])
+def test_no_graph_break_in_the_models(model):
+    if model == "transformer_lm":
+        net, x = TransformerLM(vocab_size=50, dim=32, depth=2, num_heads=2, max_seq_len=16), torch.randint(50, (2, 16))
+    else:
+        net, x = create_model("soft_moe_vit_tiny_patch4_28"), torch.randn(2, 1, 28, 28)
+    dynamo.reset()
+    explanation = dynamo.explain(net)(x)
+    assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+
+
+def test_a_compiled_dropless_layer_gives_the_eager_outputs_and_gradients():
+    torch.manual_seed(0)
+    layer = build_moe_layer("mixtral", in_features=32, hidden_features=64)  # ragged groups: the loop kernel
+    x = torch.randn(2, 16, 32)
+    grads = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        layer.zero_grad()
+        out = fn(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append((out.detach(), [p.grad.clone() for p in layer.parameters()]))
+    (eager, eager_grads), (compiled, compiled_grads) = grads
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b)
