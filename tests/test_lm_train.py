@@ -294,9 +294,9 @@ def test_quantized_lm_experts_serve_eval_and_sample(trained_lm, tmp_path):
 
 @pytest.mark.e2e
 def test_a_trained_lm_exports_to_transformers_and_fine_tunes_from_the_folder(trained_lm, repeated_corpus, tmp_path):
-    """scripts/export.py format=hf writes a folder transformers loads with moekit's logits; task.init_from=hf:<folder>
-    starts a run from it, with the folder's architecture in place of the experiment's tiny one."""
-    from transformers import AutoModelForCausalLM
+    """scripts/export.py format=hf writes a folder transformers loads with moekit's logits and the run's tokenizer;
+    task.init_from=hf:<folder> starts a run from it, with the folder's architecture in place of the experiment's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, _ = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
@@ -307,6 +307,8 @@ def test_a_trained_lm_exports_to_transformers_and_fine_tunes_from_the_folder(tra
         ours = load_task(ckpt).net.eval()(ids)
         theirs = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # the run's byte tokenizer: byte b is id b
+    assert tokenizer.encode(PHRASE + "é") == list((PHRASE + "é").encode()) and tokenizer.decode(ids[0]) == PHRASE[:30]
 
     overrides = ["trainer.max_epochs=1", "task.optimizer.lr=1e-7", f"task.init_from=hf:{folder}", "model.dim=48"]
     metrics = train(compose_config("train", lm_overrides("moe_transformer_lm", repeated_corpus, *overrides), tmp_path))

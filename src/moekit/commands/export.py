@@ -10,8 +10,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from moekit.checkpoint import CheckpointError, load_task
+from moekit.data.tokenizers import TOKENIZER_KEYS, build_tokenizer
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.models import export_hf, export_safetensors
+from moekit.utils.atomic import atomic_write
 
 log = logging.getLogger("moekit")
 
@@ -53,15 +55,35 @@ def export(cfg: DictConfig) -> Path:
     return path
 
 
+def _export_tokenizer(module, folder: Path) -> None:
+    """The run's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (transformers' ``AutoTokenizer``)."""
+    settings = ((module.hparams.get("run_config") or {}).get("data") or {}).get("tokenizer")
+    if settings is None:
+        log.warning("the checkpoint records no tokenizer: %s holds the model only", folder)
+        return
+    tokenizer = build_tokenizer(**{k: v for k, v in settings.items() if k in TOKENIZER_KEYS})
+    with atomic_write(folder / "tokenizer.json", "w") as file:
+        file.write(tokenizer.hf_backend().to_str())
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": module.net.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    with atomic_write(folder / "tokenizer_config.json", "w") as file:
+        json.dump(config, file, indent=2)
+
+
 def _export_hf(module, cfg: DictConfig) -> Path:
     ckpt = Path(cfg.ckpt_path)
     folder = Path(cfg.get("output_path") or ckpt.with_name(f"{ckpt.stem}-hf"))
     check_writable_dir(folder.parent, "the folder of output_path")
     with storage_errors(folder.parent):
         export_hf(module.net, folder)
+        _export_tokenizer(module, folder)
     config = json.loads((folder / "config.json").read_text())
     log.info(
-        "exported %s (%s layout)\n  load it with: transformers.AutoModelForCausalLM.from_pretrained(%r)\n"
+        "exported %s (%s layout)\n  load it with: transformers.AutoModelForCausalLM.from_pretrained(%r) (and "
+        "AutoTokenizer)\n"
         "  moekit reads it back with task.init_from=hf:%s or moekit.models.load_hf_lm(%r)",
         folder,
         config["model_type"],

@@ -75,6 +75,17 @@ class ByteTokenizer:
         """The bytes of ``text`` as ``[n_bytes]`` uint8, without a Python loop."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
+    def hf_backend(self):
+        """This tokenizer as a ``tokenizers.Tokenizer`` (for a transformers folder): byte-level BPE without merges
+        whose 256 symbols stand for the bytes with GPT-2's byte-to-character map, so byte ``b`` is id ``b``."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in enumerate(_byte_characters())}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        return backend
+
     def decode(self, ids: Sequence[int]) -> str:
         array = np.asarray(_id_list(ids), dtype=np.int64)
         if array.size and (array.min() < 0 or array.max() > 255):
@@ -84,6 +95,20 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
+
+
+def _byte_characters() -> list[str]:
+    """GPT-2's byte-level alphabet: byte ``b`` -> a printable character (the printable Latin-1 bytes stand for
+    themselves, the others for code points from 256 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 class _BackendTokenizer:
@@ -105,6 +130,10 @@ class _BackendTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def hf_backend(self):
+        """This tokenizer as a ``tokenizers.Tokenizer`` (for a transformers folder)."""
+        return self.backend
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``[encode(text) for text in texts]``, encoded in parallel by ``tokenizers``."""
