@@ -24,8 +24,8 @@ which grows with a model's total parameters where the forward and backward grow 
     python scripts/bench_models.py --quick                  # tiny shapes, a smoke run
 
 Groups: ``vit`` - the Pareto sweep's models (``results=pareto``: each ``moe=`` recipe of the sweep), against
-its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language``) and ``mod_transformer_lm``, against
-``dense_transformer_lm``; ``scaling`` - the expert-scaling sweep's routers (``results=scaling``; not run by
+its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language``), ``mod_transformer_lm`` and
+``lory_transformer_lm``, against ``dense_transformer_lm``; ``scaling`` - the expert-scaling sweep's routers (``results=scaling``; not run by
 default), against its ``moe=none`` twin. ``--quick`` adds ``debug=tiny`` (the tiny model of each family).
 Parameters and forward FLOPs are those ``results.json`` records (:func:`moekit.models.summary.model_summary` /
 ``lm_summary``: FLOPs measured in eval mode). An ``--override`` whose key a model's config lacks
@@ -89,6 +89,7 @@ GROUPS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "dense_transformer_lm": ["experiment=dense_transformer_lm"],
             "moe_transformer_lm": ["experiment=moe_transformer_lm"],
             "mod_transformer_lm": ["experiment=mod_transformer_lm"],
+            "lory_transformer_lm": ["experiment=lory_transformer_lm"],
             "moe_lstm_lm_matched": ["experiment=results/moe_lstm_lm_matched"],
         },
     ),
