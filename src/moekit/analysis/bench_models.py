@@ -26,7 +26,8 @@ which grows with a model's total parameters where the forward and backward grow 
 Groups: ``vit`` - the Pareto sweep's models (``results=pareto``: each ``moe=`` recipe of the sweep), against
 its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language``), ``mod_transformer_lm`` and
 ``lory_transformer_lm``, against ``dense_transformer_lm``; ``scaling`` - the expert-scaling sweep's routers
-(``results=scaling``; not run by default), against its ``moe=none`` twin. ``--quick`` adds ``debug=tiny`` (the tiny model of each family).
+(``results=scaling``; not run by default), against its ``moe=none`` twin. ``--quick`` adds ``debug=tiny`` (the tiny
+model of each family).
 Parameters and forward FLOPs are those ``results.json`` records (:func:`moekit.models.summary.model_summary` /
 ``lm_summary``: FLOPs measured in eval mode). An ``--override`` whose key a model's config lacks
 (``moe.num_experts`` for the dense twin) is left out for that model, and said so. ``--models`` keeps some of
