@@ -1,7 +1,7 @@
 """Per-expert affine maps of rows sorted by expert: the kernels an :class:`~moekit.moe.ExpertBank` runs.
 
-``"loop"`` - one BLAS call per expert from a custom operator that writes into preallocated outputs (ragged
-counts are read on the host: a sync, free on CPU; opaque to ``torch.compile``, so no graph break); ``"bmm"`` - one
+``"loop"`` - one BLAS call per expert, written into preallocated outputs (ragged counts are read on the host: a
+sync, free on CPU; under ``torch.compile`` a custom operator, opaque to it, so no graph break); ``"bmm"`` - one
 batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with device-side offsets (no host sync).
 ``"auto"`` picks per device and layout (:data:`AUTO_KERNELS`).
 """
@@ -113,15 +113,37 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, grad_out: Tensor):
+def _backward(ctx, grad_out: Tensor, op=_loop_backward_op):
     x, weight, counts = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = need_b and ctx.has_bias
-    grad_x, grad_w, grad_b = _loop_backward_op(grad_out, x, weight, counts, need_x, need_w, need_b)
+    grad_x, grad_w, grad_b = op(grad_out, x, weight, counts, need_x, need_w, need_b)
     return (grad_x if need_x else None, grad_w if need_w else None, grad_b if need_b else None, None)
 
 
 _loop_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _LoopGroupedLinear(torch.autograd.Function):
+    """The loop in eager mode: the same kernels, with their ``torch.mm`` calls visible to the FLOP counter
+    (``torch.utils.flop_counter``), which sees a custom operator as one op of unknown cost."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight, counts)
+        ctx.has_bias = bias is not None
+        return _loop_forward(x, weight, bias, counts)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        return _backward(ctx, grad_out, op=_loop_backward)
+
+
+def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+    """The loop kernel: the custom operator under ``torch.compile``, the autograd function otherwise."""
+    if torch.compiler.is_compiling():
+        return _loop_op(x, weight, bias, counts)
+    return _LoopGroupedLinear.apply(x, weight, bias, counts)
 
 
 def _grouped_mm_ok(x: Tensor, weight: Tensor) -> bool:
@@ -170,7 +192,7 @@ def grouped_linear(
         return out.view(x.shape[0], weight.shape[-1])
     if kernel == "loop":
         counts = torch.full((num_experts,), group_sizes, dtype=torch.long) if equal else group_sizes
-        return _loop_op(x, weight, bias, counts)
+        return _loop(x, weight, bias, counts)
     # grouped_mm: device-side offsets, no host sync.
     if equal:
         counts = torch.full((num_experts,), group_sizes, device=x.device, dtype=torch.int64)
