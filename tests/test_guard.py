@@ -251,6 +251,8 @@ def _layer(name: str) -> MoELayer:
         kwargs["num_tokens"] = 6
     if name == "hash":
         kwargs["vocab_size"] = 50
+    if name == "lory":
+        kwargs["segment_len"] = 2  # segments after the first are routed by logits
     return get_moe_layer(name)(8, hidden_features=16, **kwargs)
 
 

@@ -124,7 +124,17 @@ def test_require_causal_names_the_offending_layer():
 
 
 def test_registry():
-    layers = {"soft_moe", "top_k", "experts_choice", "base", "hash", "dense_moe", "hierarchical", "strictly_balanced"}
+    layers = {
+        "soft_moe",
+        "top_k",
+        "experts_choice",
+        "base",
+        "hash",
+        "dense_moe",
+        "hierarchical",
+        "strictly_balanced",
+        "lory",
+    }
     assert set(list_moe_layers()) == layers
     assert get_moe_layer("soft_moe") is SoftMoE
     with pytest.raises(ValueError, match="unknown MoE layer 'sofmoe'"):

@@ -47,7 +47,9 @@ TRANSFORMER_ROUTERS = {
     ),
     "dense_moe": dict(recipe="dense_moe", num_experts=3),
     "strictly_balanced_position": dict(recipe="strictly_balanced", num_experts=4, top_k=2, balance_scope="position"),
-    "top2_group_capacity": dict(recipe="top2", num_experts=4, capacity_scope="group", group_size=5),
+    "top2_group_capacity": dict(
+        recipe="top2", num_experts=4, eval_capacity_factor=0.75, capacity_scope="group", group_size=5
+    ),  # 2 of the 10 assignments of a group per expert: drops
     "mixtral_sequence_capacity": dict(recipe="mixtral", num_experts=4, capacity_factor=1.0, capacity_scope="group"),
     "lory": dict(recipe="lory", num_experts=4, segment_len=4),  # 3 segments of the 12 tokens
     "dense_model": None,

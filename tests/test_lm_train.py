@@ -317,6 +317,24 @@ def test_a_trained_lm_exports_to_transformers_and_fine_tunes_from_the_folder(tra
     assert width != 48 and load_task(tmp_path / "checkpoints" / "last.ckpt").net.dim == width, "the folder's width"
 
 
+@pytest.mark.e2e
+def test_unpacked_documents_train_with_the_padding_mask(tmp_path):
+    """data.pack=false: one document per padded sequence; the task passes the mask and scores real targets only."""
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    for index, repeats in enumerate((3, 9, 1, 14, 5)):  # documents of different lengths
+        (corpus / f"doc{index}.txt").write_text(PHRASE * repeats)
+    cfg = compose_config(
+        "train", lm_overrides("moe_transformer_lm", corpus, "data.pack=false", "trainer.max_epochs=1"), tmp_path
+    )
+    datamodule = instantiate(cfg.data)
+    inputs, targets, mask = next(iter(datamodule.train_dataloader()))
+    assert bool((~mask).any()) and torch.equal(mask, targets != -100)
+    metrics = train(cfg)
+    assert math.isfinite(metrics["train/loss_step"]) and math.isfinite(metrics["test/ppl"])
+    assert metrics["test/bpb"] == pytest.approx(math.log2(metrics["test/ppl"]), rel=1e-5)
+
+
 def test_init_mode_upcycle_starts_the_moe_lm_from_its_dense_twin(tmp_path):
     """task.init_mode=upcycle: experts copy the dense checkpoint's MLPs; with Mixtral's renormalised gates and no
     capacity limit the MoE LM computes the dense LM."""

@@ -13,12 +13,15 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from moekit.data import (
+    PAD_TARGET,
     ByteTokenizer,
+    DocumentWindows,
     FileTokenizer,
     GPT2Tokenizer,
     TextDataModule,
     TokenWindows,
     build_tokenizer,
+    encode_corpus,
     encode_documents,
     load_corpus,
 )
@@ -229,6 +232,53 @@ def test_token_windows_tile_the_split(length):
     assert length - 1 - covered < 8  # only an incomplete tail is dropped
     with pytest.raises(IndexError):
         windows[len(windows)]
+
+
+def test_encode_corpus_counts_each_documents_tokens(bpe_files):
+    documents = ["first doc", "second — doc", "third"]
+    for tokenizer in (ByteTokenizer(), FileTokenizer(bpe_files["json"])):
+        tokens, lengths = encode_corpus(tokenizer, documents)
+        assert torch.equal(tokens, encode_documents(tokenizer, documents)) and int(lengths.sum()) == len(tokens)
+        pieces = torch.split(tokens, lengths.tolist())
+        assert [tokenizer.decode(piece) for piece in pieces] == ["first doc\n\n", "second — doc\n\n", "third"]
+
+
+def test_document_windows_pad_each_document_and_never_cross():
+    tokens = torch.arange(100, 130)
+    documents = [(0, 12), (12, 13), (13, 21), (21, 30)]  # 12 tokens, 1 (no target), 8, 9
+    windows = DocumentWindows(tokens, documents, seq_len=4)
+    assert len(windows) == 3 + 0 + 2 + 2  # ceil((n - 1) / 4)
+    seen = []
+    for inputs, targets, mask in (windows[i] for i in range(len(windows))):
+        assert mask.dtype == torch.bool and torch.equal(mask, targets != PAD_TARGET)
+        assert torch.all(inputs[~mask] == 0) and bool(mask[0])
+        assert mask.sum() == 4 or not mask[-1]  # padding only at the end
+        real_inputs, real_targets = inputs[mask], targets[mask]
+        assert torch.equal(real_targets, real_inputs + 1)  # the next token, within one document
+        document = next(i for i, (s, e) in enumerate(documents) if s <= int(real_inputs[0]) - 100 < e)
+        assert int(real_targets[-1]) - 100 < documents[document][1]
+        seen.extend(real_targets.tolist())
+    expected = [int(t) for s, e in documents for t in tokens[s + 1 : e]]
+    assert sorted(seen) == sorted(expected) and len(seen) == len(set(seen))  # every target exactly once
+
+
+def test_unpacked_module_keeps_the_splits_and_yields_masks(small_corpus):
+    packed = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1)
+    module = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1, pack=False, drop_last=False)
+    packed.setup(), module.setup()
+    assert all(torch.equal(packed.split_tokens[s], module.split_tokens[s]) for s in ("train", "val", "test"))
+    # train: the three files' pieces in the split, each without its first token, in shuffled windows
+    _, lengths = encode_corpus(module.tokenizer, load_corpus("files", paths=str(small_corpus)))
+    ends = lengths.cumsum(0).tolist()
+    train_end = len(module.split_tokens["train"])
+    starts = [0] + [e for e in ends[:-1] if e < train_end]
+    expected = Counter(t for s, e in zip(starts, starts[1:] + [train_end]) for t in module.tokens[s + 1 : e].tolist())
+    inputs, batch_targets, mask = next(iter(module.train_dataloader()))
+    assert mask.shape == inputs.shape == batch_targets.shape == (4, 8) and mask.dtype == torch.bool
+    assert Counter(t for b in module.train_dataloader() for t in b[1][b[2]].tolist()) == expected
+    # the val split lies inside the last file: its targets are all of its tokens but the first
+    val_targets = torch.cat([batch[1][batch[2]] for batch in module.val_dataloader()])
+    assert torch.equal(val_targets, module.split_tokens["val"][1:])
 
 
 def test_pydoc_module_splits_are_contiguous_and_batches_shifted():

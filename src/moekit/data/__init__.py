@@ -16,8 +16,16 @@ from .fashion_mnist import (
     write_fake_fashion_mnist,
 )
 from .in_memory import ImageArrays
-from .text import TextDataModule, TokenWindows, load_corpus
-from .tokenizers import ByteTokenizer, FileTokenizer, GPT2Tokenizer, TextTokenizer, build_tokenizer, encode_documents
+from .text import PAD_TARGET, DocumentWindows, TextDataModule, TokenWindows, load_corpus
+from .tokenizers import (
+    ByteTokenizer,
+    FileTokenizer,
+    GPT2Tokenizer,
+    TextTokenizer,
+    build_tokenizer,
+    encode_corpus,
+    encode_documents,
+)
 
 __all__ = [
     "AUGMENTATIONS",
@@ -33,8 +41,11 @@ __all__ = [
     "TextDataModule",
     "TextTokenizer",
     "TokenWindows",
+    "DocumentWindows",
+    "PAD_TARGET",
     "build_tokenizer",
     "encode_documents",
+    "encode_corpus",
     "load_corpus",
     "load_fashion_mnist",
     "locate_fashion_mnist",

@@ -9,7 +9,9 @@ Corpora (:func:`load_corpus`, a list of documents):
 
 ``TextDataModule`` tokenizes the whole corpus once into one token stream, splits it into contiguous
 train / val / test parts and yields ``(inputs [B, seq_len] int64, targets [B, seq_len] int64)`` with
-``targets`` = ``inputs`` shifted by one token.
+``targets`` = ``inputs`` shifted by one token: packed windows of the stream (:class:`TokenWindows`), or with
+``pack=False`` windows of one document each, padded, with a third element, the padding mask
+(:class:`DocumentWindows`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,20 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from .resumable import ResumableTrainOrderMixin
-from .tokenizers import TOKENIZER_KEYS, ByteTokenizer, build_tokenizer, encode_documents
+from .tokenizers import TOKENIZER_KEYS, ByteTokenizer, build_tokenizer, encode_corpus
 
-__all__ = ["CORPUS_SOURCES", "TEXT_FILE_SUFFIXES", "TextDataModule", "TokenWindows", "load_corpus"]
+__all__ = [
+    "CORPUS_SOURCES",
+    "TEXT_FILE_SUFFIXES",
+    "PAD_TARGET",
+    "DocumentWindows",
+    "TextDataModule",
+    "TokenWindows",
+    "load_corpus",
+]
+
+PAD_TARGET = -100
+"""The target of a padding position (``F.cross_entropy``'s default ``ignore_index``)."""
 
 CORPUS_SOURCES = ("pydoc", "files", "hf")
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
@@ -179,6 +192,11 @@ def load_corpus(
 # --- datasets and the DataModule -----------------------------------------------------------------
 
 
+def _documents_within(starts: list[int], ends: list[int], low: int, high: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` ranges of the documents clipped to the token range ``[low, high)`` (empty ones left out)."""
+    return [(max(s, low), min(e, high)) for s, e in zip(starts, ends) if min(e, high) > max(s, low)]
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of a token stream: item ``i`` is ``(inputs [seq_len], targets [seq_len])`` int64.
 
@@ -205,6 +223,38 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
+class DocumentWindows(Dataset):
+    """Windows of one document each: item ``i`` is ``(inputs [seq_len], targets [seq_len], padding_mask [seq_len])``.
+
+    ``documents`` are ``(start, end)`` token ranges of ``tokens`` (a document's trailing separator included). A
+    document of ``n`` tokens has ``n - 1`` targets, cut into ``ceil((n - 1) / seq_len)`` windows of stride
+    ``seq_len``; the last one is padded at its end: inputs ``0``, targets :data:`PAD_TARGET`, ``padding_mask``
+    False. Every token of a document after its first is a target exactly once, and no window crosses from one
+    document into the next (documents of one token have no target and no window).
+    """
+
+    def __init__(self, tokens: Tensor, documents: Sequence[tuple[int, int]], seq_len: int) -> None:
+        self.tokens = tokens.long()
+        self.seq_len = seq_len
+        self.windows = [  # (first input, end of the document)
+            (first, end) for start, end in documents for first in range(start, end - 1, seq_len)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        first, end = self.windows[index]
+        window = self.tokens[first : min(first + self.seq_len + 1, end)]
+        real = len(window) - 1
+        inputs = torch.zeros(self.seq_len, dtype=torch.long)
+        targets = torch.full((self.seq_len,), PAD_TARGET, dtype=torch.long)
+        inputs[:real], targets[:real] = window[:-1], window[1:]
+        return inputs, targets, torch.arange(self.seq_len) < real
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -214,7 +264,8 @@ def _is_fraction(value: object) -> bool:
 
 
 class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
-    """Language-modelling loaders of ``(inputs [B, seq_len] int64, targets [B, seq_len] int64)``.
+    """Language-modelling loaders of ``(inputs [B, seq_len] int64, targets [B, seq_len] int64)`` (and, with
+    ``pack=False``, ``padding_mask [B, seq_len]`` bool).
 
     The corpus (:func:`load_corpus`) is tokenized once, documents joined with ``"\\n\\n"``, into one
     token stream of ``N`` tokens. The splits are contiguous and in order: the first
@@ -223,6 +274,11 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
     (:class:`TokenWindows`, stride ``seq_len``, the incomplete tail dropped), so no window, input or
     target, crosses a split boundary. Train windows are shuffled (seeded) every epoch; val / test are in order.
 
+    With ``pack=False`` no window holds two documents: each document of a split (a document the split boundary
+    cuts counts as two) has its own windows, the last one padded (:class:`DocumentWindows`), and batches carry the
+    padding mask, which the models take so that padding changes nothing for the real tokens. The splits, and so
+    the held-out tokens, are the same as packed.
+
     Args:
         source, paths, hf_dataset, text_column: the corpus, see :func:`load_corpus` ("pydoc": offline).
         tokenizer: keywords of :func:`build_tokenizer` (``kind``, ``path``, ``vocab_file``,
@@ -230,6 +286,8 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
         vocab_size: the value the config expects (the model reads ``${data.vocab_size}``); a tokenizer
             of another size is an error. None: no check.
         seq_len: tokens per sequence (inputs and targets each).
+        pack: windows of the joined token stream (documents run into each other, no padding) or, False, windows
+            of one document each, padded to ``seq_len``.
         batch_size: training batch size.
         eval_batch_size: val / test batch size (default ``batch_size``).
         val_fraction, test_fraction: fractions of the token stream held out, each in ``[0, 1)``, their sum
@@ -255,6 +313,7 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
         tokenizer: Mapping | None = None,
         vocab_size: int | None = None,
         seq_len: int = 256,
+        pack: bool = True,
         batch_size: int = 32,
         eval_batch_size: int | None = None,
         val_fraction: float = 0.05,
@@ -268,6 +327,8 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
         _check_source_args(source, paths, hf_dataset)
         if not (_is_int(seq_len) and seq_len >= 1):
             raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+        if not isinstance(pack, bool):
+            raise ValueError(f"pack={pack!r} must be true (windows of the token stream) or false (one document each)")
         for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
             if value is not None and not (_is_int(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -296,6 +357,7 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
             )
         self.vocab_size = self.tokenizer.vocab_size
         self.seq_len = seq_len
+        self.pack = pack
         self.source, self.paths, self.hf_dataset, self.text_column = source, paths, hf_dataset, text_column
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -308,16 +370,16 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
         self.tokens: Tensor | None = None
         self.split_tokens: dict[str, Tensor] = {}
         self.bytes_per_token: dict[str, float] = {}
-        self.train_set: TokenWindows | None = None
-        self.val_set: TokenWindows | None = None
-        self.test_set: TokenWindows | None = None
+        self.train_set: TokenWindows | DocumentWindows | None = None
+        self.val_set: TokenWindows | DocumentWindows | None = None
+        self.test_set: TokenWindows | DocumentWindows | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenize the corpus and build all three splits (whatever ``stage``); later calls do nothing."""
         if self.train_set is not None:
             return
         documents = load_corpus(self.source, self.paths, self.hf_dataset, self.text_column)
-        tokens = encode_documents(self.tokenizer, documents)
+        tokens, lengths = encode_corpus(self.tokenizer, documents)
         n = len(tokens)
         n_val, n_test = int(self.val_fraction * n), int(self.test_fraction * n)
         bounds = {"train": (0, n - n_val - n_test), "val": (n - n_val - n_test, n - n_test), "test": (n - n_test, n)}
@@ -343,9 +405,17 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
         self.bytes_per_token = {
             split: self._bytes_per_token(part) for split, part in split_tokens.items() if len(part) > 0
         }
-        self.val_set = TokenWindows(split_tokens["val"], self.seq_len)
-        self.test_set = TokenWindows(split_tokens["test"], self.seq_len)
-        self.train_set = TokenWindows(split_tokens["train"], self.seq_len)
+        if self.pack:
+            self.val_set, self.test_set, self.train_set = (
+                TokenWindows(split_tokens[split], self.seq_len) for split in ("val", "test", "train")
+            )
+            return
+        ends = lengths.cumsum(0)
+        starts = (ends - lengths).tolist()
+        self.val_set, self.test_set, self.train_set = (
+            DocumentWindows(tokens, _documents_within(starts, ends.tolist(), *bounds[split]), self.seq_len)
+            for split in ("val", "test", "train")
+        )
 
     def _bytes_per_token(self, tokens: Tensor) -> float:
         if isinstance(self.tokenizer, ByteTokenizer):
@@ -356,7 +426,7 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
         if self.train_set is None:
             self.setup()
 
-    def _loader(self, dataset: TokenWindows, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size,

@@ -27,6 +27,7 @@ __all__ = [
     "TextTokenizer",
     "build_tokenizer",
     "encode_documents",
+    "encode_corpus",
 ]
 
 TOKENIZER_KINDS = ("byte", "file", "gpt2")
@@ -251,19 +252,29 @@ def build_tokenizer(
 
 
 def encode_documents(tokenizer: TextTokenizer, documents: Sequence[str], separator: str = DOCUMENT_SEPARATOR) -> Tensor:
-    """The token stream of ``separator.join(documents)``: ``[n_tokens]`` int64.
+    """The token stream of ``separator.join(documents)``: ``[n_tokens]`` int64 (:func:`encode_corpus`'s first part)."""
+    return encode_corpus(tokenizer, documents, separator)[0]
+
+
+def encode_corpus(
+    tokenizer: TextTokenizer, documents: Sequence[str], separator: str = DOCUMENT_SEPARATOR
+) -> tuple[Tensor, Tensor]:
+    """``(tokens [n_tokens], lengths [n_documents])`` int64: the token stream of ``separator.join(documents)`` and
+    the tokens of each document in it (its separator included), so that ``lengths.sum() == n_tokens``.
 
     ``ByteTokenizer`` encodes the joined text in one ``numpy.frombuffer``; tokenizers with
     ``encode_batch`` (``FileTokenizer``, ``GPT2Tokenizer``) encode the documents in parallel, each
     with the separator appended (all but the last), so no token spans two documents; any other
     tokenizer is called once per document the same way.
     """
-    if isinstance(tokenizer, ByteTokenizer):
-        return torch.from_numpy(tokenizer.encode_array(separator.join(documents)).astype(np.int64))
     pieces = [document + separator for document in documents[:-1]] + list(documents[-1:])
+    if isinstance(tokenizer, ByteTokenizer):
+        lengths = torch.tensor([len(piece.encode("utf-8")) for piece in pieces], dtype=torch.long)
+        return torch.from_numpy(tokenizer.encode_array(separator.join(documents)).astype(np.int64)), lengths
     if hasattr(tokenizer, "encode_batch"):
         encoded = tokenizer.encode_batch(pieces)
     else:
         encoded = [tokenizer.encode(piece) for piece in pieces]
     arrays = [np.asarray(ids, dtype=np.int64) for ids in encoded]
-    return torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64))
+    lengths = torch.tensor([len(array) for array in arrays], dtype=torch.long)
+    return torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)), lengths

@@ -41,6 +41,21 @@ def check_input_ids(input_ids: Tensor, name: str) -> None:
         raise ValueError(f"{name}: input_ids hold no tokens (shape {tuple(input_ids.shape)}); pass at least one")
 
 
+def check_padding_mask(padding_mask: Tensor | None, input_ids: Tensor, cache, name: str) -> None:
+    """A padding mask is a bool ``[batch, tokens]`` like ``input_ids``, and whole sequences only (no cache)."""
+    if padding_mask is None:
+        return
+    ok = isinstance(padding_mask, Tensor) and padding_mask.shape == input_ids.shape
+    if not ok or padding_mask.dtype != torch.bool:
+        shape = tuple(padding_mask.shape) if isinstance(padding_mask, Tensor) else type(padding_mask).__name__
+        raise ValueError(
+            f"{name}: padding_mask {shape} - expected a bool tensor of input_ids' shape {tuple(input_ids.shape)}, "
+            "True for real tokens"
+        )
+    if cache is not None:
+        raise ValueError(f"{name}: padding_mask with a cache; decode the real tokens only (pass padding_mask=None)")
+
+
 def check_positive_int(value, name: str, owner: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{owner}: {name}={value!r} must be a positive int")

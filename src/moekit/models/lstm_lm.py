@@ -19,7 +19,14 @@ from torch import Tensor, nn
 from moekit.moe import build_moe_layer, require_causal
 from moekit.recipes import check_fits, resolve_recipe
 
-from .lm_common import check_cache_batch, check_dropout, check_input_ids, check_positive_int, takes_token_ids
+from .lm_common import (
+    check_cache_batch,
+    check_dropout,
+    check_input_ids,
+    check_padding_mask,
+    check_positive_int,
+    takes_token_ids,
+)
 
 __all__ = ["LSTMCache", "LSTMMoELM"]
 
@@ -156,16 +163,21 @@ class LSTMMoELM(nn.Module):
         shape = (self.num_lstm_layers, batch_size, self.dim)
         return LSTMCache(hidden=weight.new_zeros(shape), cell=weight.new_zeros(shape), position=0)
 
-    def forward(self, input_ids: Tensor, cache: LSTMCache | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, cache: LSTMCache | None = None, padding_mask: Tensor | None = None) -> Tensor:
         """``input_ids: [batch, tokens]`` long -> logits ``[batch, tokens, vocab_size]``.
 
         With ``cache``, the LSTMs start from its states, which are replaced by the states after these
         tokens (``cache.position`` advances by ``tokens``); without, they start from zeros.
+
+        ``padding_mask: [batch, tokens]`` bool, True for real tokens (not with a cache): padding gets no expert, takes
+        no capacity and counts in no auxiliary loss or routing statistic. The LSTMs read the tokens in order, so
+        padding must follow the real tokens (right padding) for their logits not to depend on it.
         """
         check_input_ids(input_ids, "LSTMMoELM")
         batch, tokens = input_ids.shape
         if cache is not None:
             check_cache_batch(cache, batch, "LSTMMoELM")
+        check_padding_mask(padding_mask, input_ids, cache, "LSTMMoELM")
         hidden, cell = [], []
 
         def run_lstm(layer: nn.LSTM, x: Tensor, index: int) -> Tensor:
@@ -178,7 +190,10 @@ class LSTMMoELM(nn.Module):
         x = self.drop(self.embedding(input_ids))
         for i, lstm in enumerate(self.lstm_before):
             x = run_lstm(lstm, x, i)
-        moe_out = self.moe(x, token_ids=input_ids) if self.moe_takes_token_ids else self.moe(x)
+        moe_kwargs: dict = {} if padding_mask is None else {"padding_mask": padding_mask}
+        if self.moe_takes_token_ids:
+            moe_kwargs["token_ids"] = input_ids
+        moe_out = self.moe(x, **moe_kwargs)
         if self.moe_output_sigmoid:
             moe_out = torch.sigmoid(moe_out)
         x = x + self.drop(moe_out)

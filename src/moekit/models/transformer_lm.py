@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 from timm.layers import Mlp, SwiGLU, get_act_layer
 from torch import Tensor, nn
 
-from moekit.moe import DepthRouter, ExpertBank, MoELayer, build_moe_layer, require_causal
+from moekit.moe import DepthRouter, ExpertBank, MoELayer, RoutingModule, build_moe_layer, require_causal
 from moekit.recipes import check_fits, resolve_recipe, routes_by_position
 from moekit.recipes.depth import DepthSpec, resolve_depth
 
@@ -36,6 +36,7 @@ from .lm_common import (
     check_cache_batch,
     check_dropout,
     check_input_ids,
+    check_padding_mask,
     check_positive_int,
     check_seq_len,
     takes_positions,
@@ -193,12 +194,15 @@ class TransformerBlock(nn.Module):
         self.mlp_takes_positions = takes_positions(mlp)
         self.depth_router = depth_router
 
-    def _mlp(self, h: Tensor, token_ids: Tensor, start: int = 0, state: Any = None) -> Tensor:
+    def _mlp(
+        self, h: Tensor, token_ids: Tensor, start: int = 0, state: Any = None, padding_mask: Tensor | None = None
+    ) -> Tensor:
+        kwargs: dict[str, Any] = {} if padding_mask is None else {"padding_mask": padding_mask}
         if self.mlp_takes_token_ids:
-            return self.mlp(h, token_ids=token_ids)
+            kwargs["token_ids"] = token_ids
         if self.mlp_takes_positions:
-            return self.mlp(h, start=start, state=state)
-        return self.mlp(h)
+            kwargs.update(start=start, state=state)
+        return self.mlp(h, **kwargs)
 
     def forward(
         self,
@@ -208,30 +212,47 @@ class TransformerBlock(nn.Module):
         kv_cache: tuple[Tensor, Tensor] | None = None,
         processed: Tensor | None = None,
         mlp_state: Any = None,
+        padding_mask: Tensor | None = None,
     ) -> Tensor:
         if self.depth_router is None:
-            x = x + self.attn(self.norm1(x), start, kv_cache)
-            return x + self._mlp(self.norm2(x), token_ids, start, mlp_state)
+            x = x + self.attn(self.norm1(x), start, kv_cache, key_mask=padding_mask)
+            return x + self._mlp(self.norm2(x), token_ids, start, mlp_state, self._routed_mask(padding_mask))
         if self.depth_router.routes_top_c and kv_cache is None:
-            return self._forward_top_c(x, token_ids)
-        return self._forward_per_token(x, token_ids, start, kv_cache, processed)
+            return self._forward_top_c(x, token_ids, padding_mask)
+        return self._forward_per_token(x, token_ids, start, kv_cache, processed, padding_mask)
+
+    def _routed_mask(self, padding_mask: Tensor | None) -> Tensor | None:
+        """The padding mask the feed-forward takes: an MoE layer's (a dense MLP has no use for one)."""
+        return padding_mask if isinstance(self.mlp, RoutingModule) else None
 
     def _update(self, x: Tensor, token_ids: Tensor, **attn_kwargs) -> Tensor:
-        """``f(x)``, what the block adds to the residual stream."""
+        """``f(x)``, what the block adds to the residual stream; the attention's ``key_mask`` is also the tokens
+        the feed-forward routes."""
         attended = self.attn(self.norm1(x), **attn_kwargs)
-        return attended + self._mlp(self.norm2(x + attended), token_ids)
+        routed = self._routed_mask(attn_kwargs.get("key_mask"))
+        if routed is not None and routed.shape[1] != x.shape[1]:  # a cache's flags: this call's tokens
+            routed = routed[:, -x.shape[1] :]
+        return attended + self._mlp(self.norm2(x + attended), token_ids, padding_mask=routed)
 
-    def _forward_top_c(self, x_BSD: Tensor, token_ids_BS: Tensor) -> Tensor:
-        top_BC, gates_BC = self.depth_router.route(x_BSD)
+    def _forward_top_c(self, x_BSD: Tensor, token_ids_BS: Tensor, padding_mask: Tensor | None) -> Tensor:
+        top_BC, gates_BC, taken_BC = self.depth_router.route(x_BSD, padding_mask)
         index_BCD = top_BC.unsqueeze(-1).expand(-1, -1, x_BSD.shape[-1])
         chosen_BCD = x_BSD.gather(1, index_BCD)
-        update_BCD = self._update(chosen_BCD, token_ids_BS.gather(1, top_BC), positions=top_BC)
+        update_BCD = self._update(chosen_BCD, token_ids_BS.gather(1, top_BC), positions=top_BC, key_mask=taken_BC)
         return x_BSD.scatter_add(1, index_BCD, (gates_BC.unsqueeze(-1) * update_BCD).to(x_BSD.dtype))
 
     def _forward_per_token(
-        self, x_BSD: Tensor, token_ids_BS: Tensor, start: int, kv_cache, processed: Tensor | None
+        self,
+        x_BSD: Tensor,
+        token_ids_BS: Tensor,
+        start: int,
+        kv_cache,
+        processed: Tensor | None,
+        padding_mask: Tensor | None,
     ) -> Tensor:
-        processed_BS, gates_BS = self.depth_router.decide(x_BSD, whole_sequences=kv_cache is None)
+        processed_BS, gates_BS = self.depth_router.decide(
+            x_BSD, whole_sequences=kv_cache is None, padding_mask=padding_mask
+        )
         key_mask = processed_BS
         if processed is not None:  # the cache's flags of every stored token
             processed[:, start : start + x_BSD.shape[1]] = processed_BS
@@ -459,11 +480,15 @@ class TransformerLM(nn.Module):
         ]
         return LMCache(keys=keys, values=values, position=0, processed=processed, layer_states=states)
 
-    def forward(self, input_ids: Tensor, cache: LMCache | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, cache: LMCache | None = None, padding_mask: Tensor | None = None) -> Tensor:
         """``input_ids: [batch, tokens]`` long -> logits ``[batch, tokens, vocab_size]``.
 
         With ``cache``, the tokens sit at positions ``cache.position ..``: their keys and values are
         stored, they attend to the cached ones, and ``cache.position`` advances by ``tokens``.
+
+        ``padding_mask: [batch, tokens]`` bool, True for real tokens (not with a cache): no token attends to padding,
+        and padding gets no expert, takes no capacity and counts in no auxiliary loss or routing statistic, so the
+        logits of the real tokens do not depend on the padding (its own logits are meaningless).
         """
         check_input_ids(input_ids, "TransformerLM")
         batch, tokens = input_ids.shape
@@ -471,6 +496,7 @@ class TransformerLM(nn.Module):
         if cache is not None:
             check_cache_batch(cache, batch, "TransformerLM")
             start = cache.position
+        check_padding_mask(padding_mask, input_ids, cache, "TransformerLM")
         check_seq_len(start + tokens, self.max_seq_len)
         x = self.token_embedding(input_ids)
         if self.position_embedding is not None:
@@ -480,12 +506,14 @@ class TransformerLM(nn.Module):
         recompute = self.grad_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             if recompute:  # activation checkpointing: keep only block inputs, recompute in backward
-                x = torch.utils.checkpoint.checkpoint(block, x, input_ids, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, input_ids, padding_mask=padding_mask, use_reentrant=False
+                )
                 continue
             kv_cache = None if cache is None else (cache.keys[i], cache.values[i])
             processed = cache.processed[i] if cache is not None and cache.processed else None
             mlp_state = cache.layer_states[i] if cache is not None and cache.layer_states else None
-            x = block(x, input_ids, start, kv_cache, processed, mlp_state)
+            x = block(x, input_ids, start, kv_cache, processed, mlp_state, padding_mask)
         if cache is not None:
             cache.position = start + tokens
         return self.head(self.norm(x))

@@ -15,6 +15,9 @@ output, so the block's residual carries it).
   the threshold mask agree with the batchwise one. They start at the cut-offs of the first training batch; a
   layer that has never trained has no thresholds yet and routes with the batchwise mask in eval mode too.
 
+Padding (``padding_mask`` False) gets no expert and does not count in ``N`` (nor in a position's ``B``), nor in the
+losses and statistics.
+
 Shapes: ``B`` batch, ``T`` tokens per sequence, ``N = B * T``, ``D`` width, ``E`` experts, ``C`` tokens per expert.
 """
 
@@ -103,20 +106,38 @@ class StrictlyBalancedMoE(MoELayer):
         """Whether the thresholds have been set by a training batch."""
         return self._thresholds_set
 
-    def batchwise_token_ids(self, scores_NE: Tensor, batch: int, tokens: int) -> Tensor:
-        """``[E, C]``: the tokens each expert takes, its top ``m`` of the batch (or of each position's ``B``)."""
+    def batchwise_token_ids(
+        self, scores_NE: Tensor, batch: int, tokens: int, mask_N: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(token_ids [E, C], taken [E, C] or None)``: the tokens each expert takes, its top ``m`` of the batch (or
+        of each position's ``B``). With ``mask_N`` (False for padding) ``m`` counts the real tokens and ``C`` stays
+        that of all tokens (static shapes): ``taken`` marks the slots that hold one of an expert's ``m``."""
+        scores_NE = scores_NE if mask_N is None else torch.where(mask_N.unsqueeze(1), scores_NE, -1.0)
         if self.balance_scope == "batch":
-            return scores_NE.t().topk(self.tokens_per_expert(batch * tokens), dim=-1).indices
+            top = scores_NE.t().topk(self.tokens_per_expert(batch * tokens), dim=-1)
+            if mask_N is None:
+                return top.indices, None
+            filled = self.tokens_per_expert(mask_N.sum())
+            taken_EC = torch.arange(top.indices.shape[1], device=scores_NE.device) < filled
+            return top.indices, taken_EC & (top.values >= 0)
         scores_TEB = scores_NE.view(batch, tokens, -1).permute(1, 2, 0)
-        rows_TEM = scores_TEB.topk(self.tokens_per_expert(batch), dim=-1).indices  # batch rows per position
+        top = scores_TEB.topk(self.tokens_per_expert(batch), dim=-1)  # batch rows per position
         positions = torch.arange(tokens, device=scores_NE.device).view(tokens, 1, 1)
-        return (rows_TEM * tokens + positions).permute(1, 0, 2).reshape(self.num_experts, -1)
+        token_ids_EC = (top.indices * tokens + positions).permute(1, 0, 2).reshape(self.num_experts, -1)
+        if mask_N is None:
+            return token_ids_EC, None
+        filled_T11 = self.tokens_per_expert(mask_N.view(batch, tokens).sum(dim=0)).view(tokens, 1, 1)
+        taken_TEM = (torch.arange(top.indices.shape[2], device=scores_NE.device) < filled_T11) & (top.values >= 0)
+        return token_ids_EC, taken_TEM.permute(1, 0, 2).reshape(self.num_experts, -1)
 
     @torch.no_grad()
     def _set_thresholds(self, scores_NE: Tensor) -> None:
         """Start each threshold at the largest score its expert did not take: the threshold mask then keeps
-        ``m`` tokens per expert of this batch (up to ties); averaged over the processes of a distributed run."""
+        ``m`` tokens per expert of this batch (up to ties); averaged over the processes of a distributed run.
+        ``scores_NE`` holds the real tokens only."""
         num_tokens = scores_NE.shape[0]
+        if num_tokens == 0:
+            return
         below = max(num_tokens - self.tokens_per_expert(num_tokens), 1)
         self.thresholds.copy_(scores_NE.t().kthvalue(below, dim=-1).values)
         if dist.is_available() and dist.is_initialized():  # every rank starts from the same thresholds
@@ -125,36 +146,44 @@ class StrictlyBalancedMoE(MoELayer):
         self.thresholds_set.fill_(True)
         self._thresholds_set = True
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``; ``padding_mask: [batch,
+        tokens]`` bool, True for real tokens."""
         self._check_input(x)
         B, T, D = x.shape
+        mask_N = self._token_mask(padding_mask, B, T)
         x_ND = x.reshape(B * T, D)
         logits_NE = router_logits(x_ND, self.router_weight)
         scores_NE = torch.softmax(logits_NE, dim=-1)
-        if self.training and not self.has_thresholds():
-            self._set_thresholds(scores_NE.detach())
+        if self.training and not self.has_thresholds():  # once: the first training batch
+            self._set_thresholds(scores_NE.detach() if mask_N is None else scores_NE.detach()[mask_N])
 
         losses: dict[str, Tensor] = {}
         if not self.training and self.has_thresholds():
             mask_NE = scores_NE > self.thresholds
+            if mask_N is not None:
+                mask_NE = mask_NE & mask_N.unsqueeze(1)
             out_NO, counts_E = self._threshold_forward(x_ND, scores_NE, mask_NE)
         else:
-            token_ids_EC = self.batchwise_token_ids(scores_NE, B, T)
-            mask_NE = torch.zeros_like(scores_NE, dtype=torch.bool).t().scatter_(1, token_ids_EC, True).t()
+            token_ids_EC, taken_EC = self.batchwise_token_ids(scores_NE, B, T, mask_N)
+            taken = True if taken_EC is None else taken_EC
+            mask_NE = torch.zeros_like(scores_NE, dtype=torch.bool).t().scatter_(1, token_ids_EC, taken).t()
             out_NO = self._batchwise_forward(x_ND, scores_NE, mask_NE, token_ids_EC)
-            counts_E = torch.full((self.num_experts,), token_ids_EC.shape[1], device=x.device)
+            if taken_EC is None:
+                counts_E = torch.full((self.num_experts,), token_ids_EC.shape[1], device=x.device)
+            else:
+                counts_E = taken_EC.sum(dim=1)
             if self.training and self.threshold_loss_weight:
                 losses["threshold"] = self.threshold_loss_weight * batchwise_threshold_loss(
-                    scores_NE.detach(), self.thresholds, mask_NE
+                    scores_NE.detach(), self.thresholds, mask_NE, mask_N
                 )
         if self.z_loss_weight:
-            losses["z"] = self.z_loss_weight * router_z_loss(logits_NE)
+            losses["z"] = self.z_loss_weight * router_z_loss(logits_NE, mask_N)
 
         probs, mask, thresholds = scores_NE.detach(), mask_NE, self.thresholds.detach()
         self._record(
             losses,
-            lambda: strictly_balanced_stats(probs, mask, counts_E, thresholds if self.training else None),
+            lambda: strictly_balanced_stats(probs, mask, counts_E, thresholds if self.training else None, mask_N),
             B * T,
             logit_checksum(logits_NE),
         )

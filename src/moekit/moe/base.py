@@ -188,6 +188,19 @@ class RoutingModule(nn.Module):
         self._stats = {}
         self._token_weights_fn = token_weights if self.compute_stats and not self.training else None
 
+    def _token_mask(self, padding_mask: Tensor | None, batch: int, tokens: int) -> Tensor | None:
+        """``padding_mask [batch, tokens]`` (True for real tokens) flattened to ``[batch * tokens]`` bool, after
+        checking its shape; None stays None (every token is real)."""
+        if padding_mask is None:
+            return None
+        if padding_mask.shape != (batch, tokens) or padding_mask.dtype != torch.bool:
+            raise ValueError(
+                f"{type(self).__name__}: padding_mask of shape {tuple(padding_mask.shape)} and dtype "
+                f"{padding_mask.dtype} - expected a bool tensor [batch, tokens] = [{batch}, {tokens}], True for real "
+                "tokens and False for padding"
+            )
+        return padding_mask.reshape(-1)
+
     def balancing_step(self) -> None:
         """Called once per optimizer step by :func:`update_balancing_biases`; modules with state that
         is updated outside autograd (loss-free balancing) override it."""
@@ -205,7 +218,9 @@ class MoELayer(RoutingModule):
     the timm ``Mlp`` keywords size the experts (``hidden_features`` is each expert's hidden size), and the
     settings fill the layer's :attr:`configs` (see each layer's docstring), over its :attr:`defaults`.
     Subclasses implement :meth:`build` (make the router and experts from the configs) and
-    ``forward(x: [batch, tokens, dim], ...) -> [batch, tokens, out_dim]``, which calls :meth:`_record`.
+    ``forward(x: [batch, tokens, dim], ..., padding_mask=None) -> [batch, tokens, out_dim]``, which calls
+    :meth:`_record`. ``padding_mask: [batch, tokens]`` bool (True for real tokens): padding gets no expert and a zero
+    output, takes no capacity, and counts in no auxiliary loss or routing statistic.
     """
 
     configs: ClassVar[tuple[type, ...]] = ()

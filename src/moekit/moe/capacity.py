@@ -11,6 +11,9 @@ A capacity factor ``c`` scales the rows an expert would get if the work were spr
 
 ``R`` is the one rounding rule: the nearest integer, halves rounded up, and at least 1 — after rounding the
 product to 9 decimals, so that float noise (``2 * 6 * 1.1 / 4 = 3.3000000000000003``) never decides.
+
+With a padding mask ``N`` counts the real tokens: the functions then take it as a device tensor (float64 arithmetic,
+the rounding done on device, no host synchronisation) and return ``C`` as a long tensor of the same shape.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
+from torch import Tensor
 
 __all__ = [
     "round_capacity",
@@ -32,9 +38,16 @@ CapacityScope = Literal["batch", "position", "group"]
 CAPACITY_SCOPES = ("batch", "position", "group")
 
 
-def round_capacity(rows: float) -> int:
-    """``R(rows)``: the nearest integer (halves up), at least 1."""
+def round_capacity(rows: float | Tensor) -> int | Tensor:
+    """``R(rows)``: the nearest integer (halves up), at least 1 (elementwise, long, for a tensor)."""
+    if isinstance(rows, Tensor):
+        return torch.floor(torch.round(rows.double(), decimals=9) + 0.5).clamp_min(1).long()
     return max(1, math.floor(round(rows, 9) + 0.5))
+
+
+def _as_count(num_tokens: int | Tensor) -> int | Tensor:
+    """A token count for the formulas: float64 when it is a tensor (as Python's floats are)."""
+    return num_tokens.double() if isinstance(num_tokens, Tensor) else num_tokens
 
 
 def check_factor(value, name: str, *, optional: bool = False) -> None:
@@ -46,14 +59,19 @@ def check_factor(value, name: str, *, optional: bool = False) -> None:
         raise ValueError(f"{name}={value!r} must be a positive number{dropless}")
 
 
-def tokens_choice_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+def tokens_choice_capacity(
+    num_tokens: int | Tensor, top_k: int, num_experts: int, capacity_factor: float
+) -> int | Tensor:
     """``C = R(k * N * c / E)``: the assignments one expert keeps of ``N`` tokens choosing ``k`` experts."""
-    return round_capacity(top_k * num_tokens * capacity_factor / num_experts)
+    return round_capacity(top_k * _as_count(num_tokens) * capacity_factor / num_experts)
 
 
-def experts_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+def experts_choice_capacity(num_tokens: int | Tensor, num_experts: int, capacity_factor: float) -> int | Tensor:
     """``C = R(N * c / E)``, at most ``N``: the tokens one expert takes."""
-    return min(num_tokens, round_capacity(num_tokens * capacity_factor / num_experts))
+    capacity = round_capacity(_as_count(num_tokens) * capacity_factor / num_experts)
+    if isinstance(capacity, Tensor):
+        return torch.minimum(capacity, num_tokens.long())
+    return min(num_tokens, capacity)
 
 
 def soft_moe_slots(num_tokens: int, num_experts: int, capacity_factor: float) -> int:

@@ -80,9 +80,12 @@ class DenseMoE(MoELayer):
     def expert_rows_per_token(self, num_tokens: int) -> float:
         return float(self.num_experts)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``; ``padding_mask: [batch,
+        tokens]`` bool, True for real tokens (padding gets a zero output)."""
         self._check_input(x)
         batch, tokens, dim = x.shape
+        mask_N = self._token_mask(padding_mask, batch, tokens)
         x_flat = x.reshape(batch * tokens, dim)
         logits = self.gate_logits(x_flat)
         gates = torch.softmax(logits, dim=-1)  # [N, E]
@@ -90,11 +93,14 @@ class DenseMoE(MoELayer):
         if self.overpowering is not None:  # Eigen et al.: leave out the experts that ran ahead, renormalise
             gates = gates * self.overpowering.keep_E()
             gates = gates / gates.sum(dim=-1, keepdim=True)
-            self.overpowering.received(gates.detach().sum(dim=0), num_tokens)
+            real = num_tokens if mask_N is None else mask_N.sum()
+            mass = gates.detach() if mask_N is None else gates.detach() * mask_N.unsqueeze(1)
+            self.overpowering.received(mass.sum(dim=0), real)
         expert_in = x_flat.unsqueeze(0).expand(self.num_experts, -1, -1).reshape(-1, dim)
         expert_out = self.experts(expert_in, num_tokens).view(self.num_experts, num_tokens, -1)  # [E, N, o]
-        out = torch.einsum("ne,eno->no", gates.to(expert_out.dtype), expert_out)
-        losses = {"z": self.z_loss_weight * router_z_loss(logits)} if self.z_loss_weight else {}
+        mixed = gates if mask_N is None else gates * mask_N.unsqueeze(1)  # padding: no expert
+        out = torch.einsum("ne,eno->no", mixed.to(expert_out.dtype), expert_out)
+        losses = {"z": self.z_loss_weight * router_z_loss(logits, mask_N)} if self.z_loss_weight else {}
         gates = gates.detach()
-        self._record(losses, lambda: dense_mixture_stats(gates), num_tokens, logit_checksum(logits))
+        self._record(losses, lambda: dense_mixture_stats(gates, mask_N), num_tokens, logit_checksum(logits))
         return out.view(batch, tokens, -1)

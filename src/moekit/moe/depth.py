@@ -23,6 +23,9 @@ sampling needs; :func:`top_c_routing` switches eval back to top-C (the model sum
 Statistics (:attr:`DepthRouter.stats`): ``processed_fraction`` (of the tokens), ``mean_gate`` (over processed
 tokens), and for a causal router ``topc_agreement``: the fraction of tokens on which the per-token decision
 equals the top-C choice (the paper reports ~97% for both methods).
+
+Padding (``padding_mask`` False) is never processed and counts in no loss or statistic; a sequence of ``n`` real
+tokens sends ``ceil(capacity * n)`` of them through the block.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import Tensor, nn
 from moekit.recipes.depth import DepthSpec
 
 from .base import RoutingModule
+from .losses import masked_mean
 from .routing import logit_checksum, router_logits
 
 __all__ = ["DepthRouter", "MixtureOfDepths", "capacity_tokens", "depth_routers", "top_c_routing"]
@@ -46,8 +50,11 @@ ROUTER_INIT_STD = 0.02
 """Std of the truncated normal the router projection starts from (timm's ``nn.Linear`` initialisation)."""
 
 
-def capacity_tokens(capacity: float, tokens: int) -> int:
-    """``C = ceil(capacity * tokens)``: how many of a sequence's ``tokens`` a routed block processes."""
+def capacity_tokens(capacity: float, tokens: int | Tensor) -> int | Tensor:
+    """``C = ceil(capacity * tokens)``: how many of a sequence's ``tokens`` a routed block processes (elementwise for
+    a tensor of real-token counts)."""
+    if isinstance(tokens, Tensor):
+        return torch.ceil(capacity * tokens.double() - 1e-9).clamp_min(1).long()
     return max(1, math.ceil(capacity * tokens - 1e-9))
 
 
@@ -103,51 +110,82 @@ class DepthRouter(RoutingModule):
         with torch.autocast(x_BSD.device.type, enabled=False):
             return self.predictor(x_BSD.detach().float()).squeeze(-1)
 
-    def route(self, x_BSD: Tensor) -> tuple[Tensor, Tensor]:
-        """Top-C routing: ``(indices [B, C] in sequence order, gates [B, C] float32)``."""
+    def route(self, x_BSD: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Top-C routing: ``(indices [B, C] in sequence order, gates [B, C] float32, taken [B, C] bool or None)``.
+
+        With ``padding_mask: [B, S]`` (True for real tokens) ``C`` stays that of ``S`` tokens (static shapes) and a
+        sequence of ``n`` real tokens fills ``ceil(capacity * n)`` slots with its best real tokens: ``taken`` marks
+        them, the other slots get gate 0 (and must be hidden from the chosen tokens' attention)."""
         batch, tokens, _ = x_BSD.shape
+        mask_N = self._token_mask(padding_mask, batch, tokens)
         logits_BS = self.logits(x_BSD)
-        top_BC = logits_BS.topk(capacity_tokens(self.capacity, tokens), dim=1, sorted=False).indices
-        top_BC = top_BC.sort(dim=1).values  # sequence order: causal attention among the chosen stays causal
+        capacity = capacity_tokens(self.capacity, tokens)
+        taken_BC = None
+        if padding_mask is None:
+            top_BC = logits_BS.topk(capacity, dim=1, sorted=False).indices
+            top_BC = top_BC.sort(dim=1).values  # sequence order: causal attention among the chosen stays causal
+        else:
+            ranked_BC = logits_BS.masked_fill(~padding_mask, -math.inf).topk(capacity, dim=1).indices  # best first
+            filled_B1 = capacity_tokens(self.capacity, padding_mask.sum(dim=1)).unsqueeze(1)
+            taken_BC = (torch.arange(capacity, device=x_BSD.device) < filled_B1) & padding_mask.gather(1, ranked_BC)
+            top_BC, order_BC = ranked_BC.sort(dim=1)
+            taken_BC = taken_BC.gather(1, order_BC)
         gates_BC = self.gate(logits_BS.gather(1, top_BC))
-        chosen_BS = torch.zeros_like(logits_BS, dtype=torch.bool).scatter_(1, top_BC, True)
+        if taken_BC is not None:
+            gates_BC = gates_BC * taken_BC
+        taken = True if taken_BC is None else taken_BC
+        chosen_BS = torch.zeros_like(logits_BS, dtype=torch.bool).scatter_(1, top_BC, taken)
         aux: dict[str, Tensor] = {}
         decision_BS = None
         if self.causal:
             decision_BS = self._decision_logits(x_BSD, logits_BS)
             if self.training and self.spec.aux_loss_weight > 0:
-                bce = F.binary_cross_entropy_with_logits(decision_BS, chosen_BS.float())
-                aux["mod_bce"] = self.spec.aux_loss_weight * bce
+                bce_BS = F.binary_cross_entropy_with_logits(decision_BS, chosen_BS.float(), reduction="none")
+                aux["mod_bce"] = self.spec.aux_loss_weight * masked_mean(bce_BS.reshape(-1), mask_N)
         gates, decision = gates_BC.detach(), None if decision_BS is None else decision_BS.detach()
 
         def stats() -> dict[str, Tensor]:
-            out = {"processed_fraction": chosen_BS.float().mean(), "mean_gate": gates.mean()}
+            out = {
+                "processed_fraction": masked_mean(chosen_BS.float().reshape(-1), mask_N),
+                "mean_gate": gates.sum() / chosen_BS.sum().clamp_min(1),
+            }
             if decision is not None:
-                out["topc_agreement"] = ((decision > 0) == chosen_BS).float().mean()
+                out["topc_agreement"] = masked_mean(((decision > 0) == chosen_BS).float().reshape(-1), mask_N)
             return out
 
         self._record(aux, stats, batch * tokens, logit_checksum(logits_BS))
-        return top_BC, gates_BC
+        return top_BC, gates_BC, taken_BC
 
-    def decide(self, x_BSD: Tensor, *, whole_sequences: bool = True) -> tuple[Tensor, Tensor]:
+    def decide(
+        self, x_BSD: Tensor, *, whole_sequences: bool = True, padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Per-token (causal) routing: ``(processed [B, S] bool, gates [B, S] float32)``, the gate 0 where a
-        token is not processed. ``whole_sequences``: ``x`` holds whole sequences (not a cached piece), so the
-        agreement with top-C can be measured."""
+        token is not processed (padding, ``padding_mask`` False, never is). ``whole_sequences``: ``x`` holds whole
+        sequences (not a cached piece), so the agreement with top-C can be measured."""
         batch, tokens, _ = x_BSD.shape
+        mask_N = self._token_mask(padding_mask, batch, tokens)
         logits_BS = self.logits(x_BSD)
         processed_BS = self._decision_logits(x_BSD, logits_BS) > 0
+        if padding_mask is not None:
+            processed_BS = processed_BS & padding_mask
         gates_BS = torch.where(processed_BS, self.gate(logits_BS), 0.0)
         detached = logits_BS.detach()
+        if padding_mask is not None:
+            detached = detached.masked_fill(~padding_mask, -math.inf)
 
         def stats() -> dict[str, Tensor]:
             out = {
-                "processed_fraction": processed_BS.float().mean(),
+                "processed_fraction": masked_mean(processed_BS.float().reshape(-1), mask_N),
                 "mean_gate": gates_BS.sum() / processed_BS.sum().clamp(min=1),
             }
             if whole_sequences:
-                top_BC = detached.topk(capacity_tokens(self.capacity, tokens), dim=1).indices
-                chosen_BS = torch.zeros_like(processed_BS).scatter_(1, top_BC, True)
-                out["topc_agreement"] = (processed_BS == chosen_BS).float().mean()
+                ranked_BC = detached.topk(capacity_tokens(self.capacity, tokens), dim=1).indices
+                taken_BC = True
+                if padding_mask is not None:
+                    filled_B1 = capacity_tokens(self.capacity, padding_mask.sum(dim=1)).unsqueeze(1)
+                    taken_BC = torch.arange(ranked_BC.shape[1], device=ranked_BC.device) < filled_B1
+                chosen_BS = torch.zeros_like(processed_BS).scatter_(1, ranked_BC, taken_BC)
+                out["topc_agreement"] = masked_mean((processed_BS == chosen_BS).float().reshape(-1), mask_N)
             return out
 
         self._record({}, stats, batch * tokens, logit_checksum(logits_BS))
@@ -180,7 +218,7 @@ class MixtureOfDepths(nn.Module):
         prefix = self.prefix_tokens
         batch, _, dim = x_BSD.shape
         prefix_BPD, x_BND = x_BSD[:, :prefix], x_BSD[:, prefix:]
-        top_BC, gates_BC = self.depth_router.route(x_BND)
+        top_BC, gates_BC, _ = self.depth_router.route(x_BND)
         index_BCD = top_BC.unsqueeze(-1).expand(-1, -1, dim)
         chosen_BKD = torch.cat([prefix_BPD, x_BND.gather(1, index_BCD)], dim=1)  # K = prefix + C
         update_BKD = self.block(chosen_BKD) - chosen_BKD

@@ -6,6 +6,9 @@ Each of ``N`` tokens chose ``k`` experts: ``expert_ids [N, k]``. Assignment ``a 
 its capacity ``C`` (:func:`moekit.moe.capacity.tokens_choice_capacity`) is exceeded and orders the kept
 ones by expert; :func:`dispatch` gathers their token rows; :func:`combine` puts expert outputs back and
 sums each token's gated copies.
+
+Padding (``valid`` False) takes no capacity and reaches no expert: its assignments are dropped before any queue
+is counted.
 """
 
 from __future__ import annotations
@@ -46,22 +49,30 @@ def priority_order(priority: Tensor) -> Tensor:
 def _keep_within_capacity(
     expert_ids: Tensor,
     num_experts: int,
-    capacity: int,
+    capacity: int | Tensor,
     priority: Tensor | None,
     group_ids: Tensor | None,
     num_groups: int,
     token_major: bool = False,
     earlier_counts: Tensor | None = None,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """``[N, k]`` bool: an assignment is kept if fewer than ``capacity`` assignments come before it in
     its queue. There is one queue per expert (per ``(group, expert)`` pair when ``group_ids`` is given).
     A queue holds all first choices, then all second choices, ... (``token_major``: each token's choices, then
     the next token's); tokens come in ``priority`` order (highest first; Batch Prioritized Routing) or in index
-    order (first come, first served). ``earlier_counts: [num_groups * E]`` assignments queued before this call."""
+    order (first come, first served). ``earlier_counts: [num_groups * E]`` assignments queued before this call.
+    ``capacity``: an int, a scalar tensor, or ``[num_groups]`` (each group's). ``valid: [N]``: the other tokens
+    queue apart, in one extra queue that keeps nothing."""
     num_tokens, top_k = expert_ids.shape
+    per_expert = num_experts
     if group_ids is not None:
         expert_ids = expert_ids + (group_ids * num_experts).unsqueeze(1)  # queue id = group * E + expert
         num_experts = num_groups * num_experts
+    num_queues = num_experts
+    if valid is not None:
+        expert_ids = torch.where(valid.unsqueeze(1), expert_ids, num_queues)
+        num_experts = num_queues + 1
     if priority is None:
         token_order = torch.arange(num_tokens, device=expert_ids.device)
     else:
@@ -74,8 +85,10 @@ def _keep_within_capacity(
     position_sorted = torch.arange(queue.numel(), device=queue.device) - starts.index_select(0, sorted_experts)
     position = torch.empty_like(position_sorted).scatter_(0, perm, position_sorted)
     if earlier_counts is not None:
-        position = position + earlier_counts.index_select(0, queue)
-    keep_queue = position < capacity
+        position = position + torch.cat([earlier_counts, earlier_counts.new_zeros(num_experts - num_queues)])[queue]
+    if isinstance(capacity, Tensor) and capacity.dim() == 1:  # each group's capacity
+        capacity = torch.cat([capacity, capacity.new_zeros(1)])[torch.div(queue, per_expert, rounding_mode="floor")]
+    keep_queue = (position < capacity) & (queue < num_queues)
     keep_queue = keep_queue.view(num_tokens, top_k) if token_major else keep_queue.view(top_k, num_tokens).t()
     return torch.empty_like(keep_queue).index_copy_(0, token_order, keep_queue)
 
@@ -90,6 +103,7 @@ def plan_dispatch(
     keep: Tensor | None = None,
     token_major: bool = False,
     earlier_counts: Tensor | None = None,
+    valid: Tensor | None = None,
 ) -> DispatchPlan:
     """Plan the dispatch of ``expert_ids: [N, k]``.
 
@@ -97,7 +111,7 @@ def plan_dispatch(
         expert_ids: ``[N, k]`` chosen experts per token.
         num_experts: ``E``.
         capacity: assignments per expert (see :func:`~moekit.moe.capacity.tokens_choice_capacity`), or None
-            for dropless.
+            for dropless; a tensor when counted on device (a scalar, or ``[num_groups]``: each group's own).
         priority: ``[N]`` token priority for Batch Prioritized Routing (higher is served first), or
             None to serve tokens in index order. Ignored when ``capacity`` is None.
         group_ids: ``[N]`` long in ``[0, num_groups)``: apply ``capacity`` to each group of tokens
@@ -111,20 +125,21 @@ def plan_dispatch(
             tokens only), instead of all first choices before all second choices (GShard, V-MoE).
         earlier_counts: ``[num_groups, E]`` assignments each group sent to each expert before this call (a
             decoding cache's), counted against the capacity first.
+        valid: ``[N]`` bool, False for padding: its assignments are dropped and take no capacity.
     """
-    if keep is not None:
-        if capacity is not None:
-            raise ValueError("plan_dispatch: pass either keep (a router's own mask) or a capacity, not both")
-        key = torch.where(keep, expert_ids, num_experts).reshape(-1)
-    elif capacity is None:
-        keep = torch.ones_like(expert_ids, dtype=torch.bool)
-        key = expert_ids.reshape(-1)
+    if capacity is None:
+        if keep is None:
+            keep = torch.ones_like(expert_ids, dtype=torch.bool)
+        if valid is not None:
+            keep = keep & valid.unsqueeze(1)
+    elif keep is not None:
+        raise ValueError("plan_dispatch: pass either keep (a router's own mask) or a capacity, not both")
     else:
         earlier = earlier_counts.reshape(-1) if earlier_counts is not None else None
         keep = _keep_within_capacity(
-            expert_ids, num_experts, capacity, priority, group_ids, num_groups, token_major, earlier
+            expert_ids, num_experts, capacity, priority, group_ids, num_groups, token_major, earlier, valid
         )
-        key = torch.where(keep, expert_ids, num_experts).reshape(-1)  # dropped ones sort last
+    key = torch.where(keep, expert_ids, num_experts).reshape(-1)  # dropped ones sort last
     order = torch.sort(key, stable=True).indices
     counts = count_ids(key, num_experts + 1)[:num_experts]
     return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1])

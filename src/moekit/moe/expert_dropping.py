@@ -50,11 +50,12 @@ class OverpoweringExperts(nn.Module):
         return (total - total.mean() <= self.margin).float()
 
     @torch.no_grad()
-    def received(self, mass_E: Tensor, num_tokens: int) -> None:
-        """Add ``mass_E``, the summed gates each expert received from the ``num_tokens`` tokens of a training
-        forward."""
+    def received(self, mass_E: Tensor, num_tokens: int | Tensor) -> None:
+        """Add ``mass_E``, the summed gates each expert received from the ``num_tokens`` real tokens of a training
+        forward (a device count under a padding mask)."""
         if self.training:
-            self.gate_mass_total += mass_E.float() / max(num_tokens, 1)
+            count = num_tokens.clamp_min(1) if isinstance(num_tokens, Tensor) else max(num_tokens, 1)
+            self.gate_mass_total += mass_E.float() / count
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}"

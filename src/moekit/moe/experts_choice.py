@@ -7,7 +7,8 @@ every expert processes exactly ``C`` tokens (perfect load balance by constructio
 picked by several experts or by none (it then passes through on the residual). The output of token
 ``n`` is ``sum over experts e that picked n of P[n, e] * expert_e(x_n)``.
 
-Which tokens an expert picks depends on all tokens of the forward, so the layer is not causal.
+Which tokens an expert picks depends on all tokens of the forward, so the layer is not causal. Padding
+(``padding_mask`` False) is never picked and does not count in ``N``: each expert takes ``C`` of the real tokens.
 """
 
 from __future__ import annotations
@@ -89,9 +90,12 @@ class ExpertsChoiceMoE(MoELayer):
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return experts_choice_capacity(size, self.num_experts, factor)
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def route(self, x: Tensor, mask_N: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Route ``x: [N, d]``. Returns ``(token_idx [E, C], gates [E, C], probs [N, E], logits [N, E])``:
-        expert ``e`` processes tokens ``token_idx[e]`` with weights ``gates[e] = probs[token_idx[e], e]``."""
+        expert ``e`` processes tokens ``token_idx[e]`` with weights ``gates[e] = probs[token_idx[e], e]``.
+
+        With ``mask_N: [N]`` (False for padding) ``C`` stays the capacity of whole groups, so the shapes are static,
+        and each expert fills ``R(n * c / E)`` slots of a group with ``n`` real tokens: the other slots get gate 0."""
         logits = router_logits(x, self.router_weight)
         probs = torch.softmax(logits, dim=-1)
         num_tokens, size = x.shape[0], self.group_size or x.shape[0]
@@ -101,33 +105,43 @@ class ExpertsChoiceMoE(MoELayer):
                 "choose a group_size that divides them (e.g. the tokens of one image)"
             )
         groups, per_group = num_tokens // size, self._capacity_per_group(size)
-        gates_EGC, idx_EGC = probs.t().reshape(self.num_experts, groups, size).topk(per_group, dim=-1)
+        scores_NE = probs if mask_N is None else torch.where(mask_N.unsqueeze(1), probs, -1.0)  # padding last
+        gates_EGC, idx_EGC = scores_NE.t().reshape(self.num_experts, groups, size).topk(per_group, dim=-1)
+        if mask_N is not None:
+            factor = self.capacity_factor if self.training else self.eval_capacity_factor
+            filled_G1 = experts_choice_capacity(mask_N.view(groups, size).sum(dim=1), self.num_experts, factor)
+            in_capacity_GC = torch.arange(per_group, device=x.device) < filled_G1.unsqueeze(1)
+            gates_EGC = torch.where(in_capacity_GC & (gates_EGC >= 0), gates_EGC, 0.0)
         offsets_G1 = torch.arange(groups, device=x.device).unsqueeze(1) * size
         token_idx = (idx_EGC + offsets_G1).reshape(self.num_experts, -1)  # [E, groups * C]
         return token_idx, gates_EGC.reshape(self.num_experts, -1), probs, logits
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``; ``padding_mask: [batch,
+        tokens]`` bool, True for real tokens."""
         self._check_input(x)
         batch, tokens, dim = x.shape
+        mask_N = self._token_mask(padding_mask, batch, tokens)
         x_flat = x.reshape(batch * tokens, dim)
-        token_idx, gates, probs, logits = self.route(x_flat)
+        token_idx, gates, probs, logits = self.route(x_flat, mask_N)
         flat_idx = token_idx.reshape(-1)
         expert_out = self.experts(x_flat.index_select(0, flat_idx), token_idx.shape[1])  # [E * C, o]
         weighted = expert_out * gates.reshape(-1, 1).to(expert_out.dtype)
         out = weighted.new_zeros(x_flat.shape[0], weighted.shape[-1]).index_add_(0, flat_idx, weighted)
 
-        losses = {"z": self.z_loss_weight * router_z_loss(logits)} if self.z_loss_weight else {}
+        losses = {"z": self.z_loss_weight * router_z_loss(logits, mask_N)} if self.z_loss_weight else {}
         num_tokens = x_flat.shape[0]
         probs, gates = probs.detach(), gates.detach()
+        # the slots holding a token: all, or under a mask those with a gate (a softmax gate is positive)
+        held_idx = flat_idx if mask_N is None else torch.where(gates.reshape(-1) > 0, flat_idx, num_tokens)
         self._record(
             losses,
-            lambda: experts_choice_stats(probs, count_ids(flat_idx, num_tokens), gates),
+            lambda: experts_choice_stats(probs, count_ids(held_idx, num_tokens + 1)[:num_tokens], gates, mask_N),
             num_tokens,
             logit_checksum(logits),
             lambda: torch.zeros_like(probs).index_put_(  # [N, E]: 1 where expert e took token n
                 (token_idx, torch.arange(self.num_experts, device=x.device)[:, None].expand_as(token_idx)),
-                torch.ones_like(gates),
+                torch.ones_like(gates) if mask_N is None else (gates > 0).float(),
                 accumulate=True,
             ),
         )

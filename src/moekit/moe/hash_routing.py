@@ -115,7 +115,7 @@ class HashRouter(Router):
             )
         self._set_table(kmeans(embeddings.detach().float().cpu(), self.num_experts, iterations, self.hash_seed))
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None, mask: Tensor | None = None) -> Routing:
         """``token_ids: [N]`` long -> :class:`Routing` with ``k = 1`` and gates 1 (``x`` is not read)."""
         if token_ids is None:
             raise ValueError(

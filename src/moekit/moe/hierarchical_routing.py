@@ -114,7 +114,7 @@ class HierarchicalRouter(Router):
         top = logits.topk(k, dim=-1)
         return top.indices, torch.softmax(top.values, dim=-1)
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None, mask: Tensor | None = None) -> Routing:
         num_tokens = x.shape[0]
         groups, per_group, k = self.num_groups, self.experts_per_group, self.top_k_per_group
         p_clean, p_noisy, p_std = self._noisy(x, self.primary_weight, self.primary_noise)
@@ -135,10 +135,12 @@ class HierarchicalRouter(Router):
         losses: dict[str, Tensor] = {}
         if cfg.importance_loss_weight:
             dense = torch.zeros(num_tokens, self.num_experts, device=x.device).scatter(1, expert_ids, gates)
-            losses["importance"] = cfg.importance_loss_weight * importance_loss(dense)
+            losses["importance"] = cfg.importance_loss_weight * importance_loss(dense, mask)
         if cfg.load_loss_weight and p_std is not None:
-            load_primary = smooth_load(p_clean, p_noisy, p_std, self.top_k_groups)  # [G]
+            load_primary = smooth_load(p_clean, p_noisy, p_std, self.top_k_groups, mask)  # [G]
             in_group = torch.zeros(num_tokens, groups, device=x.device).scatter(1, group_ids, 1.0)  # X^(i) mask
+            if mask is not None:  # padding is in no group's batch
+                in_group = in_group * mask.unsqueeze(1)
             flat = (num_tokens * groups, per_group)  # every group's secondary gate as its own row
             per_token = load_probabilities(s_clean.reshape(flat), s_noisy.reshape(flat), s_std.reshape(flat), k).view(
                 num_tokens, groups, per_group

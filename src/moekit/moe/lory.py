@@ -5,7 +5,7 @@ A sequence is cut into segments of ``segment_len`` tokens. Segment ``j`` is proc
 the experts' merged in parameter space (SMEAR), ``theta_j = sum_e w_je theta_e``, with the weights routed from the
 mean of the *previous* segment's inputs::
 
-    w_j = softmax(W_r mean(x[segment j - 1]))        j >= 1
+    w_j = softmax(W_r mean(x[segment j - 1]))        j >= 1 (the mean over its real tokens, padding left out)
     w_0 = softmax(b)                                  a learned mixture: the first segment has no previous one
 
 Every token of segment ``j`` is processed with weights that depend on earlier tokens only, so the layer is
@@ -39,12 +39,14 @@ class SegmentState:
     """Where a sequence stands in its current segment (one per layer of a decoding cache).
 
     Attributes:
-        sum_BD: float32 sum of the current segment's inputs so far, per sequence.
+        sum_BD: float32 sum of the current segment's (real) inputs so far, per sequence.
         weights_BE: float32 merging weights of the current segment, per sequence.
+        count_B: float32 number of inputs in ``sum_BD`` (padding is not summed).
     """
 
     sum_BD: Tensor
     weights_BE: Tensor
+    count_B: Tensor
 
 
 @register_moe_layer("lory")
@@ -94,42 +96,61 @@ class LoryMoE(MoELayer):
     def init_state(self, batch: int, like: Tensor) -> SegmentState:
         """The state at position 0 of ``batch`` sequences (on ``like``'s device)."""
         zeros = torch.zeros(batch, self.in_features, device=like.device, dtype=torch.float32)
-        return SegmentState(sum_BD=zeros, weights_BE=self._prior(batch))
+        return SegmentState(sum_BD=zeros, weights_BE=self._prior(batch), count_B=zeros[:, 0].clone())
 
     def _prior(self, batch: int) -> Tensor:
         return torch.softmax(self.prior_logits.float(), dim=-1).expand(batch, -1)
 
-    def forward(self, x: Tensor, start: int = 0, state: SegmentState | None = None) -> Tensor:
-        """``x: [batch, tokens, in_features]`` at positions ``start ..`` -> ``[batch, tokens, out_features]``."""
+    def forward(
+        self, x: Tensor, start: int = 0, state: SegmentState | None = None, padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """``x: [batch, tokens, in_features]`` at positions ``start ..`` -> ``[batch, tokens, out_features]``;
+        ``padding_mask: [batch, tokens]`` bool, True for real tokens: a segment is routed by the mean of the real
+        tokens of the previous one, and padding gets a zero output and counts in no loss or statistic."""
         self._check_input(x)
         batch, tokens, _ = x.shape
+        mask_N = self._token_mask(padding_mask, batch, tokens)
+        real_BT1 = None if padding_mask is None else padding_mask.unsqueeze(-1)
         if state is None:
             if start != 0:
                 raise ValueError(f"LoryMoE: start={start} without a state; a call without one is a whole sequence")
             state = self.init_state(batch, x)
         seg = self.segment_len
-        outputs, logits, weights, done = [], [], [], 0
+        outputs, logits, routed, weights, done = [], [], [], [], 0
         while done < tokens:  # one step per segment the call touches (not per token)
             position = start + done
             if position % seg == 0 and position > 0:  # a segment begins: route it by the previous one
-                logits_BE = router_logits(state.sum_BD / seg, self.router_weight)
+                mean_BD = state.sum_BD / state.count_B.clamp_min(1.0).unsqueeze(1)
+                logits_BE = router_logits(mean_BD, self.router_weight)
                 state.weights_BE = torch.softmax(logits_BE, dim=-1)
                 state.sum_BD = torch.zeros_like(state.sum_BD)
+                state.count_B = torch.zeros_like(state.count_B)
                 logits.append(logits_BE)
+                count = min(tokens - done, seg)
+                routed.append(None if real_BT1 is None else real_BT1[:, done : done + count, 0].any(dim=1))
             count = min(tokens - done, seg - position % seg)
             chunk_BTD = x[:, done : done + count]
             outputs.append(self.experts.merged(chunk_BTD, state.weights_BE))
             weights.append(state.weights_BE.unsqueeze(1).expand(-1, count, -1))
-            state.sum_BD = state.sum_BD + chunk_BTD.float().sum(dim=1)
+            if real_BT1 is None:
+                state.sum_BD = state.sum_BD + chunk_BTD.float().sum(dim=1)
+                state.count_B = state.count_B + count
+            else:
+                real_BT1_chunk = real_BT1[:, done : done + count]
+                state.sum_BD = state.sum_BD + (chunk_BTD.float() * real_BT1_chunk).sum(dim=1)
+                state.count_B = state.count_B + real_BT1_chunk.sum(dim=(1, 2))
             done += count
         out_BTD = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        if real_BT1 is not None:
+            out_BTD = out_BTD * real_BT1
 
         losses = {}
-        if self.z_loss_weight and logits:
-            losses["z"] = self.z_loss_weight * router_z_loss(torch.cat(logits))
+        if self.z_loss_weight and logits:  # over the segments that hold real tokens
+            segments = None if real_BT1 is None else torch.cat(routed)
+            losses["z"] = self.z_loss_weight * router_z_loss(torch.cat(logits), segments)
         gates_NE = torch.cat(weights, dim=1).reshape(batch * tokens, -1).detach()  # each token's mixture
-        checksum = logit_checksum(torch.cat(logits)) if logits else None
-        self._record(losses, lambda: dense_mixture_stats(gates_NE), batch * tokens, checksum)
+        checksum = logit_checksum(self.prior_logits, *logits)  # segment 0's learned logits and the routed ones
+        self._record(losses, lambda: dense_mixture_stats(gates_NE, mask_N), batch * tokens, checksum)
         return out_BTD
 
     def extra_repr(self) -> str:

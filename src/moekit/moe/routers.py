@@ -218,8 +218,9 @@ class TopKRouter(Router):
             return clean, None
         return clean + torch.randn_like(clean) * noise_std, noise_std
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
-        """``x: [N, d]`` -> :class:`Routing` with ``k`` experts per token."""
+    def forward(self, x: Tensor, token_ids: Tensor | None = None, mask: Tensor | None = None) -> Routing:
+        """``x: [N, d]`` -> :class:`Routing` with ``k`` experts per token; ``mask: [N]`` bool, the real tokens
+        (padding is left out of the losses and the balancing counts)."""
         cfg = self.config
         if self.training and cfg.jitter_eps:
             x = router_precision(x)
@@ -232,7 +233,7 @@ class TopKRouter(Router):
         else:
             scores_NE = torch.sigmoid(logits_NE)
             probs_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
-        losses = self._score_losses(scores_NE)
+        losses = self._score_losses(scores_NE, mask)
         if self.overpowering is not None:  # Eigen et al.: leave out the experts that ran ahead
             scores_NE = scores_NE * self.overpowering.keep_E()
             if cfg.score_func == "softmax":
@@ -242,34 +243,37 @@ class TopKRouter(Router):
         gates_NK = scores_NE.gather(1, expert_ids_NK)
         if cfg.normalize_gates:
             gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates_NK.dtype).tiny)
+        real_N1 = None if mask is None else mask.unsqueeze(1)
         if self.overpowering is not None:
+            mass_NK = gates_NK.detach() if real_N1 is None else gates_NK.detach() * real_N1
             self.overpowering.received(
                 torch.zeros_like(self.overpowering.gate_mass_total).index_add_(
-                    0, expert_ids_NK.reshape(-1), gates_NK.detach().reshape(-1)
+                    0, expert_ids_NK.reshape(-1), mass_NK.reshape(-1)
                 ),
-                num_tokens=expert_ids_NK.shape[0],
+                num_tokens=expert_ids_NK.shape[0] if mask is None else mask.sum(),
             )
         if self.pending_counts is not None and self.training:
             with torch.no_grad():
-                self.pending_counts += count_ids(expert_ids_NK, self.num_experts).float()
+                counted_NK = expert_ids_NK if real_N1 is None else torch.where(real_N1, expert_ids_NK, self.num_experts)
+                self.pending_counts += count_ids(counted_NK, self.num_experts + 1)[: self.num_experts].float()
 
         if cfg.switch_loss_weight and self.switch_fraction is not None:
-            losses["switch"] = cfg.switch_loss_weight * switch_loss_from_fractions(probs_NE, self.switch_fraction)
+            losses["switch"] = cfg.switch_loss_weight * switch_loss_from_fractions(probs_NE, self.switch_fraction, mask)
         elif cfg.switch_loss_weight:
             losses["switch"] = cfg.switch_loss_weight * switch_load_balancing_loss(
-                probs_NE, expert_ids_NK, self.num_experts
+                probs_NE, expert_ids_NK, self.num_experts, mask
             )
         if cfg.importance_loss_weight:
             if cfg.importance_over == "probs":
                 importance_of = torch.softmax(clean_NE, dim=-1)
             else:
                 importance_of = torch.zeros_like(scores_NE).scatter(1, expert_ids_NK, gates_NK)
-            losses["importance"] = cfg.importance_loss_weight * importance_loss(importance_of)
+            losses["importance"] = cfg.importance_loss_weight * importance_loss(importance_of, mask)
         if cfg.load_loss_weight and noise_std is not None:
             load = load_loss if cfg.noisy_gating else vmoe_load_loss
-            losses["load"] = cfg.load_loss_weight * load(clean_NE, logits_NE, noise_std, self.top_k)
+            losses["load"] = cfg.load_loss_weight * load(clean_NE, logits_NE, noise_std, self.top_k, mask)
         if cfg.z_loss_weight:
-            losses["z"] = cfg.z_loss_weight * router_z_loss(logits_NE)
+            losses["z"] = cfg.z_loss_weight * router_z_loss(logits_NE, mask)
         return Routing(
             expert_ids_NK,
             gates_NK,
@@ -279,18 +283,18 @@ class TopKRouter(Router):
             logit_checksum=logit_checksum(logits_NE),
         )
 
-    def _score_losses(self, scores_NE: Tensor) -> dict[str, Tensor]:
+    def _score_losses(self, scores_NE: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
         """Bengio et al.'s losses of the scores (before any expert is dropped), those with a non-zero weight."""
         cfg = self.config
         losses = {}
         if cfg.bengio_batchwise_loss_weight:
-            loss = bengio_batchwise_loss(scores_NE, cfg.bengio_target)
+            loss = bengio_batchwise_loss(scores_NE, cfg.bengio_target, mask)
             losses["bengio_batchwise"] = cfg.bengio_batchwise_loss_weight * loss
         if cfg.bengio_examplewise_loss_weight:
-            loss = bengio_examplewise_loss(scores_NE, cfg.bengio_target)
+            loss = bengio_examplewise_loss(scores_NE, cfg.bengio_target, mask)
             losses["bengio_examplewise"] = cfg.bengio_examplewise_loss_weight * loss
         if cfg.bengio_variance_loss_weight:
-            losses["bengio_variance"] = cfg.bengio_variance_loss_weight * bengio_variance_loss(scores_NE)
+            losses["bengio_variance"] = cfg.bengio_variance_loss_weight * bengio_variance_loss(scores_NE, mask)
         return losses
 
     @torch.no_grad()
@@ -340,14 +344,20 @@ class BalancedRouter(Router):
         self.top_k = 1
         self.weight = router_weight(config.num_experts, in_features, device, dtype)
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None, mask: Tensor | None = None) -> Routing:
         scores = router_logits(x, self.weight)
         if self.training:
-            caps = balanced_capacities(x.shape[0], self.num_experts, x.device)
             # Non-finite scores would keep the assignment's auction from ending: assign as if they were 0.
             # The gates below still carry them, so the loss is non-finite and NonFiniteGuard skips the step.
             finite = torch.nan_to_num(scores.detach(), nan=0.0, posinf=0.0, neginf=0.0)
-            expert_ids = balanced_assignment(finite, caps).unsqueeze(1)
+            if mask is None:
+                caps = balanced_capacities(x.shape[0], self.num_experts, x.device)
+                expert_ids = balanced_assignment(finite, caps).unsqueeze(1)
+            else:  # the real tokens share the experts evenly; padding (expert 0) is dropped by the layer
+                real = mask.nonzero().squeeze(1)  # the assignment synchronises anyway
+                caps = balanced_capacities(real.numel(), self.num_experts, x.device)
+                expert_ids = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+                expert_ids[real] = balanced_assignment(finite[real], caps).unsqueeze(1)
         else:
             expert_ids = scores.argmax(dim=-1, keepdim=True)
         gates = torch.sigmoid(scores.gather(1, expert_ids))

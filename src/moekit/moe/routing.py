@@ -90,7 +90,8 @@ def logit_checksum(*logits: Tensor) -> Tensor:
 
 
 class Router(nn.Module):
-    """Base of the tokens-choice routers: ``forward(x [N, d], token_ids [N] or None) -> Routing``.
+    """Base of the tokens-choice routers: ``forward(x [N, d], token_ids [N] or None, mask [N] or None) -> Routing``;
+    ``mask`` (bool, False for padding) keeps padding out of the router's losses and balancing state.
 
     Attributes:
         num_experts: ``E``; top_k: experts per token ``k``.

@@ -1,13 +1,16 @@
 """Routing statistics of one forward, computed on device with no host synchronisation.
 
 Every function returns ``{name: tensor}`` of detached scalars, except ``expert_load`` (``[E]``, the
-fraction of routed work each expert received; it sums to 1).
+fraction of routed work each expert received; it sums to 1). With ``mask: [N]`` bool (False for padding) the
+statistics are over the real tokens alone.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .losses import masked_mean
 
 __all__ = [
     "entropy",
@@ -25,51 +28,56 @@ def entropy(probs: Tensor, dim: int = -1) -> Tensor:
 
 
 @torch.no_grad()
-def tokens_choice_stats(router_probs: Tensor, kept_counts: Tensor, gates: Tensor, keep: Tensor) -> dict[str, Tensor]:
+def tokens_choice_stats(
+    router_probs: Tensor, kept_counts: Tensor, gates: Tensor, keep: Tensor, mask: Tensor | None = None
+) -> dict[str, Tensor]:
     """Statistics of tokens-choice routing.
 
     Args:
         router_probs: ``[N, E]`` router distribution over experts.
         kept_counts: ``[E]`` assignments each expert processed (after capacity).
         gates: ``[N, k]`` gate values of the chosen experts.
-        keep: ``[N, k]`` bool, False for assignments dropped by capacity.
+        keep: ``[N, k]`` bool, False for assignments dropped by capacity (and for padding).
+        mask: ``[N]`` bool, the real tokens (None: all).
     """
-    total = keep.numel()
+    total = keep.numel() if mask is None else (mask.sum() * keep.shape[1]).clamp_min(1)
     kept = kept_counts.sum().float()
     return {
         "expert_load": kept_counts.float() / kept.clamp_min(1.0),
         "load_cv": _cv(kept_counts.float()),
         "unused_experts": (kept_counts == 0).float().mean(),
         "dropped_fraction": 1.0 - kept / total,
-        "tokens_fully_dropped": (~keep.any(dim=-1)).float().mean(),
-        "router_entropy": entropy(router_probs.float()).mean(),
-        "mean_top_gate": gates[:, 0].float().mean(),
+        "tokens_fully_dropped": masked_mean((~keep.any(dim=-1)).float(), mask),
+        "router_entropy": masked_mean(entropy(router_probs.float()), mask),
+        "mean_top_gate": masked_mean(gates[:, 0].float(), mask),
     }
 
 
 @torch.no_grad()
-def experts_choice_stats(router_probs: Tensor, experts_per_token: Tensor, gates: Tensor) -> dict[str, Tensor]:
+def experts_choice_stats(
+    router_probs: Tensor, experts_per_token: Tensor, gates: Tensor, mask: Tensor | None = None
+) -> dict[str, Tensor]:
     """Statistics of experts-choice routing.
 
     Args:
         router_probs: ``[N, E]``; experts_per_token: ``[N]`` how many experts picked each token;
-        gates: ``[E, C]`` gate values of the picked tokens.
+        gates: ``[E, C]`` gate values of the picked tokens (0 in a slot left empty); mask: ``[N]`` the real tokens.
     """
     num_experts = router_probs.shape[-1]
     return {
         "expert_load": torch.full((num_experts,), 1.0 / num_experts, device=router_probs.device),
         "load_cv": router_probs.new_zeros(()),
         "unused_experts": router_probs.new_zeros(()),
-        "dropped_fraction": (experts_per_token == 0).float().mean(),
-        "mean_experts_per_token": experts_per_token.float().mean(),
-        "router_entropy": entropy(router_probs.float()).mean(),
+        "dropped_fraction": masked_mean((experts_per_token == 0).float(), mask),
+        "mean_experts_per_token": masked_mean(experts_per_token.float(), mask),
+        "router_entropy": masked_mean(entropy(router_probs.float()), mask),
         "mean_top_gate": gates.float().max(dim=-1).values.mean(),
     }
 
 
 @torch.no_grad()
 def strictly_balanced_stats(
-    router_probs: Tensor, mask: Tensor, counts: Tensor, thresholds: Tensor | None
+    router_probs: Tensor, mask: Tensor, counts: Tensor, thresholds: Tensor | None, token_mask: Tensor | None = None
 ) -> dict[str, Tensor]:
     """Statistics of strictly balanced gating (:class:`~moekit.moe.StrictlyBalancedMoE`).
 
@@ -77,7 +85,7 @@ def strictly_balanced_stats(
         router_probs: ``[N, E]`` gate scores; mask: ``[N, E]`` bool, the (batchwise or threshold) mask used;
         counts: ``[E]`` tokens each expert processed; thresholds: ``[E]`` in training (then
         ``threshold_agreement`` is the fraction of ``(token, expert)`` entries where the threshold mask equals
-        the batchwise one), None at inference.
+        the batchwise one), None at inference; token_mask: ``[N]`` the real tokens (None: all).
     """
     per_token = mask.sum(dim=-1)
     kept_probs = router_probs * mask
@@ -85,13 +93,16 @@ def strictly_balanced_stats(
         "expert_load": counts.float() / counts.sum().clamp_min(1).float(),
         "load_cv": _cv(counts.float()),
         "unused_experts": (counts == 0).float().mean(),
-        "dropped_fraction": (per_token == 0).float().mean(),
-        "mean_experts_per_token": per_token.float().mean(),
-        "router_entropy": entropy(router_probs.float()).mean(),
-        "mean_top_gate": (kept_probs.max(dim=-1).values / kept_probs.sum(dim=-1).clamp_min(1e-30)).mean(),
+        "dropped_fraction": masked_mean((per_token == 0).float(), token_mask),
+        "mean_experts_per_token": masked_mean(per_token.float(), token_mask),
+        "router_entropy": masked_mean(entropy(router_probs.float()), token_mask),
+        "mean_top_gate": masked_mean(
+            kept_probs.max(dim=-1).values / kept_probs.sum(dim=-1).clamp_min(1e-30), token_mask
+        ),
     }
     if thresholds is not None:
-        stats["threshold_agreement"] = ((router_probs > thresholds) == mask).float().mean()
+        agree = ((router_probs > thresholds) == mask).float().mean(dim=-1)
+        stats["threshold_agreement"] = masked_mean(agree, token_mask)
     return stats
 
 
@@ -137,15 +148,16 @@ def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_ma
 
 
 @torch.no_grad()
-def dense_mixture_stats(gates: Tensor) -> dict[str, Tensor]:
-    """Statistics of a dense mixture: ``gates [N, E]`` softmax weights of every expert."""
-    load = gates.float().mean(dim=0)
+def dense_mixture_stats(gates: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+    """Statistics of a dense mixture: ``gates [N, E]`` softmax weights of every expert; ``mask [N]`` the real
+    tokens."""
+    load = masked_mean(gates.float(), mask)
     return {
         "expert_load": load,
         "load_cv": _cv(load),
         "dropped_fraction": gates.new_zeros((), dtype=torch.float32),
-        "router_entropy": entropy(gates.float()).mean(),
-        "mean_top_gate": gates.float().max(dim=-1).values.mean(),
+        "router_entropy": masked_mean(entropy(gates.float()), mask),
+        "mean_top_gate": masked_mean(gates.float().max(dim=-1).values, mask),
     }
 
 

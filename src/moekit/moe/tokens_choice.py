@@ -11,7 +11,10 @@ subclass names its router:
 * :class:`HierarchicalMoE` - Shazeer's two-level gating.
 
 A token whose assignments are all dropped by capacity gets a zero output, so the block's residual
-connection passes it through unchanged.
+connection passes it through unchanged. Padding (``padding_mask`` False) gets no expert and a zero output, takes no
+capacity, and counts in no loss or statistic; capacity is then counted from the real tokens (of the batch, or of
+each position), except in the ``"group"`` scope, whose capacity comes from ``group_size`` so that it never depends
+on later tokens.
 
 Shapes: ``B`` batch, ``T`` tokens per sequence, ``N = B * T`` tokens, ``D`` width, ``K`` experts per token,
 ``E`` experts, ``O`` output width.
@@ -68,10 +71,11 @@ class TokensChoiceMoE(MoELayer):
     ``Config``, :class:`~moekit.moe.experts.ExpertsConfig`, and, where it takes them,
     :class:`~moekit.moe.capacity.Capacity` and :class:`SharedExperts`; their fields are its settings.
 
-    ``forward(x, token_ids=None, start=0, state=None)``: ``x: [batch, tokens, in_features]``; ``token_ids:
-    [batch, tokens]`` are read by routers that route by id (:class:`HashMoE`). With ``capacity_scope="group"`` the
-    tokens sit at positions ``start ..`` of their sequences and ``state`` (:meth:`init_state`) carries the current
-    group's counts across the calls of a cached decode (without it, a call is a whole sequence from position 0).
+    ``forward(x, token_ids=None, start=0, state=None, padding_mask=None)``: ``x: [batch, tokens, in_features]``;
+    ``token_ids: [batch, tokens]`` are read by routers that route by id (:class:`HashMoE`). With
+    ``capacity_scope="group"`` the tokens sit at positions ``start ..`` of their sequences and ``state``
+    (:meth:`init_state`) carries the current group's counts across the calls of a cached decode (without it, a call
+    is a whole sequence from position 0). ``padding_mask: [batch, tokens]`` bool, True for real tokens.
     """
 
     Router: ClassVar[type[Router]]
@@ -146,33 +150,52 @@ class TokensChoiceMoE(MoELayer):
         shared = self.shared_experts.hidden_features / self.experts.hidden_features if self.shared_experts else 0.0
         return routed + shared
 
-    def expert_capacity(self, num_tokens: int) -> int | None:
-        """Assignments each expert may take from ``num_tokens`` competing tokens (None: dropless)."""
+    def expert_capacity(self, num_tokens: int | Tensor) -> int | Tensor | None:
+        """Assignments each expert may take from ``num_tokens`` competing tokens (None: dropless; a tensor for a
+        count on device)."""
         factor = self.capacity.factor(self.training)
         return None if factor is None else tokens_choice_capacity(num_tokens, self.top_k, self.num_experts, factor)
 
     def plan(
-        self, routing: Routing, batch: int, tokens: int, start: int = 0, state: GroupCounts | None = None
+        self,
+        routing: Routing,
+        batch: int,
+        tokens: int,
+        start: int = 0,
+        state: GroupCounts | None = None,
+        mask_N: Tensor | None = None,
     ) -> DispatchPlan:
         """Apply capacity (and Batch Prioritized Routing) to the routing of ``batch * tokens`` tokens
-        (flattened batch-major) at positions ``start ..`` of their sequences."""
+        (flattened batch-major) at positions ``start ..`` of their sequences; ``mask_N`` marks the real ones."""
         priority = routing.priority if self.capacity.batch_priority else None
-        if self.capacity.capacity_scope == "batch":
-            return plan_dispatch(routing.expert_ids, self.num_experts, self.expert_capacity(batch * tokens), priority)
-        if self.capacity.capacity_scope == "group":
-            return self._plan_groups(routing.expert_ids, priority, batch, tokens, start, state)
-        positions = torch.arange(tokens, device=routing.expert_ids.device).repeat(batch)
+        scope, expert_ids_NK = self.capacity.capacity_scope, routing.expert_ids
+        if scope == "group":
+            return self._plan_groups(expert_ids_NK, priority, batch, tokens, start, state, mask_N)
+        if scope == "batch":
+            competing = batch * tokens if mask_N is None else mask_N.sum()
+            capacity = self.expert_capacity(competing)
+            return plan_dispatch(expert_ids_NK, self.num_experts, capacity, priority, valid=mask_N)
+        positions = torch.arange(tokens, device=expert_ids_NK.device).repeat(batch)
+        competing = batch if mask_N is None else mask_N.view(batch, tokens).sum(dim=0)  # [T] real tokens
         return plan_dispatch(
-            routing.expert_ids,
+            expert_ids_NK,
             self.num_experts,
-            self.expert_capacity(batch),
+            self.expert_capacity(competing),
             priority,
             group_ids=positions,
             num_groups=tokens,
+            valid=mask_N,
         )
 
     def _plan_groups(
-        self, expert_ids_NK: Tensor, priority: Tensor | None, batch: int, tokens: int, start: int, state
+        self,
+        expert_ids_NK: Tensor,
+        priority: Tensor | None,
+        batch: int,
+        tokens: int,
+        start: int,
+        state,
+        mask_N: Tensor | None,
     ) -> DispatchPlan:
         """Capacity per group of ``group_size`` consecutive positions of each sequence, in token order."""
         if state is None and start != 0:
@@ -200,34 +223,44 @@ class TokensChoiceMoE(MoELayer):
             batch * groups,
             token_major=True,
             earlier_counts=earlier,
+            valid=mask_N,
         )
         if state is not None:  # the counts of each sequence's last group, for the next call
-            queue = (group_ids_N.unsqueeze(1) * num_experts + expert_ids_NK).reshape(-1)
-            counts = count_ids(queue, batch * groups * num_experts).view(batch, groups, num_experts)
+            queue_NK = group_ids_N.unsqueeze(1) * num_experts + expert_ids_NK
+            size = batch * groups * num_experts
+            if mask_N is not None:
+                queue_NK = torch.where(mask_N.unsqueeze(1), queue_NK, size)
+            counts = count_ids(queue_NK, size + 1)[:size].view(batch, groups, num_experts)
             state.counts_BE = counts[:, -1] + (earlier[:, -1] if earlier is not None and groups == 1 else 0)
         return plan
 
     def forward(
-        self, x: Tensor, token_ids: Tensor | None = None, start: int = 0, state: GroupCounts | None = None
+        self,
+        x: Tensor,
+        token_ids: Tensor | None = None,
+        start: int = 0,
+        state: GroupCounts | None = None,
+        padding_mask: Tensor | None = None,
     ) -> Tensor:
         """``x: [batch, tokens, in_features]`` -> ``[batch, tokens, out_features]``."""
         self._check_input(x)
         B, T, D = x.shape
+        mask_N = self._token_mask(padding_mask, B, T)
         x_ND = x.reshape(B * T, D)
-        routing = self.router(x_ND, token_ids.reshape(-1) if token_ids is not None else None)
+        routing = self.router(x_ND, token_ids.reshape(-1) if token_ids is not None else None, mask_N)
 
-        plan = self.plan(routing, B, T, start, state)
+        plan = self.plan(routing, B, T, start, state, mask_N)
         expert_out = self.experts(dispatch(x_ND, plan), plan.counts)  # [N * K, O], sorted by expert
         out_NO = combine(expert_out, plan, routing.gates)
         if self.shared_experts is not None:
             shared_NO = self.shared_experts(x_ND, x_ND.shape[0])
             if self.shared_expert_gate is not None:
                 shared_NO = torch.sigmoid(self.shared_expert_gate(x_ND)) * shared_NO
-            out_NO = out_NO + shared_NO
+            out_NO = out_NO + (shared_NO if mask_N is None else shared_NO * mask_N.unsqueeze(1))
 
         self._record(
             routing.aux_losses,
-            lambda: self._stats_of(routing, plan),
+            lambda: self._stats_of(routing, plan, mask_N),
             B * T,
             routing.logit_checksum,
             lambda: torch.zeros(B * T, self.num_experts, device=x.device).scatter_add_(
@@ -236,12 +269,12 @@ class TokensChoiceMoE(MoELayer):
         )
         return out_NO.view(B, T, -1)
 
-    def _stats_of(self, routing: Routing, plan: DispatchPlan) -> dict[str, Tensor]:
+    def _stats_of(self, routing: Routing, plan: DispatchPlan, mask_N: Tensor | None) -> dict[str, Tensor]:
         probs = routing.probs
         if probs is None:  # hash routing: the distribution is the one-hot choice
             probs = torch.zeros(routing.expert_ids.shape[0], self.num_experts, device=routing.expert_ids.device)
             probs.scatter_(1, routing.expert_ids, 1.0)
-        return tokens_choice_stats(probs.detach(), plan.counts, routing.gates.detach(), plan.keep)
+        return tokens_choice_stats(probs.detach(), plan.counts, routing.gates.detach(), plan.keep, mask_N)
 
     def balancing_step(self) -> None:
         self.router.balancing_step()

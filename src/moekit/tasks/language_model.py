@@ -1,10 +1,11 @@
 """Causal language modelling with MoE (or dense) LMs as a LightningModule.
 
 Loss = next-token cross-entropy (nats per token, averaged over all target tokens) + the weighted
-auxiliary losses of the MoE layers. Metrics, per split: ``ce``, perplexity ``ppl = exp(ce)`` and
-bits per byte ``bpb = ce / ln 2 / bytes_per_token`` (the data module's UTF-8 bytes per token of
-that split, so byte-level and BPE models compare). Evaluation figures are token-weighted means over
-the whole split (torchmetrics, reduced over ranks), taken before the exponential.
+auxiliary losses of the MoE layers. A batch ``(inputs, targets, padding_mask)`` (the text data with ``pack=False``)
+passes the mask to the network, and its padding targets (:data:`~moekit.data.text.PAD_TARGET`) count nowhere.
+Metrics, per split: ``ce``, perplexity ``ppl = exp(ce)`` and bits per byte ``bpb = ce / ln 2 / bytes_per_token``
+(the data module's UTF-8 bytes per token of that split, so byte-level and BPE models compare). Evaluation figures
+are token-weighted means over the whole split (torchmetrics, reduced over ranks), taken before the exponential.
 
 The network config must build a causal LM (:class:`~moekit.models.TransformerLM`,
 :class:`~moekit.models.LSTMMoELM`): ``net(input_ids [batch, tokens]) -> logits [batch, tokens, vocab]``.
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from moekit.checkpoint import load_weights, read_state_dict
+from moekit.data.text import PAD_TARGET
 from moekit.models import fit_hash_routing, upcycle
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HF_PREFIX
@@ -138,19 +140,22 @@ class LanguageModel(MoETask):
                         name,
                     )
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """``input_ids: [batch, tokens]`` -> logits ``[batch, tokens, vocab_size]``."""
-        return self.net(input_ids)
+    def forward(self, input_ids: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``input_ids: [batch, tokens]`` -> logits ``[batch, tokens, vocab_size]``; ``padding_mask: [batch, tokens]``
+        bool, True for real tokens."""
+        return self.net(input_ids) if padding_mask is None else self.net(input_ids, padding_mask=padding_mask)
 
     def _shared_step(self, batch, split: str) -> Tensor:
-        input_ids, targets = batch
-        logits = self(input_ids)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        input_ids, targets, *rest = batch
+        padding_mask = rest[0] if rest else None
+        logits = self(input_ids, padding_mask)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD_TARGET)
         loss = self.add_aux_losses(split, ce, batch_size=targets.numel())
         if split == "train":
             self.log("train/ppl", ce.detach().exp(), on_step=True, on_epoch=False, prog_bar=True)
         else:
-            self.eval_ce[split].update(ce.detach(), weight=targets.numel())
+            real_targets = targets.numel() if padding_mask is None else padding_mask.sum()
+            self.eval_ce[split].update(ce.detach(), weight=real_targets)
         return loss
 
     def _log_eval_metrics(self, split: str) -> None:
