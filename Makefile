@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test test-fast lint train demo bench bench-models clean
+.PHONY: install test test-fast lint train demo bench bench-models gpu-bundle gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,19 @@ data:
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist \
 		|| { $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist; }; \
 	fi
+
+# The GPU check, on a CUDA machine without network (docs/performance.md#gpu). `make gpu-bundle` here, with network:
+# Fashion-MNIST into data/fashion-mnist/ and wheels of the pure-Python packages a CUDA image with PyTorch, timm and
+# Lightning lacks into .whl/ (both ignored by git: carry them); then `make gpu-check` there, with the image's python3.
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+gpu-bundle: install data
+	mkdir -p data/fashion-mnist .whl
+	cp -u $(FASHION_MNIST_DIR)/*-ubyte.gz data/fashion-mnist/
+	$(PIP) wheel -q --no-deps -w .whl $(GPU_WHEELS)
+	@du -sh data/fashion-mnist .whl
+
+gpu-check:
+	bash scripts/gpu_check.sh
 
 # tcmalloc, which every script restarts itself with (moekit.utils.allocator; MOEKIT_ALLOCATOR=system opts out): large
 # expert gradients page-fault on every step under glibc's malloc. Best effort: without apt the scripts use the system's.

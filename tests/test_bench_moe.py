@@ -83,15 +83,25 @@ def test_quick_run_prints_tables_with_the_baseline_at_one(capsys):
     out = capsys.readouterr().out
     assert out.startswith("# moekit layer benchmark: torch ")
     assert "fp32, forward + backward, batch x1" in out
+    assert re.search(r"matmul peak \d+\.\d GFLOP/s \(4096\^3 float32 matmul\)", out)
     tables = _rows(out)
     layers = next(rows for title, rows in tables.items() if title.startswith("Every recipe as shipped"))
-    assert layers[0][0] == "dense Mlp" and layers[0][2] == "1.00x"
+    assert layers[0][0] == "dense Mlp" and layers[0][4] == "1.00x"
     assert [row[0].split(" (")[0] for row in layers[1:]] == list_recipes()  # every recipe, none skipped
     assert "soft_moe (128 experts, compute 0.65x)" in [row[0] for row in layers]  # its stated compute
-    assert all(float(row[1]) > 0 for row in layers)
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("%") for row in layers)
     scaling = next(rows for title, rows in tables.items() if title.startswith("Scaling experts"))
     assert [row[0] for row in scaling] == ["4", "8", "16"]
     assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for row in scaling for cell in row[2:])
+
+
+def test_a_layers_flops_are_its_forward_and_backward_matmuls():
+    """An Mlp 8 -> 16 -> 8 on 10 rows: each linear costs 2 * rows * in * out in the forward and twice that in the
+    backward (the input's gradient and the weight's)."""
+    flops = bench.count_flops(
+        bench.Candidate("mlp", Mlp(8, 16)), torch.randn(10, 8, requires_grad=True), bench.Backend()
+    )
+    assert flops == 3 * 2 * 10 * (8 * 16 + 16 * 8)
 
 
 def test_bad_options_are_refused():

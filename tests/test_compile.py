@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
 
 from moekit.models import TransformerLM, create_model
 from moekit.moe import build_moe_layer
@@ -54,3 +55,26 @@ def test_a_compiled_dropless_layer_gives_the_eager_outputs_and_gradients():
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("scope", ["batch", "position", "group"])
+def test_a_new_capacity_factor_does_not_recompile_and_drops_as_in_eager(scope):
+    """The capacity tuner sets factors on the layer; a compiled forward reads them as data (no guard on their value)."""
+    torch.manual_seed(0)
+    spec = {"recipe": "top2", "num_experts": 8, "capacity_scope": scope}
+    if scope == "group":
+        spec["group_size"] = 8
+    layer = build_moe_layer(spec, in_features=32, hidden_features=64)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 16, 32)  # capacities 5, 2, 4, 8 per position of 16 tokens
+    dynamo.reset()
+    counters.clear()
+    dropped = []
+    for factor in (1.25, 0.5, 1.0, 2.0):
+        layer.capacity_factor = factor
+        out = compiled(x)
+        dropped.append(float(layer.stats["dropped_fraction"]))
+        torch.testing.assert_close(out, layer(x))
+        assert float(layer.stats["dropped_fraction"]) == dropped[-1]
+    assert dropped[1] > dropped[2] > dropped[3], dropped  # the factors took effect
+    assert counters["stats"]["unique_graphs"] == 1, "a new capacity factor recompiled the layer"

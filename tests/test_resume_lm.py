@@ -21,7 +21,7 @@ import torch
 
 from conftest import compose_config
 from moekit.commands.train import train
-from moekit.data.text import load_corpus
+from moekit.data import load_corpus
 from moekit.data.tokenizers import DOCUMENT_SEPARATOR
 from moekit.loggers import ResumableCSVLogger
 from resume_helpers import (

@@ -2,7 +2,11 @@
 
 A benchmark, not a test: it prints tables of times and of ratios measured in the same run. The
 candidates of a table are timed in interleaved rounds (each candidate once per round, the median over
-rounds), so a slow phase of the machine hits all of them alike.
+rounds), so a slow phase of the machine hits all of them alike. Beside each time: the achieved GFLOP/s and its
+share of the machine's matmul peak, measured at start-up (one large square matmul in the tables' precision: the
+physical limit of a layer made of matmuls). A layer's FLOPs are those of its forward + backward as
+``torch.utils.flop_counter`` counts them on moekit's implementation; a reference implementation of the same layer
+is credited with the same FLOPs, so its GFLOP/s compare as speeds of one computation.
 
     python scripts/bench_moe.py                  # every table (about 15 minutes on a 2-core CPU)
     python scripts/bench_moe.py --tables soft topk recipes --rounds 5
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from timm.layers import Mlp, SwiGLU
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
@@ -100,13 +105,50 @@ def time_candidates(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def print_table(title: str, rows: list[tuple[str, float]], baseline: str) -> None:
+def matmul_peak(backend: Backend) -> tuple[float, str]:
+    """``(FLOP/s, description)`` of one large square matmul in the backend's precision, best of 3 after a warm-up."""
+    n = 8192 if backend.device.type == "cuda" else 4096
+    dtype = backend.autocast or torch.float32
+    a = torch.randn(n, n, device=backend.device, dtype=dtype)
+    b = torch.randn(n, n, device=backend.device, dtype=dtype)
+    best = float("inf")
+    for _ in range(4):
+        backend.sync()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        backend.sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best, f"{n}^3 {str(dtype).removeprefix('torch.')} matmul"
+
+
+def count_flops(candidate: Candidate, x: torch.Tensor, backend: Backend) -> int:
+    """The forward + backward FLOPs of one step of ``candidate`` (``torch.utils.flop_counter``)."""
+    with FlopCounterMode(display=False) as counter:
+        with backend.precision():
+            y = candidate.forward(candidate.module, x)
+        y.backward(torch.ones_like(y))
+    for p in candidate.module.parameters():
+        p.grad = None
+    x.grad = None
+    return counter.get_total_flops()
+
+
+def table_flops(cands: list[Candidate], x: torch.Tensor, backend: Backend, same_as: dict[str, str]) -> dict[str, int]:
+    """FLOPs of each candidate; those named in ``same_as`` (reference implementations) get the count of the
+    candidate it maps them to."""
+    flops = {c.name: count_flops(c, x, backend) for c in cands if c.name not in same_as}
+    flops.update({name: flops[source] for name, source in same_as.items()})
+    return flops
+
+
+def print_table(title: str, rows: list[tuple[str, float]], baseline: str, flops: dict[str, int], peak: float) -> None:
     base = dict(rows)[baseline]
     print(f"\n### {title}\n")
-    print(f"| layer | fwd+bwd ms | vs {baseline} |")
-    print("|---|---:|---:|")
+    print(f"| layer | fwd+bwd ms | GFLOP/s | of peak | vs {baseline} |")
+    print("|---|---:|---:|---:|---:|")
     for name, t in rows:
-        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |")
+        rate = flops[name] / t
+        print(f"| {name} | {t * 1e3:.1f} | {rate / 1e9:.1f} | {rate / peak:.0%} | {t / base:.2f}x |")
     sys.stdout.flush()
 
 
@@ -130,14 +172,18 @@ def table_soft(args) -> None:
             Candidate(f"dense Mlp (same expert FLOPs, h={round(hidden * slots / tokens)})", dense_same_flops),
             Candidate("moekit SoftMoE", ours),
         ]
+        ref = None
         if LucidSoftMoE is not None:
             ref = LucidSoftMoE(dim, num_experts=experts, num_slots=per, expert_mult=hidden // dim)
             cands.append(Candidate("soft-moe-pytorch SoftMoE", ref))
         t = time_candidates(cands, x, args.rounds, args.backend)
+        flops = table_flops(cands, x, args.backend, {"soft-moe-pytorch SoftMoE": "moekit SoftMoE"} if ref else {})
         print_table(
             f"Soft MoE, {experts} experts x {per} slots, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
             [(c.name, t[c.name]) for c in cands if c.name in t],
             "moekit SoftMoE",
+            flops,
+            args.peak,
         )
         if "soft-moe-pytorch SoftMoE" in t:
             print(f"\nsoft-moe-pytorch / moekit: {t['soft-moe-pytorch SoftMoE'] / t['moekit SoftMoE']:.2f}x")
@@ -213,10 +259,13 @@ def table_topk(args) -> None:
         t = time_candidates(cands, x, args.rounds, args.backend)
         dense = cands[0].name
         cands = [c for c in cands if c.name in t]
+        same = {c.name: "moekit TopKMoE" for c in cands if c.name.startswith("Mixtral")}
         print_table(
             f"Tokens-choice top-2, {experts} SwiGLU experts of hidden {hidden}, {tokens} tokens, d={dim} (dropless)",
             [(c.name, t[c.name]) for c in cands],
             dense,
+            table_flops(cands, x, args.backend, same),
+            args.peak,
         )
         mixtral = [t[c.name] for c in cands if c.name.startswith("Mixtral")]
         if mixtral:
@@ -246,6 +295,8 @@ def table_recipes(args) -> None:
         f"Every recipe as shipped, batch {batch} x {tokens} tokens, d={dim}, mlp {hidden}",
         [(c.name, t[c.name]) for c in cands],
         "dense Mlp",
+        table_flops(cands, x, args.backend, {}),
+        args.peak,
     )
 
 
@@ -306,10 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     args.backend = Backend(torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else None)
     machine = machine_info()
     where = f"GPU {machine['gpu']}" if args.device == "cuda" else f"{machine['cpu']} x{machine['cpu_cores']}"
+    args.peak, peak_what = matmul_peak(args.backend)
     print(
         f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{where}, {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, forward + backward, "
-        f"batch x{args.batch_scale}, allocator: {active_allocator()}"
+        f"batch x{args.batch_scale}, allocator: {active_allocator()}; matmul peak {args.peak / 1e9:.1f} GFLOP/s "
+        f"({peak_what})"
     )
     for name in args.tables:
         TABLES[name](args)

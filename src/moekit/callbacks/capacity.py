@@ -40,7 +40,8 @@ windows are averaged over ranks at every update and rank 0's copy is saved).
 
 The tuned factors live in the layers' attributes, not in their state dict: a checkpoint evaluated
 without the callback (``scripts/eval.py``) uses the model config's ``eval_capacity_factor``. Under
-``torch.compile`` each new factor is a new constant, so the MoE layers recompile when it changes.
+``torch.compile`` a tokens-choice layer reads its factors from a buffer, as data, so a new factor does not
+recompile it; an experts-choice layer's factor sets the shape of its top-C choice, and it recompiles.
 """
 
 from __future__ import annotations

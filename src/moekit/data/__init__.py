@@ -6,6 +6,7 @@ is the one for language modelling (``configs/data/pydoc_text.yaml`` ...); its lo
 ``(inputs [B, seq_len] int64, targets [B, seq_len] int64)``, targets = inputs shifted by one token.
 """
 
+from .corpora import load_corpus
 from .datamodule import AUGMENTATIONS, DATASETS, DatasetSpec, ImageClassificationDataModule
 from .fashion_mnist import (
     FASHION_MNIST_CLASSES,
@@ -16,7 +17,7 @@ from .fashion_mnist import (
     write_fake_fashion_mnist,
 )
 from .in_memory import ImageArrays
-from .text import PAD_TARGET, DocumentWindows, TextDataModule, TokenWindows, load_corpus
+from .text import PAD_TARGET, DocumentWindows, TextDataModule, TokenWindows
 from .tokenizers import (
     ByteTokenizer,
     FileTokenizer,

@@ -86,6 +86,10 @@ class TokensChoiceMoE(MoELayer):
         self.num_experts = self.router.num_experts
         self.top_k = self.router.top_k
         self.capacity = options.get(Capacity, Capacity())
+        # The factors again, as integers in units of 1e-9, in a buffer: a compiled forward reads them as data, so the
+        # capacity tuner's changes do not recompile it (dynamo guards on a Python float's value).
+        self.register_buffer("capacity_factors_e9", torch.zeros(2, dtype=torch.long, device=device), persistent=False)
+        self._sync_factors()
         self.experts = experts.build(mlp, num_experts=self.num_experts, device=device, dtype=dtype)
         shared = options.get(SharedExperts, SharedExperts())
         self.shared_experts = (
@@ -111,6 +115,7 @@ class TokensChoiceMoE(MoELayer):
     @capacity_factor.setter
     def capacity_factor(self, value: float | None) -> None:
         self.capacity.capacity_factor = value
+        self._sync_factors()
 
     @property
     def eval_capacity_factor(self) -> float | None:
@@ -119,6 +124,22 @@ class TokensChoiceMoE(MoELayer):
     @eval_capacity_factor.setter
     def eval_capacity_factor(self, value: float | None) -> None:
         self.capacity.eval_capacity_factor = value
+        self._sync_factors()
+
+    def _sync_factors(self) -> None:
+        factors = (self.capacity.capacity_factor, self.capacity.eval_capacity_factor)
+        self._dropless = tuple(factor is None for factor in factors)  # (training, eval): structural, guarded on
+        with torch.no_grad():
+            self.capacity_factors_e9.copy_(torch.tensor([round((factor or 0) * 1e9) for factor in factors]))
+
+    def _factor(self) -> float | Tensor | None:
+        """The capacity factor of the current mode: a float, or under ``torch.compile`` a float64 device scalar read
+        from :attr:`capacity_factors_e9` (the same value: ``n / 1e9`` is the float nearest to the factor)."""
+        if self._dropless[0 if self.training else 1]:
+            return None
+        if torch.compiler.is_compiling():
+            return self.capacity_factors_e9[0 if self.training else 1].double() / 1e9
+        return self.capacity.factor(self.training)
 
     @property
     def causal_safe(self) -> bool:
@@ -153,7 +174,7 @@ class TokensChoiceMoE(MoELayer):
     def expert_capacity(self, num_tokens: int | Tensor) -> int | Tensor | None:
         """Assignments each expert may take from ``num_tokens`` competing tokens (None: dropless; a tensor for a
         count on device)."""
-        factor = self.capacity.factor(self.training)
+        factor = self._factor()
         return None if factor is None else tokens_choice_capacity(num_tokens, self.top_k, self.num_experts, factor)
 
     def plan(
@@ -203,7 +224,7 @@ class TokensChoiceMoE(MoELayer):
                 f"{type(self).__name__}: start={start} without a state; a call without one is a whole sequence"
             )
         size = self.capacity.group_size or tokens
-        factor = self.capacity.factor(self.training)
+        factor = self._factor()
         first = start // size
         groups = (start + tokens - 1) // size - first + 1  # the groups of each sequence this call touches
         local_T = torch.arange(start, start + tokens, device=expert_ids_NK.device) // size - first

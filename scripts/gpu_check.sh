@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU check (`make gpu-check`), for a CUDA machine without network: the GPU test tier, then the layer and model
+# benchmarks on the GPU, all written to one markdown report (default docs/gpu_report.md; GPU_REPORT=<path>).
+# It runs the machine's own python3 and PyTorch; what that image lacks comes from `make gpu-bundle`, made beforehand
+# on a machine with network: wheels in .whl/ (installed to a private folder) and Fashion-MNIST in data/fashion-mnist/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/moekit-site .whl/*.whl
+    export PYTHONPATH=/tmp/moekit-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+"$PY" - <<'PYEOF'
+try:
+    import torch
+except ImportError:
+    raise SystemExit("make gpu-check runs python3 with its own PyTorch, and this one has none; PYTHON=<a python "
+                     "with torch> make gpu-check") from None
+if not torch.cuda.is_available():
+    raise SystemExit("make gpu-check needs a CUDA device (torch.cuda.is_available() is False); on a CPU run make test")
+PYEOF
+report=${GPU_REPORT:-docs/gpu_report.md}
+mkdir -p "$(dirname "$report")"
+(
+    status=0
+    echo "# GPU check"
+    echo
+    echo "\`make gpu-check\` on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'), torch" \
+        "$("$PY" -c 'import torch; print(torch.__version__)'), $(date -u +%Y-%m-%d)."
+    echo
+    echo "## Test tier (tests/test_gpu.py)"
+    echo
+    echo '```'
+    "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -n 40 || status=1
+    echo '```'
+    echo
+    echo "## Layers: bf16 autocast, forward + backward, batches x8"
+    echo
+    "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 2>&1 || status=1
+    echo
+    echo "## Models: one bf16 training step against the dense twin"
+    echo
+    "$PY" scripts/bench_models.py --device cuda 2>&1 || status=1
+    exit $status
+) | tee "$report"
+status=${PIPESTATUS[0]}
+echo "wrote $report"
+exit "$status"

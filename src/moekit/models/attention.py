@@ -1,0 +1,90 @@
+"""Multi-head causal self-attention with grouped-query heads, rotary positions, a key/value cache and the key masks
+of Mixture-of-Depths blocks and padding: the attention of :class:`~moekit.models.TransformerLM`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .rotary import RotaryEmbedding
+
+__all__ = ["CausalSelfAttention"]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``; with ``num_kv_heads`` below
+    ``num_heads``, grouped-query attention (each key/value head serves ``num_heads / num_kv_heads`` query heads).
+
+    ``forward(x: [batch, tokens, dim], start, kv_cache, positions, key_mask)`` -> ``[batch, tokens, dim]``.
+    The tokens sit at positions ``start ..``; with ``kv_cache = (keys, values)`` buffers of
+    ``[batch, kv_heads, max_seq_len, head_dim]`` their keys and values are written at those positions
+    and the queries attend to everything stored up to themselves. For a Mixture-of-Depths block,
+    ``positions: [batch, tokens]`` are the chosen tokens' positions (for RoPE; they attend causally among
+    themselves), and ``key_mask: [batch, keys]`` bool the keys a query may see besides itself (the tokens
+    the block processed, or the real tokens of a padded batch).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool,
+        qkv_bias: bool | None = None,
+        dropout: float,
+        rope: RotaryEmbedding | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = dim // num_heads
+        self.dropout = dropout
+        # q, k, v stacked: [heads + 2 * kv_heads] x head_dim outputs
+        qkv_width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv = nn.Linear(dim, qkv_width, bias=bias if qkv_bias is None else qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.proj_drop = nn.Dropout(dropout)
+        self.rope = rope
+
+    def forward(
+        self,
+        x: Tensor,
+        start: int = 0,
+        kv_cache: tuple[Tensor, Tensor] | None = None,
+        positions: Tensor | None = None,
+        key_mask: Tensor | None = None,
+    ) -> Tensor:
+        batch, tokens, dim = x.shape
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((q_width, kv_width, kv_width), dim=-1)
+        q = q.view(batch, tokens, self.num_heads, self.head_dim).transpose(1, 2)  # [batch, heads, tokens, hd]
+        k = k.view(batch, tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [batch, kv_heads, tokens, hd]
+        v = v.view(batch, tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope is not None:
+            q, k = self.rope(q, start, positions), self.rope(k, start, positions)
+        dropout_p = self.dropout if self.training else 0.0
+        sdpa_kwargs = {"dropout_p": dropout_p, "enable_gqa": self.num_kv_heads != self.num_heads}
+        end = start + tokens
+        if kv_cache is not None:
+            key_buffer, value_buffer = kv_cache
+            key_buffer[:, :, start:end] = k
+            value_buffer[:, :, start:end] = v
+            k = key_buffer[:, :, :end].to(q.dtype)
+            v = value_buffer[:, :, :end].to(q.dtype)
+        if key_mask is not None:  # query i sees key j <= i if the block processed j, and itself
+            query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)  # [tokens, 1]
+            key_pos = torch.arange(end, device=x.device)  # [end]
+            mask = (key_pos <= query_pos) & (key_mask.unsqueeze(1) | (key_pos == query_pos))  # [batch, tokens, end]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), **sdpa_kwargs)
+        elif start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
+        else:  # cached: query i (position start + i) sees keys 0 .. start + i; one query sees all of them
+            mask = None
+            if tokens > 1:
+                query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)
+                mask = torch.arange(end, device=x.device).unsqueeze(0) <= query_pos
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
+        out = out.transpose(1, 2).reshape(batch, tokens, dim)
+        return self.proj_drop(self.proj(out))

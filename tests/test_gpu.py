@@ -1,0 +1,134 @@
+"""The GPU tier (``make gpu-check``): kernels, host synchronisation, one bf16 training step of every experiment,
+``torch.compile`` and data parallelism on a CUDA device. Skipped without one.
+
+``MOEKIT_GPU_CHECK_DEVICE=cpu`` runs the tier's device-independent tests on the CPU instead (a dry run of this
+file's code; the host-synchronisation test needs CUDA and stays skipped).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS, compose_config
+from moekit.commands.train import train
+from moekit.moe import build_moe_layer, collect_moe_outputs, grouped_linear
+from moekit.recipes import list_recipes
+
+DEVICE = os.environ.get("MOEKIT_GPU_CHECK_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA only")
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
+
+
+def _reference(x, weight, bias, counts):
+    """The per-expert loop (float64 CPU tensors in); rows past the last group are zeros."""
+    out = torch.zeros(x.shape[0], weight.shape[-1], dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(counts):
+        out[start : start + n] = x[start : start + n] @ weight[e] + (bias[e] if bias is not None else 0)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kernel", ["loop", "bmm", "grouped_mm"])
+def test_every_kernel_agrees_with_the_reference_on_ragged_and_empty_groups(kernel, dtype):
+    torch.manual_seed(0)
+    counts = [16] * 6 if kernel == "bmm" else [24, 0, 40, 8, 0, 56]  # ragged: empty experts and 8 tail rows
+    rows = sum(counts) + (0 if kernel == "bmm" else 8)
+    x = torch.randn(rows, 64, device=DEVICE, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(6, 64, 32, device=DEVICE) / 8).to(dtype).requires_grad_(True)
+    bias = torch.randn(6, 32, device=DEVICE, dtype=dtype, requires_grad=True)
+    sizes = 16 if kernel == "bmm" else torch.tensor(counts, device=DEVICE)
+    try:
+        out = grouped_linear(x, weight, bias, sizes, kernel)
+    except (RuntimeError, NotImplementedError) as err:  # torch._grouped_mm's dtypes differ per device
+        if kernel == "grouped_mm" and dtype == torch.float32:
+            pytest.skip(f"torch._grouped_mm on {DEVICE} in float32: {err}")
+        raise
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [t.detach().cpu().double().requires_grad_(True) for t in (x, weight, bias)]
+    want = _reference(*leaves, counts)
+    want.backward(grad.cpu().double())
+    torch.testing.assert_close(out.double().cpu(), want, **TOLERANCE[dtype])
+    for got, ref in zip((x.grad, weight.grad, bias.grad), leaves):
+        torch.testing.assert_close(got.double().cpu(), ref.grad, **TOLERANCE[dtype])
+
+
+def _layer_and_inputs(name: str):
+    torch.manual_seed(0)
+    settings = {"vocab_size": 64} if name == "hash" else {"num_tokens": 64} if name == "soft_moe" else {}
+    layer = build_moe_layer(name, in_features=128, hidden_features=256, model_settings=settings).to(DEVICE)
+    kwargs = {"token_ids": torch.randint(64, (8, 64), device=DEVICE)} if name == "hash" else {}
+    return layer.train(), torch.randn(8, 64, 128, device=DEVICE, requires_grad=True), kwargs
+
+
+def _step(layer, x, kwargs) -> None:
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = layer(x, **kwargs)
+        loss = out.float().square().mean() + collect_moe_outputs(layer).aux_loss
+    loss.backward()
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(set(list_recipes()) - {"base", "none"}))
+def test_no_host_synchronisation_in_a_layers_training_step(name):
+    """bf16 forward + backward of every recipe's layer with CUDA's sync debug mode set to raise (BASE's balanced
+    assignment is a host-side solve and synchronises by nature)."""
+    layer, x, kwargs = _layer_and_inputs(name)
+    _step(layer, x, kwargs)  # warm-up: lazy initialisation (strictly balanced thresholds) may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(layer, x, kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "switch", "soft_moe", "experts_choice"])
+def test_a_compiled_layer_gives_the_eager_outputs(name):
+    layer, x, kwargs = _layer_and_inputs(name)
+    layer.eval()
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        eager = layer(x, **kwargs).float()
+        compiled = torch.compile(layer, fullgraph=True)(x, **kwargs).float()
+    torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)
+
+
+def _fake_imagefolder(root: Path) -> Path:
+    """Two classes of four 32 x 32 PNGs each, for the ImageNet-style experiment."""
+    from PIL import Image
+
+    for label in ("a", "b"):
+        for split in ("train", "val"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(torch.randint(0, 255, (32, 32, 3), dtype=torch.uint8).numpy()).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_one_bf16_training_step_of_each_experiment(experiment, tmp_path):
+    overrides = [
+        f"experiment={experiment}",
+        "trainer.fast_dev_run=true",
+        f"trainer.accelerator={'gpu' if DEVICE == 'cuda' else 'cpu'}",
+        "trainer.devices=1",
+        f"trainer.precision={'bf16-mixed' if DEVICE == 'cuda' else 'auto'}",  # oneDNN's bf16 LSTM needs AMX
+    ]
+    if experiment == "soft_moe_vit_s16_imagenet":
+        root = _fake_imagefolder(tmp_path / "images")
+        overrides += [f"data.root={root}", "data.num_classes=2", "data.num_workers=0", "data.batch_size=4"]
+    metrics = train(compose_config("train", overrides, tmp_path))
+    assert torch.isfinite(torch.tensor(metrics["train/loss_step"])), metrics
