@@ -1,0 +1,87 @@
+"""The model benchmark's output (:mod:`moekit.analysis.bench_models`): its markdown tables and their JSON records."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import OmegaConf
+
+from moekit.utils.format import si
+
+if TYPE_CHECKING:
+    from moekit.analysis.bench_models import Candidate, StepTiming
+
+__all__ = ["describe", "print_table", "table_record"]
+
+
+def print_table(title: str, candidates: list[Candidate], times: dict[str, StepTiming], gpu: bool) -> None:
+    """A markdown table: sizes, FLOPs, the median step time (and its parameter update), throughput and
+    the ratio to the first candidate (the dense baseline) of the same run."""
+    base = times[candidates[0].name].seconds
+    unit = candidates[0].unit
+    header = (
+        f"| model | total params | active params / token | fwd FLOPs / {unit} | ms / step | update ms | {unit}s/s "
+        "| vs dense |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
+    if gpu:
+        header += " TFLOP/s |"
+        rule += "---:|"
+    print(f"\n### {title}\n\n{header}\n{rule}")
+    for c in candidates:
+        t = times[c.name].seconds
+        s = c.summary
+        cells = [
+            c.name,
+            si(None if s is None else s.total_params),
+            si(None if s is None else s.active_params_per_token),
+            si(c.flops_per_example),
+            f"{t * 1e3:.1f}",
+            f"{times[c.name].update_seconds * 1e3:.1f}",
+            f"{c.examples_per_step / t:,.0f}",
+            f"{t / base:.2f}x",
+        ]
+        if gpu:
+            flops = c.flops_per_example
+            cells.append("n/a" if flops is None else f"{3 * flops * c.examples_per_step / t / 1e12:.2f}")
+        print("| " + " | ".join(cells) + " |")
+    sys.stdout.flush()
+
+
+def table_record(title: str, candidates: list[Candidate], times: dict[str, StepTiming]) -> dict[str, Any]:
+    """A table as JSON: a row per model with its median step time, what it ran (the model's resolved
+    config, batch size, precision: :func:`moekit.analysis.records.step_time_key`) and its sizes."""
+    base = times[candidates[0].name].seconds
+    rows = []
+    for c in candidates:
+        s = c.summary
+        rows.append(
+            {
+                "name": c.name,
+                "overrides": c.overrides,
+                "model_config": OmegaConf.to_container(c.cfg.model, resolve=True),
+                "batch_size": int(c.batch[1].shape[0]),
+                "precision": c.precision,
+                "seconds_per_step": times[c.name].seconds,
+                "update_seconds": times[c.name].update_seconds,
+                "vs_dense": times[c.name].seconds / base,
+                "examples_per_step": c.examples_per_step,
+                "unit": c.unit,
+                "flops_per_example": c.flops_per_example,
+                "total_params": None if s is None else int(s.total_params),
+                "active_params_per_token": None if s is None else float(s.active_params_per_token),
+            }
+        )
+    return {"title": title, "rows": rows}
+
+
+def describe(c: Candidate) -> str:
+    images, targets = c.batch
+    if c.unit == "token":
+        shape = f"batch {targets.shape[0]} x {targets.shape[1]} tokens"
+    else:
+        shape = f"batch {images.shape[0]} images {'x'.join(map(str, images.shape[1:]))}"
+    optim = type(c.optimizer).__name__
+    clip = f", clip {c.clip_val:g}" if c.clip_val else ""
+    return f"{shape}, {c.precision}, {optim}{clip}"
