@@ -127,6 +127,7 @@ def plan_dispatch(
             decoding cache's), counted against the capacity first.
         valid: ``[N]`` bool, False for padding: its assignments are dropped and take no capacity.
     """
+    all_kept = capacity is None and keep is None and valid is None  # dropless, no padding: nothing sorts last
     if capacity is None:
         if keep is None:
             keep = torch.ones_like(expert_ids, dtype=torch.bool)
@@ -139,7 +140,7 @@ def plan_dispatch(
         keep = _keep_within_capacity(
             expert_ids, num_experts, capacity, priority, group_ids, num_groups, token_major, earlier, valid
         )
-    key = torch.where(keep, expert_ids, num_experts).reshape(-1)  # dropped ones sort last
+    key = expert_ids.reshape(-1) if all_kept else torch.where(keep, expert_ids, num_experts).reshape(-1)
     order = torch.sort(key, stable=True).indices
     counts = count_ids(key, num_experts + 1)[:num_experts]
     return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1])

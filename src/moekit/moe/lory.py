@@ -119,6 +119,7 @@ class LoryMoE(MoELayer):
         outputs, logits, routed, weights, done = [], [], [], [], 0
         while done < tokens:  # one step per segment the call touches (not per token)
             position = start + done
+            count = min(tokens - done, seg - position % seg)  # this call's tokens of the current segment
             if position % seg == 0 and position > 0:  # a segment begins: route it by the previous one
                 mean_BD = state.sum_BD / state.count_B.clamp_min(1.0).unsqueeze(1)
                 logits_BE = router_logits(mean_BD, self.router_weight)
@@ -126,9 +127,7 @@ class LoryMoE(MoELayer):
                 state.sum_BD = torch.zeros_like(state.sum_BD)
                 state.count_B = torch.zeros_like(state.count_B)
                 logits.append(logits_BE)
-                count = min(tokens - done, seg)
                 routed.append(None if real_BT1 is None else real_BT1[:, done : done + count, 0].any(dim=1))
-            count = min(tokens - done, seg - position % seg)
             chunk_BTD = x[:, done : done + count]
             outputs.append(self.experts.merged(chunk_BTD, state.weights_BE))
             weights.append(state.weights_BE.unsqueeze(1).expand(-1, count, -1))
