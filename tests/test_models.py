@@ -295,6 +295,44 @@ def dense_mlp_flops(tokens=N, dim=D, hidden=H):
     return 2 * tokens * dim * hidden * 2
 
 
+@pytest.mark.parametrize(
+    "channels, strides, widths",
+    [
+        (None, [2, 2], [1, 32, 64]),  # the default: doubling up to embed_dim // 2
+        ([16, 48, 48, 24], [2, 2, 1, 1], [1, 16, 48, 48, 24]),  # two stride-1 convolutions at the 7 x 7 grid
+    ],
+)
+def test_conv_stem_convolutions_follow_its_channels(channels, strides, widths):
+    model = timm.create_model("vit_tiny_patch4_28", stem="conv", stem_channels=channels)
+    convs = [m for m in model.patch_embed.proj if isinstance(m, nn.Conv2d)]
+    assert [c.stride[0] for c in convs[:-1]] == strides and all(c.kernel_size == (3, 3) for c in convs[:-1])
+    assert [c.in_channels for c in convs] == widths and convs[-1].kernel_size == (1, 1)
+    assert convs[-1].out_channels == 128
+    x = torch.randn(2, 1, 28, 28)
+    tokens = model.patch_embed(x)
+    assert tokens.shape == (2, 49, 128) and model.patch_embed.grid_size == (7, 7)
+    # The centre token (3, 3) sees pixel rows 4q-3 .. 4q+3 of the two stride-2 convolutions at q = 3, and
+    # each stride-1 convolution at the grid widens that by one token (4 px) on each side: rows 9-15, or 1-23.
+    x.requires_grad_(True)
+    model.patch_embed.eval()(x)[0, 3 * 7 + 3].sum().backward()
+    rows = x.grad[0, 0].abs().sum(1).nonzero().flatten().tolist()
+    extra = len(strides) - 2
+    assert rows == list(range(4 * (3 - extra) - 3, 4 * (3 + extra) + 4)), rows
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stem="conv", stem_channels=[32]), r"stem channels=\[32\]: patch_size 4 needs at least 2 positive"),
+        (dict(stem="conv", stem_channels=[32, 0]), r"stem channels=\[32, 0\]"),
+        (dict(stem="patch", stem_channels=[32, 64]), r"stem_channels=\[32, 64\] needs stem='conv'"),
+    ],
+)
+def test_conv_stem_errors_name_the_channels(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        timm.create_model("vit_tiny_patch4_28", **kwargs)
+
+
 def test_summary_of_the_dense_tiny_vit_matches_the_hand_count():
     model = timm.create_model("vit_tiny_patch4_28")
     summary = model_summary(model, (1, 28, 28))

@@ -1,6 +1,7 @@
 """The distributed strategies through the real training script on CPU processes (gloo): each trains
 a small MoE ViT and a small MoE LM; a checkpoint written by 2 processes resumes in 1 process and in 4
-and takes the same next optimizer step (weights, hence the loss, identical to float tolerance)."""
+and takes the same next optimizer step in both (weights, hence the loss, identical to float tolerance).
+Resuming in as many processes as saved is test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly's."""
 
 import shutil
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model
 
 # Resume across world sizes. The training set has 8 images and the global batch is 8 (4 x 2 ranks,
 # 8 x 1, 2 x 4): every step sees the same images whatever the world size, with no augmentation and
-# float32 and no batch norm, so the step after the checkpoint must give the same weights.
+# float32 and no batch norm, so the step after the checkpoint must give the same weights in 1 and 4 processes.
 def _resume_overrides(data_root: Path, world: int, steps: int) -> list[str]:
     return [
         *VIT,
@@ -102,7 +103,7 @@ def _state(ckpt: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_sharded", "fsdp_ep"])
 def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
     """ddp, fsdp_ep: experts split over all ranks; fsdp: a full checkpoint, resumed in 1 process without
-    FSDP; fsdp_sharded: a folder with one file per rank, resumed by FSDP on 1, 2 and 4 processes."""
+    FSDP; fsdp_sharded: a folder with one file per rank, resumed by FSDP on 1 and 4 processes."""
     data_root = write_fake_fashion_mnist(tmp_path / "fm", n_train=16, n_test=8)
     split_experts = {"expert_parallel_size": "${trainer.devices}"}
     options = split_experts if strategy in ("ddp", "fsdp_ep") else {}
@@ -117,7 +118,7 @@ def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
     assert saved.is_dir() == sharded
 
     finals = {}
-    for world in (1, 2, 4):
+    for world in (1, 4):
         out = tmp_path / f"resume{world}"
         overrides = _resume_overrides(data_root, world, 3)
         placement = _distributed(world, strategy, **options)
@@ -127,15 +128,14 @@ def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
         finals[world] = _state(out / "checkpoints" / "last.ckpt")
 
     before = _state(saved)
-    for key, value in finals[2].items():
+    for key, value in finals[1].items():
         assert (
             not torch.equal(value, before[key])
             or "num_batches" in key
             or not value.is_floating_point()
             or (value.abs().sum() == 0)
         ), f"{key} did not move in the step after the checkpoint"
-        for world in (1, 4):
-            torch.testing.assert_close(finals[world][key], value, rtol=1e-5, atol=1e-7, msg=f"{key}, world {world}")
+        torch.testing.assert_close(finals[4][key], value, rtol=1e-5, atol=1e-7, msg=f"{key}: 4 processes vs 1")
 
 
 def _children(pid: int) -> list[int]:

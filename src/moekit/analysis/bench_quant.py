@@ -9,7 +9,7 @@ For the float model and every (format, method) pair it prints:
 * the inference time of one test batch (median over interleaved rounds, so that a slow phase of the machine
   hits every variant alike);
 * the bytes the experts' tensors take in memory (the ternary decoding tables included) and what loading the
-  model adds to a fresh process's resident memory (``VmRSS`` after loading minus before, imports done;
+  model adds to a freshly forked process's resident memory (``VmRSS`` after loading minus before, imports done;
   system malloc; the float model from its weights alone).
 
 Ratios are against the float model measured in the same run.
@@ -46,17 +46,25 @@ from moekit.utils.machine import machine_info
 
 __all__ = ["main"]
 
+# Imports once, then loads each checkpoint in a forked child of its own (a fresh heap, the imports shared) and
+# prints what the load added to that child's resident memory.
 _CHILD = """
-import gc, sys, torch
+import gc, os, sys, torch
 import moekit.checkpoint, moekit.models, moekit.quant, moekit.tasks
 torch.set_num_threads(1)
 def rss():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS:'):
             return int(line.split()[1]) * 1024
-gc.collect(); before = rss()
-task = moekit.checkpoint.load_task(sys.argv[1])
-gc.collect(); print(rss() - before)
+for path in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        gc.collect(); before = rss()
+        task = moekit.checkpoint.load_task(path)
+        gc.collect(); print(rss() - before, flush=True)
+        os._exit(0)
+    if os.waitpid(pid, 0)[1] != 0:
+        sys.exit(f"loading {path} failed")
 """
 
 
@@ -82,11 +90,14 @@ def _test_metric(
     return metric, math.sqrt(err / norm) if norm else 0.0, outputs
 
 
-def _resident_bytes(path: Path) -> int:
-    """What loading ``path`` adds to a fresh process's resident memory (system malloc)."""
+def _resident_bytes(paths: list[Path]) -> list[int]:
+    """What loading each of ``paths`` adds to the resident memory of a process forked after the imports
+    (system malloc)."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, *map(str, paths)], env=env, capture_output=True, text=True, check=True
+    )
+    return [int(line) for line in out.stdout.split()[-len(paths) :]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                     start = time.perf_counter()
                     net(test[0][0])
                     times[key].append(time.perf_counter() - start)
-        resident = {key: _resident_bytes(path) for key, path in files.items()}
+        resident = dict(zip(files, _resident_bytes(list(files.values())), strict=True))
 
     metric_name = "test perplexity" if lm else "test top-1"
     rows = []

@@ -40,6 +40,7 @@ safetensors file the class count is read from its ``head.weight``, so a checkpoi
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from safetensors import safe_open
@@ -124,13 +125,17 @@ def _moe_override(default: Mapping[str, Any] | None, moe: Any) -> Any:
 def _create(variant: str, pretrained: bool, vit_args: dict[str, Any], moe_args: dict[str, Any], **kwargs):
     """Build ``variant`` from its ViT and MoE defaults and the user's overrides with timm's builder
     (pretrained cfg, weight loading through timm's ViT checkpoint filter, ``features_only``).
-    ``stem="conv"`` swaps the patchify projection for :class:`~moekit.models.stem.ConvStemPatchEmbed`."""
+    ``stem="conv"`` swaps the patchify projection for :class:`~moekit.models.stem.ConvStemPatchEmbed`
+    (``stem_channels``: its convolutions' channels)."""
     if "moe" in kwargs:
         moe_args = {**moe_args, "moe": _moe_override(moe_args["moe"], kwargs.pop("moe"))}
     kwargs = {**vit_args, **moe_args, **kwargs}
     stem = kwargs.pop("stem", "patch")
+    stem_channels = kwargs.pop("stem_channels", None)
     if stem == "conv":
-        kwargs["embed_layer"] = ConvStemPatchEmbed
+        kwargs["embed_layer"] = partial(ConvStemPatchEmbed, channels=stem_channels)
+    elif stem_channels is not None:
+        raise ValueError(f"stem_channels={stem_channels!r} needs stem='conv' (got stem={stem!r})")
     elif stem != "patch":
         raise ValueError(f"stem={stem!r}; allowed: 'patch' (timm's linear patchify), 'conv' (convolutional stem)")
     if pretrained:

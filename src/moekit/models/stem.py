@@ -2,7 +2,8 @@
 Transformers See Better").
 
 ``ConvStemPatchEmbed`` replaces timm ``PatchEmbed``'s single ``patch x patch`` projection by
-``log2(patch)`` 3x3 stride-2 convolutions (BatchNorm, ReLU) and a 1x1 projection to ``embed_dim``:
+``log2(patch)`` 3x3 stride-2 convolutions (BatchNorm, ReLU), optionally more 3x3 stride-1 ones at the token
+resolution, and a 1x1 projection to ``embed_dim``:
 same token grid, same interface (``num_patches``, ``grid_size``, flatten, norm), so timm's
 ``VisionTransformer(embed_layer=ConvStemPatchEmbed)`` uses it unchanged. On 28-32 px images it makes
 a ViT train in a few epochs; it adds a few hundred thousand FLOPs per image.
@@ -11,6 +12,7 @@ a ViT train in a few epochs; it adds a few hundred thousand FLOPs per image.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from timm.layers import PatchEmbed
 from torch import nn
@@ -19,13 +21,25 @@ __all__ = ["ConvStemPatchEmbed"]
 
 
 class ConvStemPatchEmbed(PatchEmbed):
-    """Patch embedding by stacked stride-2 3x3 convolutions; ``patch_size`` must be a power of 2.
+    """Patch embedding by stacked 3x3 convolutions; ``patch_size`` must be a power of 2.
 
-    Channels double per stage up to ``embed_dim // 2``: patch 4, embed 128 gives
-    ``in -> 32 -> 64 -> (1x1) 128``. Input ``[B, C, H, W]`` -> tokens ``[B, (H/p) * (W/p), embed_dim]``.
+    ``channels``: the output channels of each 3x3 convolution; the first ``log2(patch_size)`` have stride 2,
+    any further ones stride 1 (at the token grid). Default: one per stride-2 stage, doubling up to
+    ``embed_dim // 2`` (patch 4, embed 128: ``in -> 32 -> 64 -> (1x1) 128``).
+    Input ``[B, C, H, W]`` -> tokens ``[B, (H/p) * (W/p), embed_dim]``.
     """
 
-    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, norm_layer=None, bias=True, **kwargs):
+    def __init__(
+        self,
+        img_size=224,
+        patch_size=16,
+        in_chans=3,
+        embed_dim=768,
+        norm_layer=None,
+        bias=True,
+        channels: Sequence[int] | None = None,
+        **kwargs,
+    ):
         super().__init__(
             img_size=img_size,
             patch_size=patch_size,
@@ -41,15 +55,22 @@ class ConvStemPatchEmbed(PatchEmbed):
             raise ValueError(
                 f"stem='conv' needs a square power-of-2 patch_size (2, 4, 8, 16); got patch_size={self.patch_size}"
             )
+        if channels is None:
+            channels = [max(8, embed_dim // 2 ** (stages - stage)) for stage in range(stages)]
+        channels = [int(c) for c in channels]
+        if len(channels) < stages or min(channels) < 1:
+            raise ValueError(
+                f"stem channels={channels}: patch_size {stride_h} needs at least {stages} positive entries "
+                f"(one per stride-2 convolution; extra entries add stride-1 convolutions)"
+            )
         layers: list[nn.Module] = []
-        channels = in_chans
-        for stage in range(stages):
-            out = max(8, embed_dim // 2 ** (stages - stage))
+        width = in_chans
+        for index, out in enumerate(channels):
             layers += [
-                nn.Conv2d(channels, out, 3, stride=2, padding=1, bias=False),
+                nn.Conv2d(width, out, 3, stride=2 if index < stages else 1, padding=1, bias=False),
                 nn.BatchNorm2d(out),
                 nn.ReLU(inplace=True),
             ]
-            channels = out
-        layers.append(nn.Conv2d(channels, embed_dim, 1, bias=bias))
+            width = out
+        layers.append(nn.Conv2d(width, embed_dim, 1, bias=bias))
         self.proj = nn.Sequential(*layers)
