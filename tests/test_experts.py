@@ -62,6 +62,23 @@ def test_grouped_linear_ragged_with_empty_experts_and_tail(kernel):
     assert torch.all(got[1][1] == 0) and torch.all(got[2][1] == 0), "the empty expert gets zero gradient"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("equal", [True, False])
+def test_grouped_linear_takes_the_stride_0_gradient_of_a_sum(kernel, equal):
+    """``out.sum().backward()`` sends an expanded (stride-0) gradient; every kernel gives the reference's."""
+    if kernel == "bmm" and not equal:
+        pytest.skip("bmm takes equal groups only")
+    sizes = [4, 4, 4] if equal else [5, 0, 7]
+    x = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(3, 8, 4, requires_grad=True)
+    grouped_linear(x, w, None, 4 if equal else torch.tensor(sizes), kernel).sum().backward()
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    _reference_grouped(x, w, None, sizes).sum().backward()
+    for g, r in zip(got, (x.grad, w.grad)):
+        torch.testing.assert_close(g, r)
+
+
 def test_loop_kernel_gradcheck_float64():
     counts = torch.tensor([2, 0, 3])
     x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)

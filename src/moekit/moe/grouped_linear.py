@@ -146,6 +146,19 @@ def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Ten
     return _LoopGroupedLinear.apply(x, weight, bias, counts)
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: ``torch._grouped_mm``'s CPU backward fails on the
+    stride-0 gradient that ``out.sum()`` sends back ("Invalid strides/sizes")."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def _grouped_mm_ok(x: Tensor, weight: Tensor) -> bool:
     """``torch._grouped_mm`` needs 16-byte aligned rows of both operands."""
     size = x.element_size()
@@ -204,6 +217,8 @@ def grouped_linear(
     if not equal:  # rows past the last group: grouped_mm leaves their outputs and gradients unset
         x = torch.where(valid, x, x.new_zeros(()))
     out = torch._grouped_mm(x, weight, offs=offsets.to(torch.int32))
+    if equal and x.device.type == "cpu":  # ragged outputs pass torch.where below, whose gradient is dense
+        out = _DenseGrad.apply(out)
     if bias is not None:
         expert_of_row = torch.searchsorted(offsets, row, right=True).clamp_(max=num_experts - 1)
         out = out + bias.index_select(0, expert_of_row)
