@@ -135,7 +135,10 @@ def _create(variant: str, pretrained: bool, vit_args: dict[str, Any], moe_args: 
     if stem == "conv":
         kwargs["embed_layer"] = partial(ConvStemPatchEmbed, channels=stem_channels)
     elif stem_channels is not None:
-        raise ValueError(f"stem_channels={stem_channels!r} needs stem='conv' (got stem={stem!r})")
+        raise ValueError(
+            f"stem_channels={stem_channels!r} needs stem='conv' (got stem={stem!r}); with stem={stem!r} set "
+            "stem_channels=None (model.stem_channels=null)"
+        )
     elif stem != "patch":
         raise ValueError(f"stem={stem!r}; allowed: 'patch' (timm's linear patchify), 'conv' (convolutional stem)")
     if pretrained:
