@@ -219,7 +219,7 @@ def test_the_scaling_sweep_keeps_slots_and_capacity_fixed(num_experts, tmp_path)
     params = _params(_sweep("scaling", tmp_path))
     assert params["moe.num_experts"] == ["8", "16", "32", "64", "128", "256"]
     for moe in params["moe"]:
-        cfg = _sweep("scaling", tmp_path, f"moe={moe}", f"moe.num_experts={num_experts}", "+model.embed_dim=32")
+        cfg = _sweep("scaling", tmp_path, f"moe={moe}", f"moe.num_experts={num_experts}", "model.embed_dim=32")
         layers = [layer for _, layer in moe_layers(instantiate(cfg.model))]
         assert len(layers) == 2, "MoE in the last two blocks"
         for layer in layers:
