@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from moekit.commands.export import export
 from moekit.commands.predict import predict
 from moekit.commands.probe import linear_probe
 from moekit.commands.train import train
+from moekit.configs import compose
 from moekit.data import FASHION_MNIST_CLASSES
 from moekit.moe import MoELayer, TopKMoE
 from moekit.tasks import ImageClassifier
@@ -72,15 +74,13 @@ def test_early_stopping_stops_when_validation_stops_improving(fake_fashion, tmp_
 
 
 def test_machine_settings_in_configs_local_default_are_composed(tmp_path):
-    """configs/local/default.yaml (ignored by git) applies to every train run when it exists."""
-    local = CONFIGS / "local" / "default.yaml"
-    assert not local.exists(), "a developer's own local settings would change this test"
-    local.write_text("# @package _global_\npaths:\n  data_dir: /machine/data\n")
-    try:
-        assert compose_config("train", [], tmp_path).paths.data_dir == "/machine/data"
-    finally:
-        local.unlink()
-    assert compose_config("train", [], tmp_path).paths.data_dir != "/machine/data"
+    """configs/local/default.yaml (ignored by git) applies to every train run when it exists. Tried on a copy of
+    configs/, so a developer's own local settings and the tests running beside this one are left alone."""
+    configs = shutil.copytree(CONFIGS, tmp_path / "configs")
+    (configs / "local" / "default.yaml").unlink(missing_ok=True)
+    assert compose(configs, "train", [], tmp_path).paths.data_dir != "/machine/data"
+    (configs / "local" / "default.yaml").write_text("# @package _global_\npaths:\n  data_dir: /machine/data\n")
+    assert compose(configs, "train", [], tmp_path).paths.data_dir == "/machine/data"
 
 
 @pytest.mark.parametrize("experiment", SMALL_EXPERIMENTS)
