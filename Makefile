@@ -15,10 +15,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 test-fast: install
-	$(PY) -m pytest -q -m "not e2e and not soak"
+	$(PY) -m pytest -q -n auto --dist worksteal -m "not e2e and not soak"
 
 lint: install
 	$(PY) -m ruff check src tests scripts

@@ -19,6 +19,14 @@ from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import ExpertBank
 
 
+def pytest_configure(config):
+    """Under ``pytest -n N`` (``make test``) each of the N workers takes its share of the cores for torch's threads,
+    so that N workers with all the cores each do not oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
 """Run a function on ``world`` CPU processes joined by a gloo process group (tests only).
 
-``spawn(fn, world, *args)`` starts the processes with ``torch.multiprocessing.spawn``, so ``fn`` must
-be importable (a module-level function); an exception in any rank fails the call with its traceback.
+``spawn(fn, world, *args)`` forks the processes (``torch.multiprocessing.start_processes``): each rank starts as a
+copy of the test process, with torch and moekit already imported, and runs single-threaded (no OpenMP pool is
+used across the fork); an exception in any rank fails the call with its traceback.
 """
 
 import os
@@ -29,4 +30,4 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 
 
 def spawn(fn, world: int, *args) -> None:
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="fork")

@@ -1,9 +1,8 @@
 """The distributed strategies through the real training script on CPU processes (gloo): each trains
-a small MoE ViT and a small MoE LM; a checkpoint written by 2 processes resumes in 1 process and in 4
-and takes the same next optimizer step in both (weights, hence the loss, identical to float tolerance).
+a small MoE ViT and a small MoE LM; a checkpoint written by 2 processes resumes in 1 process or in 4
+and takes the optimizer step the 2 processes took (the same weights to a thousandth of the step).
 Resuming in as many processes as saved is test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly's."""
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -51,7 +50,7 @@ def _expert_shapes(ckpt: Path) -> dict[str, tuple]:
 
 @pytest.mark.parametrize(
     "model,strategy,options",
-    [  # the ViT trains under each strategy in test_checkpoint_from_2_processes_resumes_in_1_and_4
+    [  # the ViT trains under each strategy in test_a_2_process_checkpoint_resumes_in_1_or_4_to_the_same_step
         ("lm", "ddp", {"expert_parallel_size": 2}),
         ("lm", "fsdp", {"activation_checkpointing": "true", "param_dtype": "bfloat16"}),
         ("lm", "fsdp", {"expert_parallel_size": 2, "param_dtype": "bfloat16"}),
@@ -74,15 +73,17 @@ def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model
 
 # Resume across world sizes. The training set has 8 images and the global batch is 8 (4 x 2 ranks,
 # 8 x 1, 2 x 4): every step sees the same images whatever the world size, with no augmentation and
-# float32 and no batch norm, so the step after the checkpoint must give the same weights in 1 and 4 processes.
-def _resume_overrides(data_root: Path, world: int, steps: int) -> list[str]:
+# float32 and no batch norm, so resuming the 2-process run's step-2 checkpoint in 1 or 4 processes must take
+# the step it took itself: the same weights at step 3, to a thousandth of the step (gradients summed over ranks in
+# another order differ in the last bits, and Adam divides the smallest of them by their own small scale).
+def _resume_overrides(data_root: Path, world: int) -> list[str]:
     return [
         *VIT,
         f"data.root={data_root}",
         "data.val_size=8",
         f"data.batch_size={8 // world}",
         "data.eval_batch_size=8",
-        f"trainer.max_steps={steps}",
+        "trainer.max_steps=3",
         "trainer.max_epochs=1000",  # max_steps ends the run
         "model.stem=patch",  # the conv stem's batch norm would see 8 / world images per rank
         "task.optimizer.lr=1e-2",
@@ -100,10 +101,17 @@ def _state(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_sharded", "fsdp_ep"])
-def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
-    """ddp, fsdp_ep: experts split over all ranks; fsdp: a full checkpoint, resumed in 1 process without
-    FSDP; fsdp_sharded: a folder with one file per rank, resumed by FSDP on 1 and 4 processes."""
+@pytest.mark.parametrize(
+    "strategy,worlds",
+    [  # each world size where the checkpoint's layout changes: experts re-split, FSDP shards re-cut, FSDP dropped
+        ("ddp", (1,)),  # experts split over both ranks, gathered into one process without a strategy
+        ("fsdp", (1,)),  # a full checkpoint, resumed in 1 process without FSDP
+        ("fsdp_sharded", (4,)),  # a folder with one file per rank, re-cut for 4 ranks by FSDP
+        ("fsdp_ep", (4,)),  # experts split over all ranks (2 -> 4), FSDP shards the rest (the split is DDP's too)
+    ],
+    ids=["ddp", "fsdp", "fsdp_sharded", "fsdp_ep"],
+)
+def test_a_2_process_checkpoint_resumes_in_1_or_4_to_the_same_step(tmp_path, strategy, worlds):
     data_root = write_fake_fashion_mnist(tmp_path / "fm", n_train=16, n_test=8)
     split_experts = {"expert_parallel_size": "${trainer.devices}"}
     options = split_experts if strategy in ("ddp", "fsdp_ep") else {}
@@ -112,30 +120,29 @@ def test_checkpoint_from_2_processes_resumes_in_1_and_4(tmp_path, strategy):
 
     first = tmp_path / "two"
     save_sharded = {"state_dict_type": "sharded"} if sharded else {}
-    _train(first, *_resume_overrides(data_root, 2, 2), *_distributed(2, strategy, **options, **save_sharded))
-    saved = tmp_path / "step2.ckpt"
-    (shutil.copytree if sharded else shutil.copy)(first / "checkpoints" / "last.ckpt", saved)
+    step2 = ["callbacks.last_checkpoint_steps.filename=step2", "callbacks.last_checkpoint_steps.every_n_train_steps=2"]
+    _train(first, *_resume_overrides(data_root, 2), *step2, *_distributed(2, strategy, **options, **save_sharded))
+    saved = first / "checkpoints" / "step2.ckpt"
     assert saved.is_dir() == sharded
+    before, expected = _state(saved), _state(first / "checkpoints" / "last.ckpt")
 
-    finals = {}
-    for world in (1, 4):
+    for world in worlds:
         out = tmp_path / f"resume{world}"
-        overrides = _resume_overrides(data_root, world, 3)
         placement = _distributed(world, strategy, **options)
-        if sharded and world == 1:  # a sharded checkpoint needs the FSDP strategy to load
-            placement = [f"trainer={strategy}", "trainer.accelerator=cpu", "trainer.devices=1"]
-        _train(out, *overrides, f"ckpt_path={saved}", *placement)
-        finals[world] = _state(out / "checkpoints" / "last.ckpt")
-
-    before = _state(saved)
-    for key, value in finals[1].items():
-        assert (
-            not torch.equal(value, before[key])
-            or "num_batches" in key
-            or not value.is_floating_point()
-            or (value.abs().sum() == 0)
-        ), f"{key} did not move in the step after the checkpoint"
-        torch.testing.assert_close(finals[4][key], value, rtol=1e-5, atol=1e-7, msg=f"{key}: 4 processes vs 1")
+        _train(out, *_resume_overrides(data_root, world), f"ckpt_path={saved}", *placement)
+        got = _state(out / "checkpoints" / "last.ckpt")
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert (
+                not torch.equal(value, before[key])
+                or "num_batches" in key
+                or not value.is_floating_point()
+                or (value.abs().sum() == 0)
+            ), f"{key} did not move in the step after the checkpoint"
+            step = (value - before[key]).abs().max().item() if value.is_floating_point() else 0
+            torch.testing.assert_close(
+                got[key], value, rtol=0, atol=1e-3 * step, msg=f"{key}: {world} processes vs 2, step size {step}"
+            )
 
 
 def _children(pid: int) -> list[int]:

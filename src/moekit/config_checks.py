@@ -42,6 +42,10 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or check(value)
 
@@ -71,6 +75,13 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.scheduler.timescale": (_optional(_positive), "a number > 0 or null", "null uses the warm-up length"),
     "task.label_smoothing": (_fraction, "a number in [0, 1)", "e.g. 0.1, or 0 for none"),
     "trainer.accumulate_grad_batches": (_count, "a positive int", "1 steps after every batch"),
+    "data.batch_size": (_count, "a positive integer", "the images or sequences of one step, e.g. 128"),
+    "data.eval_batch_size": (_optional(_count), "a positive integer or null", "null uses data.batch_size"),
+    "callbacks.last_checkpoint_steps.every_n_train_steps": (
+        _whole,
+        "a whole number of optimizer steps >= 1",
+        "0 turns the step checkpoints off",
+    ),
     "trainer.gradient_clip_val": (_optional(_non_negative), "a number >= 0 or null", "null (or 0) turns clipping off"),
     "model.drop_path_rate": (_fraction, "a number in [0, 1)", "e.g. 0.1, or 0 for none"),
     "model.drop_rate": (_fraction, "a number in [0, 1)", "e.g. 0.1, or 0 for none"),

@@ -4,7 +4,9 @@ the benchmarks build their runs this way), the checks they pass, and instantiati
 The checks refuse what Hydra accepts but the run would ignore or fail on much later:
 
 * before torch is imported (:func:`check_composed`): numeric settings out of range (a learning rate of
-  ``inf``, a negative weight decay, gradient accumulation 0: :func:`moekit.config_checks.check_settings`),
+  ``inf``, a negative weight decay, gradient accumulation 0, a batch size of 0:
+  :func:`moekit.config_checks.check_settings`), a callbacks or logger entry that is not a ``_target_`` config
+  (``+callbacks.foo=1``: :func:`check_group_entries`),
   a ``+key=value`` override that nothing reads (``+foo=1``,
   ``+paths.x=1``: only the settings of the model, MoE recipe, data, task, trainer, callbacks and loggers are
   read, and each of those refuses unknown keys itself), an MoE recipe its model cannot serve (hash routing
@@ -12,8 +14,7 @@ The checks refuse what Hydra accepts but the run would ignore or fail on much la
   (:func:`moekit.recipes.check_fits`), and Mixture-of-Depths settings out of range or given to a model
   without Transformer blocks (:func:`moekit.recipes.depth.resolve_depth`);
 * before a ``_target_`` is built (:func:`check_target_keys`): a key its signature does not take, or a plain
-  value of the wrong type (``trainer.max_epochs=abc``), with a did-you-mean;
-* a callbacks or logger entry that is not a ``_target_`` config (:func:`instantiate_group`).
+  value of the wrong type (``trainer.max_epochs=abc``), with a did-you-mean.
 
 Importing this module imports no torch.
 """
@@ -41,6 +42,7 @@ __all__ = [
     "CONFIG_DIR",
     "compose",
     "check_composed",
+    "check_group_entries",
     "check_target_keys",
     "instantiate",
     "instantiate_group",
@@ -83,8 +85,9 @@ QUANTIZE_KEYS = ("bits", "method", "group_size", "calibration_batches", "damping
 
 
 def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """Raise ``ValueError`` for an added key nothing reads, a numeric setting out of range, an MoE recipe its
-    model cannot serve and Mixture-of-Depths settings the model cannot take."""
+    """Raise ``ValueError`` for an added key nothing reads, a numeric setting out of range, a callbacks or logger
+    entry that is not a ``_target_`` config, an MoE recipe its model cannot serve and Mixture-of-Depths settings the
+    model cannot take."""
     for override in overrides:
         if not override.startswith("+") or override.startswith("++"):
             continue
@@ -101,7 +104,9 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"{', '.join(missing)} must be given (the config leaves {'it' if len(missing) == 1 else 'them'} ???); "
             f"add {' '.join(example.get(key, f'{key}=<value>') for key in missing)} to the command"
         )
-    check_settings(_resolved_nodes(cfg, ("task", "trainer", "model", *QUANTIZE_KEYS)))
+    check_settings(_resolved_nodes(cfg, ("task", "trainer", "model", "data", "callbacks", *QUANTIZE_KEYS)))
+    for group in ("callbacks", "logger"):
+        check_group_entries(cfg.get(group), group)
     _check_hf_folder(OmegaConf.select(cfg, "task.init_from", default=None))
     _check_logger_packages(cfg.get("logger"))
     model = cfg.get("model")
@@ -206,14 +211,20 @@ def instantiate_group(group: DictConfig | None, name: str) -> list:
     config (``+callbacks.foo=1``) is an error naming it."""
     if not group:
         return []
+    check_group_entries(group, name)
     for key, entry in group.items():
+        check_target_keys(entry, f"{name}.{key}")
+    return [instantiate(entry) for entry in group.values()]
+
+
+def check_group_entries(group: DictConfig | None, name: str) -> None:
+    """Refuse an entry of the callbacks or logger group ``name`` that is not a ``_target_`` config."""
+    for key, entry in (group or {}).items():
         if not (isinstance(entry, DictConfig) and "_target_" in entry):
             raise ValueError(
                 f"{name}.{key}={OmegaConf.to_container(entry) if isinstance(entry, DictConfig) else entry!r} is not a "
                 f"{name} config: each entry of {name} is a mapping with a _target_ (see configs/{name}/); remove it"
             )
-        check_target_keys(entry, f"{name}.{key}")
-    return [instantiate(entry) for entry in group.values()]
 
 
 def _primitive_types(annotation: Any) -> tuple[list[type], list[Any]] | None:
