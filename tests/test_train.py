@@ -83,6 +83,33 @@ def test_machine_settings_in_configs_local_default_are_composed(tmp_path):
     assert compose(configs, "train", [], tmp_path).paths.data_dir == "/machine/data"
 
 
+def _readme_train_commands() -> list[str]:
+    """The single runs ``python scripts/train.py ...`` the README shows (no sweeps, no ``<placeholder>``)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    commands = [line.split("#")[0].split()[2:] for line in lines if line.startswith("python scripts/train.py ")]
+    return [" ".join(words) for words in commands if "-m" not in words and not any("<" in w for w in words)]
+
+
+@pytest.mark.parametrize("command", _readme_train_commands())
+def test_each_train_command_of_the_readme_builds_its_model(command, tmp_path):
+    """What the README tells users to type composes, passes the config checks and builds the model it describes:
+    MoE layers of the recipe named, none for ``moe=none``."""
+    from moekit.configs import check_composed
+    from moekit.recipes import resolve_recipe
+
+    overrides = command.split()
+    cfg = compose_config("train", overrides, tmp_path)
+    check_composed(cfg, overrides)
+    spec = resolve_recipe(OmegaConf.to_container(cfg.moe))
+    layers = [m for m in instantiate(cfg.model).modules() if isinstance(m, MoELayer)]
+    if "moe=none" in overrides:
+        assert spec is None and not layers
+    else:
+        assert layers and all(layer.num_experts == spec["num_experts"] for layer in layers)
+        if "moe=switch" in overrides:
+            assert all(isinstance(layer, TopKMoE) and layer.top_k == 1 for layer in layers)
+
+
 @pytest.mark.parametrize("experiment", SMALL_EXPERIMENTS)
 @pytest.mark.e2e
 def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
