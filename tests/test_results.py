@@ -617,6 +617,21 @@ def test_plot_script_on_an_empty_folder_fails_with_one_line(tmp_path):
     assert "no results.json under" in run.stderr and "Traceback" not in run.stderr
 
 
+def test_reading_and_plotting_run_records_imports_no_torch():
+    """plot_results.py starts in a fraction of a second: the modules that read, tabulate and plot records leave
+    torch (and the models, timm, Lightning) unimported until a record is written."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, moekit.analysis.report, moekit.analysis.step_times, moekit.analysis.records, "
+        "moekit.utils.machine; print(sorted(m for m in ('torch', 'timm', 'lightning') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
 def _write_sweep(root: Path, records: list[dict]) -> list[Path]:
     """Each record in its own run folder, named by its overrides as Hydra's sweep subdir names it,
     beside a checkpoint that the archive must leave behind."""

@@ -143,7 +143,9 @@ def main() -> None:
 
     results = mp.Manager().list()
     for world in args.worlds:
-        mp.spawn(_worker, args=(world, _free_port(), args, results), nprocs=world, join=True)
+        # Forked: the ranks start with torch imported (the parent has run no parallel region yet).
+        worker_args = (world, _free_port(), args, results)
+        mp.start_processes(_worker, args=worker_args, nprocs=world, join=True, start_method="fork")
 
     expert_params = 2 * args.dim * args.hidden + args.hidden + args.dim
     print(

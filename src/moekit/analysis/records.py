@@ -14,13 +14,13 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from moekit.moe import depth_routers, moe_layers
 from moekit.utils.atomic import write_json_atomic
 from moekit.utils.machine import machine_info, machine_label
+
+if TYPE_CHECKING:  # reading records (plot_results.py) imports no torch
+    from torch import nn
 
 __all__ = [
     "RESULTS_FILE",
@@ -66,6 +66,8 @@ _LAYER_SETTINGS = (
 def _moe_layer_settings(net: nn.Module) -> list[dict[str, Any]]:
     """Per MoE layer of ``net``: its name, registry type, experts, and the routing settings it has
     (top-k, slots per expert, capacity factors, BPR, Soft MoE's l2 normalisation)."""
+    from moekit.moe import moe_layers
+
     layers = []
     for name, layer in moe_layers(net):
         entry: dict[str, Any] = {
@@ -82,6 +84,8 @@ def model_family(net: nn.Module) -> str:
     """A short name for the kind of network, for grouping runs: the router of its MoE layers
     (``dense``, ``soft_moe``, ``top1``, ``top2``, ``experts_choice``, ...), with ``+mod`` when blocks route
     tokens around them (Mixture-of-Depths), prefixed with ``transformer/`` or ``lstm/`` for language models."""
+    from moekit.moe import depth_routers, moe_layers
+
     routers = []
     for _, layer in moe_layers(net):
         name = getattr(layer, "registry_name", type(layer).__name__)

@@ -1,4 +1,6 @@
-"""What a run or a benchmark ran on, recorded with every figure: speed and float rounding depend on it."""
+"""What a run or a benchmark ran on, recorded with every figure: speed and float rounding depend on it.
+
+Importing this module imports no torch (the functions that need it import it): reading run records does not."""
 
 from __future__ import annotations
 
@@ -6,11 +8,12 @@ import os
 import platform
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moekit.utils.allocator import active_allocator
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "available_memory",
@@ -36,6 +39,8 @@ def check_fits_in_memory(needed: int, device: torch.device | str | None, what: s
     """Refuse ``needed`` bytes of new tensors that exceed the memory ``device`` has left, saying how much
     ``what`` needs, instead of an allocation failure (or the kernel's OOM killer) deep inside model
     construction. Nothing is checked where the free memory cannot be known."""
+    import torch
+
     available = available_memory(device)
     if available is not None and needed > available:
         raise ValueError(
@@ -47,6 +52,8 @@ def check_fits_in_memory(needed: int, device: torch.device | str | None, what: s
 def check_accelerator(accelerator: str, devices: Any = "auto") -> None:
     """Refuse ``trainer.accelerator`` / ``trainer.devices`` that this machine does not have, naming them and
     the fix (Lightning says "No supported gpu backend found!")."""
+    import torch
+
     accelerator = str(accelerator).lower()
     if accelerator in ("gpu", "cuda"):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -67,6 +74,8 @@ def check_accelerator(accelerator: str, devices: Any = "auto") -> None:
 def available_memory(device: torch.device | str | None = None) -> int | None:
     """Bytes that new tensors on ``device`` can still take: a CUDA device's free memory, or the host's
     ``MemAvailable`` (Linux) for the CPU; None where it cannot be known (other devices and systems)."""
+    import torch
+
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
@@ -110,6 +119,8 @@ def resolve_precision(precision: Any, accelerator: Any = "auto", flags: set[str]
     (``amx_bf16``: bf16 matrix units), else ``32-true``: without AMX bf16 autocast runs slower than float32
     (the main job's training step 1.67x slower on a Xeon with avx512_bf16 only). Other values pass through.
     """
+    import torch
+
     if str(precision) != "auto":
         return str(precision), "as configured"
     accelerator = str(accelerator).lower()
@@ -126,6 +137,8 @@ def resolve_precision(precision: Any, accelerator: Any = "auto", flags: set[str]
 def machine_info() -> dict[str, Any]:
     """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
     threads, torch / Python versions, the OS, the memory allocator, and the GPU's name (None without CUDA)."""
+    import torch
+
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu": cpu_model(),
