@@ -24,9 +24,10 @@ from moekit.commands.export import export
 from moekit.commands.predict import predict
 from moekit.commands.probe import linear_probe
 from moekit.commands.train import train
-from moekit.configs import compose
+from moekit.configs import check_composed, compose
 from moekit.data import FASHION_MNIST_CLASSES
 from moekit.moe import MoELayer, TopKMoE
+from moekit.recipes import resolve_recipe
 from moekit.tasks import ImageClassifier
 from moekit.tasks.fewshot import fewshot_linear_probe, fit_ridge_probe
 
@@ -94,9 +95,6 @@ def _readme_train_commands() -> list[str]:
 def test_each_train_command_of_the_readme_builds_its_model(command, tmp_path):
     """What the README tells users to type composes, passes the config checks and builds the model it describes:
     MoE layers of the recipe named, none for ``moe=none``."""
-    from moekit.configs import check_composed
-    from moekit.recipes import resolve_recipe
-
     overrides = command.split()
     cfg = compose_config("train", overrides, tmp_path)
     check_composed(cfg, overrides)
@@ -520,8 +518,6 @@ def test_mlflow_and_wandb_loggers_work_offline(fake_fashion, tmp_path, monkeypat
 
 def test_a_logger_whose_package_is_missing_names_the_extra(monkeypatch, tmp_path):
     import importlib.util
-
-    from moekit.configs import check_composed
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))

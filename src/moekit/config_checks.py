@@ -79,7 +79,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "data.eval_batch_size": (_optional(_count), "a positive integer or null", "null uses data.batch_size"),
     "callbacks.last_checkpoint_steps.every_n_train_steps": (
         _whole,
-        "a whole number of optimizer steps >= 1",
+        "a whole number of optimizer steps >= 0",
         "0 turns the step checkpoints off",
     ),
     "trainer.gradient_clip_val": (_optional(_non_negative), "a number >= 0 or null", "null (or 0) turns clipping off"),
