@@ -3,6 +3,8 @@
 # benchmarks on the GPU, all written to one markdown report (default docs/gpu_report.md; GPU_REPORT=<path>).
 # It runs the machine's own python3 and PyTorch; what that image lacks comes from `make gpu-bundle`, made beforehand
 # on a machine with network: wheels in .whl/ (installed to a private folder) and Fashion-MNIST in data/fashion-mnist/.
+# GPU_CHECK_SECTION_TIMEOUT=<seconds> bounds each of the three sections (0, the default: no bound), so that a lease
+# of fixed length still brings back the report of every section.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,6 +23,7 @@ if not torch.cuda.is_available():
     raise SystemExit("make gpu-check needs a CUDA device (torch.cuda.is_available() is False); on a CPU run make test")
 PYEOF
 report=${GPU_REPORT:-docs/gpu_report.md}
+section() { timeout --kill-after=10 "${GPU_CHECK_SECTION_TIMEOUT:-0}" "$@"; }
 mkdir -p "$(dirname "$report")"
 (
     status=0
@@ -32,16 +35,16 @@ mkdir -p "$(dirname "$report")"
     echo "## Test tier (tests/test_gpu.py)"
     echo
     echo '```'
-    "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -n 40 || status=1
+    section "$PY" -m pytest -q -m gpu -p no:cacheprovider -p no:warnings --tb=short --durations=10 tests/test_gpu.py 2>&1 | tail -n 80 || status=1
     echo '```'
+    echo
+    echo "## Models: one training step against the dense twin (Soft MoE S/16 against ViT-S/16 first)"
+    echo
+    section "$PY" scripts/bench_models.py --device cuda --groups s16 vit lm --rounds 3 2>&1 || status=1
     echo
     echo "## Layers: bf16 autocast, forward + backward, batches x8"
     echo
-    "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 2>&1 || status=1
-    echo
-    echo "## Models: one bf16 training step against the dense twin"
-    echo
-    "$PY" scripts/bench_models.py --device cuda 2>&1 || status=1
+    section "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 --rounds 3 2>&1 || status=1
     exit $status
 ) | tee "$report"
 status=${PIPESTATUS[0]}

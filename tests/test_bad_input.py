@@ -474,6 +474,12 @@ CASES = [
     ),
     Case("export_without_a_checkpoint", "export.py", [], ["ckpt_path must be given"]),
     Case(
+        "imagenet_experiment_without_its_folder",
+        "train.py",
+        ["experiment=soft_moe_vit_s16_imagenet"],
+        ["data.root must be given", "add data.root=<value> to the command"],
+    ),
+    Case(
         "unquoted_non_ascii_path",
         "train.py",
         ["data.root=/tmp/données/fm"],

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.analysis import bench_models as bench
+from moekit.analysis.bench_model_tables import print_table
 from moekit.analysis.step_times import STEP_TIMES_KIND, load_step_times
 from moekit.moe import collect_moe_outputs, moe_layers
 from moekit.utils.machine import resolve_precision
@@ -188,3 +189,24 @@ def test_json_holds_each_row_with_what_it_ran(tmp_path, capsys):
     assert all(row["batch_size"] == bench.QUICK_BATCH == row["examples_per_step"] for row in rows)
     assert all(row["precision"] == resolve_precision("auto", "cpu")[0] for row in rows)
     assert len(load_step_times([out])) == 3  # three different models
+
+
+def test_s16_group_times_vit_s16_at_224_px_without_images(capsys):
+    """The GPU table: ViT-S/16 against Soft MoE S/16 of the ImageNet experiment, built on a stand-in folder of
+    empty class folders (no data.root needed), one row each."""
+    bench.main(["--quick", "--rounds", "1", "--steps", "1", "--allocator", "system", "--groups", "s16"])
+    ((title, rows),) = _tables(capsys.readouterr().out).items()
+    assert title.startswith("s16: experiment=soft_moe_vit_s16_imagenet") and "images 3x224x224" in title
+    assert [row[0] for row in rows] == ["vit_s16", "soft_moe_s16"]
+    assert rows[0][1] == rows[0][2] and rows[1][1] != rows[1][2]  # dense, then MoE
+
+
+def test_mfu_is_the_achieved_flops_over_the_peak_of_the_steps_precision(capsys):
+    c = bench.build_candidate("dense", ["results=pareto", "moe=none", *bench.QUICK], batch_size=8)
+    peak = {torch.bfloat16: 4e12, torch.float32: 1e12}
+    print_table("t", [c], {c.name: bench.StepTiming(seconds=0.5, update_seconds=0.1)}, peak=peak)
+    ((_, (row,)),) = _tables(capsys.readouterr().out).items()
+    achieved = 3 * c.flops_per_example * c.examples_per_step / 0.5  # forward + backward: 3x the forward
+    dtype = torch.bfloat16 if c.precision.startswith("bf16") else torch.float32
+    assert float(row[8]) == pytest.approx(achieved / 1e12, abs=0.005)
+    assert float(row[9].rstrip("%")) == pytest.approx(100 * achieved / peak[dtype], abs=0.05)

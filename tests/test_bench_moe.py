@@ -92,7 +92,7 @@ def test_quick_run_prints_tables_with_the_baseline_at_one(capsys):
     assert all(float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("%") for row in layers)
     scaling = next(rows for title, rows in tables.items() if title.startswith("Scaling experts"))
     assert [row[0] for row in scaling] == ["4", "8", "16"]
-    assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for row in scaling for cell in row[2:])
+    assert all(re.fullmatch(r"\d+\.\d \(\d+\.\d\dx\)", cell) for row in scaling for cell in row[2:])
 
 
 def test_a_layers_flops_are_its_forward_and_backward_matmuls():

@@ -6,6 +6,7 @@ from timm.layers import GluMlp, Mlp, SwiGLU
 from torch import nn
 
 from conftest import reference_expert
+from moekit.models.summary import flop_counter
 from moekit.moe import ExpertBank, grouped_linear
 from moekit.moe.grouped_linear import _HAS_GROUPED_MM
 
@@ -63,15 +64,18 @@ def test_grouped_linear_ragged_with_empty_experts_and_tail(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("equal", [True, False])
-def test_grouped_linear_takes_the_stride_0_gradient_of_a_sum(kernel, equal):
-    """``out.sum().backward()`` sends an expanded (stride-0) gradient; every kernel gives the reference's."""
+@pytest.mark.parametrize("layout", ["equal", "ragged", "ragged_no_tail"])
+def test_grouped_linear_takes_the_stride_0_gradient_of_a_sum(kernel, layout):
+    """``out.sum().backward()`` sends an expanded (stride-0) gradient; every kernel gives the reference's, also
+    told that the groups cover every row (``no_tail``: no masks in between)."""
+    equal = layout == "equal"
     if kernel == "bmm" and not equal:
         pytest.skip("bmm takes equal groups only")
     sizes = [4, 4, 4] if equal else [5, 0, 7]
     x = torch.randn(12, 8, requires_grad=True)
     w = torch.randn(3, 8, 4, requires_grad=True)
-    grouped_linear(x, w, None, 4 if equal else torch.tensor(sizes), kernel).sum().backward()
+    group_sizes = 4 if equal else torch.tensor(sizes)
+    grouped_linear(x, w, None, group_sizes, kernel, no_tail=layout == "ragged_no_tail").sum().backward()
     got = (x.grad.clone(), w.grad.clone())
     x.grad = w.grad = None
     _reference_grouped(x, w, None, sizes).sum().backward()
@@ -92,9 +96,44 @@ def test_bmm_kernel_rejects_ragged_groups():
         grouped_linear(torch.randn(4, 2), torch.randn(2, 2, 2), None, torch.tensor([1, 3]), "bmm")
 
 
-def test_grouped_mm_kernel_rejects_unaligned_rows():
-    with pytest.raises(ValueError, match="aligned"):
-        grouped_linear(torch.randn(4, 3), torch.randn(2, 3, 5), None, 2, "grouped_mm")
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_mm_kernel_pads_unaligned_features(dtype):
+    """in=3 and out=5 are no 16-byte multiples (torch._grouped_mm refuses them): the kernel zero-pads them and
+    gives the reference's outputs and gradients at the true sizes."""
+    counts = [1, 0, 2]
+    x = torch.randn(4, 3, dtype=dtype, requires_grad=True)  # one tail row
+    w = torch.randn(3, 3, 5, dtype=dtype, requires_grad=True)
+    b = torch.randn(3, 5, dtype=dtype, requires_grad=True)
+    out = grouped_linear(x, w, b, torch.tensor(counts), "grouped_mm")
+    assert out.shape == (4, 5)
+    grad = torch.randn(4, 5, dtype=dtype)
+    out.backward(grad)
+    got = (x.grad.clone(), w.grad.clone(), b.grad.clone())
+    x.grad = w.grad = b.grad = None
+    ref = torch.cat([_reference_grouped(x[:3], w, b, counts), torch.zeros(1, 5, dtype=dtype)])
+    ref.backward(grad)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out, ref, **tol)
+    for g, r in zip(got, (x.grad, w.grad, b.grad)):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r, **tol)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
+def test_flop_counter_counts_the_grouped_mm_kernel_as_the_loop():
+    """torch's FLOP counter has no formula for aten._grouped_mm; moekit's counts it as the per-expert matmuls the
+    loop runs: forward 2 M K N, input and weight gradients the same again each (in=16, out=8, 12 ragged rows)."""
+    counts = torch.tensor([5, 0, 7])
+    flops = {}
+    for kernel in ("loop", "grouped_mm"):
+        x = torch.randn(12, 16, requires_grad=True)
+        w = torch.randn(3, 16, 8, requires_grad=True)
+        with flop_counter() as counter:
+            grouped_linear(x, w, None, counts, kernel).backward(torch.randn(12, 8))
+        flops[kernel] = counter.get_total_flops()
+    assert flops["loop"] == 3 * 2 * 12 * 16 * 8
+    assert flops["grouped_mm"] == flops["loop"]
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -94,6 +94,25 @@ def test_no_host_synchronisation_in_a_layers_training_step(name):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@needs_cuda
+@pytest.mark.parametrize("name", ["mixtral", "deepseek", "switch", "soft_moe"])
+def test_a_layer_on_the_gpu_gives_the_cpus_outputs_and_gradients(name):
+    """float32 on both: the CUDA paths (grouped_mm with padded features for DeepSeek's 28-wide experts, the
+    multiply-and-sum combine) against the CPU's (the loop kernel, the batched-matmul combine). Eval mode: no
+    router noise, whose draws differ between the devices."""
+    results = []
+    for device in ("cpu", DEVICE):
+        layer, x, kwargs = _layer_and_inputs(name)
+        layer, x = layer.to(device).eval(), x.detach().to(device).requires_grad_(True)
+        kwargs = {k: v.to(device) for k, v in kwargs.items()}
+        out = layer(x, **kwargs)
+        (out.square().mean() + collect_moe_outputs(layer).aux_loss).backward()
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        results.append([t.detach().cpu() for t in (out, x.grad, *grads)])
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "switch", "soft_moe", "experts_choice"])
 def test_a_compiled_layer_gives_the_eager_outputs(name):
     layer, x, kwargs = _layer_and_inputs(name)

@@ -28,6 +28,35 @@ def test_plan_dispatch_hand_computed_capacity_choice_major():
     assert torch.equal(torch.where(plan.keep, expert_ids, 3).reshape(-1)[plan.order], kept_sorted)
 
 
+def test_a_plan_says_when_its_groups_cover_every_dispatched_row():
+    """``all_kept`` (the experts may skip zeroing a tail) only where nothing can be dropped."""
+    expert_ids = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    dropless = plan_dispatch(expert_ids, 3)
+    assert dropless.all_kept and int(dropless.counts.sum()) == expert_ids.numel()
+    assert not plan_dispatch(expert_ids, 3, capacity=8).all_kept  # nothing dropped here, but it could be
+    assert not plan_dispatch(expert_ids, 3, keep=torch.ones(4, 2, dtype=torch.bool)).all_kept
+    assert not plan_dispatch(expert_ids, 3, valid=torch.tensor([True, True, True, False])).all_kept
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "dropping"])
+def test_the_grouped_mm_kernel_gives_the_loops_layer(capacity_factor):
+    """A top-2 layer with the device-side kernel (dropless: no tail masks; dropping: a masked tail) gives the
+    outputs and gradients of the same layer with the per-expert loop."""
+    torch.manual_seed(0)
+    results = []
+    for kernel in ("loop", "grouped_mm"):
+        torch.manual_seed(0)
+        layer = TopKMoE(16, 32, num_experts=4, top_k=2, capacity_factor=capacity_factor)
+        layer.experts.kernel = kernel
+        x = torch.randn(2, 24, 16, requires_grad=True)
+        out = layer(x)
+        out.square().sum().backward()
+        results.append((out, x.grad, layer.experts.fc1_weight.grad, layer.experts.fc2_weight.grad))
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want)
+
+
 def test_priority_order_is_highest_score_first_ties_by_index():
     assert priority_order(torch.tensor([0.1, 0.9, 0.3, 0.9, 0.2])).tolist() == [1, 3, 2, 4, 0]
 

@@ -159,7 +159,7 @@ def _check_logger_packages(loggers: DictConfig | None) -> None:
 
 
 def _missing_values(cfg: DictConfig) -> list[str]:
-    """The keys outside ``hydra`` whose value is the mandatory ``???``."""
+    """The full keys outside ``hydra`` whose value is the mandatory ``???`` (``ckpt_path``, ``data.root``)."""
     missing = []
     for key in cfg:
         if key == "hydra":
@@ -167,7 +167,7 @@ def _missing_values(cfg: DictConfig) -> list[str]:
         if OmegaConf.is_missing(cfg, key):
             missing.append(str(key))
         elif isinstance(cfg[key], DictConfig):
-            missing += [f"{key}.{inner}" for inner in OmegaConf.missing_keys(cfg[key])]
+            missing += OmegaConf.missing_keys(cfg[key])  # full keys: "data.root"
     return sorted(missing)
 
 

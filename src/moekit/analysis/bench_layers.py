@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from timm.layers import Mlp, SwiGLU
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from moekit.models.summary import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
@@ -123,7 +123,7 @@ def matmul_peak(backend: Backend) -> tuple[float, str]:
 
 def count_flops(candidate: Candidate, x: torch.Tensor, backend: Backend) -> int:
     """The forward + backward FLOPs of one step of ``candidate`` (``torch.utils.flop_counter``)."""
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         with backend.precision():
             y = candidate.forward(candidate.module, x)
         y.backward(torch.ones_like(y))
@@ -324,8 +324,8 @@ def table_scaling(args) -> None:
         ]
         t = time_candidates(cands, x, args.rounds, args.backend)
         d = t["dense"]
-        cells = [f"{t[k] * 1e3:.0f} ({t[k] / d:.2f}x)" for k in ("soft", "top1", "ec")]
-        print(f"| {experts} | {d * 1e3:.0f} | " + " | ".join(cells) + " |")
+        cells = [f"{t[k] * 1e3:.1f} ({t[k] / d:.2f}x)" for k in ("soft", "top1", "ec")]
+        print(f"| {experts} | {d * 1e3:.1f} | " + " | ".join(cells) + " |")
         sys.stdout.flush()
         del cands
 

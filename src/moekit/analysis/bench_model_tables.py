@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+import torch
 from omegaconf import OmegaConf
 
 from moekit.utils.format import si
@@ -15,9 +16,12 @@ if TYPE_CHECKING:
 __all__ = ["describe", "print_table", "table_record"]
 
 
-def print_table(title: str, candidates: list[Candidate], times: dict[str, StepTiming], gpu: bool) -> None:
+def print_table(
+    title: str, candidates: list[Candidate], times: dict[str, StepTiming], peak: dict[torch.dtype, float] | None
+) -> None:
     """A markdown table: sizes, FLOPs, the median step time (and its parameter update), throughput and
-    the ratio to the first candidate (the dense baseline) of the same run."""
+    the ratio to the first candidate (the dense baseline) of the same run; with ``peak`` (a GPU's measured
+    matmul FLOP/s per dtype) also the achieved TFLOP/s and the MFU against the peak of the step's precision."""
     base = times[candidates[0].name].seconds
     unit = candidates[0].unit
     header = (
@@ -25,9 +29,9 @@ def print_table(title: str, candidates: list[Candidate], times: dict[str, StepTi
         "| vs dense |"
     )
     rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
-    if gpu:
-        header += " TFLOP/s |"
-        rule += "---:|"
+    if peak:
+        header += " TFLOP/s | MFU |"
+        rule += "---:|---:|"
     print(f"\n### {title}\n\n{header}\n{rule}")
     for c in candidates:
         t = times[c.name].seconds
@@ -42,9 +46,12 @@ def print_table(title: str, candidates: list[Candidate], times: dict[str, StepTi
             f"{c.examples_per_step / t:,.0f}",
             f"{t / base:.2f}x",
         ]
-        if gpu:
+        if peak:
             flops = c.flops_per_example
-            cells.append("n/a" if flops is None else f"{3 * flops * c.examples_per_step / t / 1e12:.2f}")
+            achieved = None if flops is None else 3 * flops * c.examples_per_step / t
+            dtype = torch.bfloat16 if c.precision.startswith("bf16") else torch.float32
+            cells.append("n/a" if achieved is None else f"{achieved / 1e12:.2f}")
+            cells.append("n/a" if achieved is None else f"{achieved / peak[dtype]:.1%}")
         print("| " + " | ".join(cells) + " |")
     sys.stdout.flush()
 

@@ -17,7 +17,8 @@ which grows with a model's total parameters where the forward and backward grow 
     python scripts/bench_models.py                          # both groups (ViTs at width 128, LMs)
     python scripts/bench_models.py --groups vit --vit-width 64 96 128
     python scripts/bench_models.py --groups vit --override moe.num_experts=32
-    python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s
+    python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s and model FLOPs utilisation
+    python scripts/bench_models.py --device cuda --groups s16   # Soft MoE S/16 against ViT-S/16, 224 px
     python scripts/bench_models.py --groups vit --models soft_moe --sweep moe.slots_per_expert=1,2,4
     python scripts/bench_models.py --groups scaling --sweep moe.num_experts=8,16,32,64,128,256
     python scripts/bench_models.py --groups vit --vit-width 64 96 128 --json logs/bench_models/pareto.json
@@ -26,8 +27,14 @@ which grows with a model's total parameters where the forward and backward grow 
 Groups: ``vit`` - the Pareto sweep's models (``results=pareto``: each ``moe=`` recipe of the sweep), against
 its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language``), ``mod_transformer_lm`` and
 ``lory_transformer_lm``, against ``dense_transformer_lm``; ``scaling`` - the expert-scaling sweep's routers
-(``results=scaling``; not run by default), against its ``moe=none`` twin. ``--quick`` adds ``debug=tiny`` (the tiny
-model of each family).
+(``results=scaling``; not run by default), against its ``moe=none`` twin; ``s16`` - Soft MoE S/16
+(``experiment=soft_moe_vit_s16_imagenet``: 224 px, batch 128, bf16) against ViT-S/16 (not run by default; a GPU's
+table: a CPU takes seconds per step). ``--quick`` adds ``debug=tiny`` (the tiny model of each family).
+The ``s16`` group's ImageNet folder is a stand-in of empty class folders: the benchmark reads no images, only the
+data config's shapes.
+On ``--device cuda`` each table also shows the achieved TFLOP/s (3x the forward FLOPs per step: forward and
+backward) and its share of the GPU's measured peak (one 8192^3 matmul in the step's precision): the model FLOPs
+utilisation, MFU.
 Parameters and forward FLOPs are those ``results.json`` records (:func:`moekit.models.summary.model_summary` /
 ``lm_summary``: FLOPs measured in eval mode). An ``--override`` whose key a model's config lacks
 (``moe.num_experts`` for the dense twin) is left out for that model, and said so. ``--models`` keeps some of
@@ -43,10 +50,13 @@ which drift with the machine between sessions.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import gc
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -72,6 +82,7 @@ from moekit.utils.allocator import active_allocator, add_allocator_argument, app
 from moekit.utils.atomic import write_json_atomic
 from moekit.utils.machine import machine_info, resolve_precision
 
+STAND_IN_ROOT = "stand-in-imagefolder"  # data.root of a group timed without its images (_stand_in_imagefolder)
 GROUPS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     # group: (overrides of every model, {model: its overrides}; the first model is the dense baseline)
     "vit": (
@@ -94,6 +105,10 @@ GROUPS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "moe_lstm_lm_matched": ["experiment=results/moe_lstm_lm_matched"],
         },
     ),
+    "s16": (
+        ["experiment=soft_moe_vit_s16_imagenet", f"data.root={STAND_IN_ROOT}"],
+        {"vit_s16": ["moe=none"], "soft_moe_s16": []},
+    ),
     "scaling": (
         ["results=scaling"],
         {
@@ -105,6 +120,7 @@ GROUPS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     ),
 }
 DEFAULT_GROUPS = ["vit", "lm"]
+WIDTH_GROUPS = {"vit", "scaling"}  # the groups --vit-width applies to (model.embed_dim)
 
 QUICK = ["debug=tiny"]  # the tiny model of each family (configs/debug/models/)
 QUICK_BATCH = 8
@@ -188,12 +204,25 @@ def _random_batch(task: MoETask, datamodule: LightningDataModule, batch_size: in
     return tuple(t.to(device) for t in batch)
 
 
+def _stand_in_imagefolder(num_classes: int) -> str:
+    """A folder of ``train/`` and ``val/`` with ``num_classes`` empty class folders: what an ImageNet-style data
+    config needs to build (the benchmark reads its shapes, never an image)."""
+    root = Path(tempfile.mkdtemp(prefix="moekit-bench-imagefolder-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    for split in ("train", "val"):
+        for k in range(num_classes):
+            (root / split / f"class_{k:05d}").mkdir(parents=True)
+    return str(root)
+
+
 def build_candidate(
     name: str, overrides: Sequence[str], batch_size: int | None = None, device: str | torch.device = "cpu"
 ) -> Candidate:
     """Build what ``scripts/train.py <overrides>`` would train: the task (seeded with the config's seed), its
     optimizer, and a random batch of the data config's batch size (or ``batch_size``)."""
     cfg = compose_run(overrides)
+    if cfg.data.get("root") == STAND_IN_ROOT:
+        cfg.data.root = _stand_in_imagefolder(cfg.data.num_classes)
     L.seed_everything(cfg.seed, verbose=False)
     datamodule = instantiate(cfg.data, _convert_="all")  # no data is read: the shapes only
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
@@ -290,6 +319,27 @@ def time_models(candidates: list[Candidate], rounds: int, steps: int = 3, warmup
     }
 
 
+PEAK_DTYPE = torch.bfloat16
+
+
+def gpu_matmul_peak(n: int = 8192) -> dict[torch.dtype, float]:
+    """The GPU's FLOP/s on one ``n``^3 matmul in bf16 and in float32 (TF32 as the backend's setting has it),
+    best of 3 after a warm-up: the denominator of the tables' MFU."""
+    peak = {}
+    for dtype in (PEAK_DTYPE, torch.float32):
+        a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+        best = float("inf")
+        for _ in range(4):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            torch.mm(a, b)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        peak[dtype] = 2 * n**3 / best
+        del a, b
+    return peak
+
+
 def parse_sweep(sweep: str | None) -> tuple[str, list[str]] | None:
     """``"key=v1,v2"`` -> ``("key", ["v1", "v2"])``; None stays None."""
     if sweep is None:
@@ -320,7 +370,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     sweep = parse_sweep(args.sweep)
     base = [*shared, *(QUICK if args.quick else [])]
     widths = args.vit_width or ([] if args.quick else [128])
-    variants = [[f"model.embed_dim={w}"] for w in widths] if group != "lm" and widths else [[]]
+    variants = [[f"model.embed_dim={w}"] for w in widths] if group in WIDTH_GROUPS and widths else [[]]
     batch_size = args.batch_size or (QUICK_BATCH if args.quick else None)
     tables = []
     for variant in variants:
@@ -340,7 +390,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         extras = f", overrides: {' '.join(args.override)}" if args.override else ""
         setup = " ".join(base) or "experiments"
         title = f"{group}: {setup}{what}, {describe(candidates[0])}{extras}"
-        print_table(title, candidates, times, gpu=args.device == "cuda")
+        print_table(title, candidates, times, peak=args.peak)
         tables.append(table_record(title, candidates, times))
         del candidates
         gc.collect()
@@ -378,12 +428,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--device cuda: no CUDA device is available")
     gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     machine = machine_info()
+    args.peak = gpu_matmul_peak() if args.device == "cuda" else None
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}; one training step "
         f"(forward, backward, clip, AdamW step), median of {args.rounds} interleaved rounds x {args.steps} steps "
         f"after {args.warmup} warm-up step(s) each"
     )
+    if args.peak:
+        print(
+            f"# MFU: achieved FLOP/s over the measured peak, {args.peak[PEAK_DTYPE] / 1e12:.0f} TFLOP/s bf16 and "
+            f"{args.peak[torch.float32] / 1e12:.0f} TFLOP/s float32 (one 8192^3 matmul, best of 3)"
+        )
     tables = [table for group in args.groups for table in run_group(group, args)]
     if args.json:
         record = {

@@ -23,7 +23,15 @@ from moekit.moe import DepthRouter, ExpertBank, MoELayer, depth_routers, moe_lay
 from moekit.moe.depth import capacity_tokens
 from moekit.utils.format import si
 
-__all__ = ["MoELayerSummary", "DepthBlockSummary", "ModelSummary", "model_summary", "LMSummary", "lm_summary"]
+__all__ = [
+    "MoELayerSummary",
+    "DepthBlockSummary",
+    "ModelSummary",
+    "model_summary",
+    "LMSummary",
+    "lm_summary",
+    "flop_counter",
+]
 
 
 @dataclass(frozen=True)
@@ -156,17 +164,35 @@ def _cudnn_rnn_flops(input_shape, weight_shapes, *args, out_shape=None, **kwargs
     return 2 * tokens * sum(math.prod(shape) for shape in weight_shapes if len(shape) == 2)
 
 
-# Kernels FlopCounterMode has no formula for: the CPU kernel of F.scaled_dot_product_attention and
-# the fused LSTM kernels (other RNN paths decompose into matmuls the counter sees).
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``aten._grouped_mm`` (the experts' ``grouped_mm`` kernel): 2 x the multiply-adds of all groups. Rows split
+    by group ``[M, K] @ [E, K, N]`` (forward, input gradient), the contraction split ``[K, M] @ [M, N]`` (weight
+    gradient) and columns split ``[E, M, K] @ [K, N]`` each make ``2 M K N``; 3-D x 3-D is a batched matmul."""
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * math.prod(a_shape) * b_shape[2]
+    if len(a_shape) == 3:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+# Kernels FlopCounterMode has no formula for: the CPU kernel of F.scaled_dot_product_attention,
+# the fused LSTM kernels (other RNN paths decompose into matmuls the counter sees) and grouped matmuls.
 _EXTRA_FLOP_FORMULAS = {
     op: formula
     for op, formula in (
         (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), _cpu_sdpa_flops),
         (getattr(torch.ops.aten, "mkldnn_rnn_layer", None), _rnn_layer_flops),
         (getattr(torch.ops.aten, "_cudnn_rnn", None), _cudnn_rnn_flops),
+        (getattr(torch.ops.aten, "_grouped_mm", None), _grouped_mm_flops),
     )
     if op is not None
 }
+
+
+def flop_counter() -> FlopCounterMode:
+    """``torch.utils.flop_counter.FlopCounterMode`` that also counts the kernels it has no formula for (grouped
+    matmuls, CPU attention, fused LSTMs): what every FLOP figure of moekit is measured with."""
+    return FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
 
 
 def _param_count(params) -> int:
@@ -315,7 +341,7 @@ def _measure(model: nn.Module, example: Tensor) -> _Measured:
 
     was_training = model.training
     handles = [layer.register_forward_pre_hook(record_tokens(name)) for name, layer in layers]
-    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
+    counter = flop_counter()
     try:
         model.eval()
         with counter, top_c_routing(model):

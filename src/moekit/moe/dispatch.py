@@ -32,12 +32,15 @@ class DispatchPlan:
         counts: ``[E]`` kept assignments per expert (``<= capacity``).
         keep: ``[N, k]`` bool, False where capacity dropped the assignment.
         top_k: ``k``.
+        all_kept: True when nothing can be dropped (dropless, no padding, no router mask): the groups of
+            ``counts`` then cover all ``N * k`` dispatched rows, and the experts need not zero a tail.
     """
 
     order: Tensor
     counts: Tensor
     keep: Tensor
     top_k: int
+    all_kept: bool = False
 
 
 def priority_order(priority: Tensor) -> Tensor:
@@ -143,7 +146,7 @@ def plan_dispatch(
     key = expert_ids.reshape(-1) if all_kept else torch.where(keep, expert_ids, num_experts).reshape(-1)
     order = torch.sort(key, stable=True).indices
     counts = count_ids(key, num_experts + 1)[:num_experts]
-    return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1])
+    return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1], all_kept=all_kept)
 
 
 def dispatch(x: Tensor, plan: DispatchPlan) -> Tensor:
@@ -171,4 +174,8 @@ def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:
         return per_assignment[:, 0] * weights
-    return torch.bmm(weights.unsqueeze(1), per_assignment).squeeze(1)
+    if per_assignment.device.type == "cpu":  # [1, k] @ [k, o] per token: MKL's batched GEMM, 1.4x mul + sum
+        return torch.bmm(weights.unsqueeze(1), per_assignment).squeeze(1)
+    # On an H100 that bmm ran a tiny-tile GEMM kernel at ~1.2 ms per 32768 tokens (a quarter of a top-2 layer's
+    # step with 256 experts); a multiply and a sum read the same bytes once.
+    return (per_assignment * weights.unsqueeze(-1)).sum(dim=1)

@@ -249,12 +249,13 @@ class ExpertBank(nn.Module):
                 setattr(self, name, nn.Parameter(block, requires_grad=param.requires_grad))
         self.ep_group = group
 
-    def forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
+    def forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """Args: ``x: [rows, in]`` sorted by expert; ``group_sizes``: ``int`` rows per expert or
-        ``LongTensor [experts]`` counts. Returns ``[rows, out]`` (rows past the last group are zero)."""
-        if self.ep_group is not None:
+        ``LongTensor [experts]`` counts; ``no_tail``: the counts sum to ``rows`` (a dropless dispatch), so no
+        row past the last group needs zeroing. Returns ``[rows, out]`` (rows past the last group are zero)."""
+        if self.ep_group is not None:  # the rows received from other ranks: the tail is zeroed as always
             return expert_parallel_apply(self._local_forward, x, group_sizes, self.num_experts, self.ep_group)
-        return self._local_forward(x, group_sizes)
+        return self._local_forward(x, group_sizes, no_tail)
 
     def _cast(self, x: Tensor) -> tuple[Tensor, tuple[Tensor | None, ...]]:
         """``x`` and the weights in the compute dtype: autocast's when enabled, else the input's."""
@@ -268,12 +269,13 @@ class ExpertBank(nn.Module):
             weights = tuple(w.to(x.dtype) if w is not None else None for w in weights)
         return x, weights
 
-    def _local_forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
+    def _local_forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """The experts held here on rows sorted by local expert."""
         x, (w1, b1, w2, b2) = self._cast(x)
         with torch.autocast(x.device.type, enabled=False):
-            h = self.drop1(expert_activation(grouped_linear(x, w1, b1, group_sizes, self.kernel), self.act, self.gated))
-            y = grouped_linear(h, w2, b2, group_sizes, self.kernel)
+            h = grouped_linear(x, w1, b1, group_sizes, self.kernel, no_tail)
+            h = self.drop1(expert_activation(h, self.act, self.gated))
+            y = grouped_linear(h, w2, b2, group_sizes, self.kernel, no_tail)
         return self.drop2(y)
 
     def merged(self, x_BTD: Tensor, weights_BE: Tensor) -> Tensor:

@@ -107,18 +107,29 @@ class MoETask(LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Norm clipping under expert parallelism takes the norm over all experts of the expert group
-        (each rank holds only some); everything else clips as Lightning does."""
+        (each rank holds only some). A fused optimizer is clipped here: Lightning refuses to clip one under
+        mixed precision, as it would unscale a float16 scaler's gradients itself, and float16 runs build none
+        (:meth:`configure_optimizers`). Everything else clips as Lightning does."""
         clip_norm = getattr(self.trainer.strategy, "clip_gradient_norm", None)
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and clip_norm is not None:
+        norm = gradient_clip_algorithm in (None, "norm")
+        if gradient_clip_val and norm and clip_norm is not None:
             if clip_norm(optimizer, gradient_clip_val) is not None:
                 return
+        if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if norm:
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         config = dict(self.optimizer_config)
         weight_decay = config.pop("weight_decay")
         decay_1d = config.pop("decay_1d", False)
-        optimizer = build_optimizer(param_groups(self.net, weight_decay, decay_1d), **config)
+        fused = not str(self.trainer.precision).startswith("16")  # a float16 GradScaler unscales before clipping
+        optimizer = build_optimizer(param_groups(self.net, weight_decay, decay_1d), **config, fused=fused)
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
