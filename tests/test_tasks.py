@@ -13,7 +13,7 @@ from torch import nn
 from conftest import TINY_NET
 from moekit.moe import SoftMoE, TopKMoE, collect_moe_outputs
 from moekit.tasks import ImageClassifier
-from moekit.tasks.optim import ScheduleConfig, lr_lambda, param_groups
+from moekit.tasks.optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
 
 
 def test_cosine_schedule_with_warmup():
@@ -49,6 +49,27 @@ def test_param_groups_skip_norms_biases_and_the_soft_moe_scale():
     assert id(model[2].experts.fc1_weight) not in ids
     (everything,) = param_groups(model, weight_decay=0.1, decay_1d=True)
     assert len(everything["params"]) == len(list(model.parameters()))
+
+
+def test_adamw_is_fused_by_default_and_steps_as_the_default_implementation():
+    """(A mix of DTensor and plain parameters, which the fused kernel refuses, is FSDP with expert parallelism:
+    test_parallel_train's fsdp_ep runs train it.)"""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [
+        build_optimizer(param_groups(models[0], 0.1), lr=0.1),
+        build_optimizer(param_groups(models[1], 0.1), lr=0.1, fused=False),
+    ]
+    assert [o.defaults["fused"] for o in optimizers] == [True, False]
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        for m, o in zip(models, optimizers):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)
 
 
 def test_training_loss_is_cross_entropy_plus_the_aux_losses():

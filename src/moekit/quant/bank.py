@@ -156,7 +156,9 @@ class QuantizedExpertBank(nn.Module):
     def fmt(self) -> QuantFormat:
         return self.fc1.fmt
 
-    def forward(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
+    def forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
+        """:meth:`moekit.moe.ExpertBank.forward`'s contract (``no_tail`` changes nothing here: the loop writes
+        the groups' rows into zeros)."""
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         x = x.to(dtype)
