@@ -34,6 +34,7 @@ import torch
 from timm.layers import Mlp, SwiGLU
 from torch import nn
 
+from moekit.analysis.peak import matmul_peak
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
@@ -103,22 +104,6 @@ def time_candidates(
             if r == 0 or warm[c.name] < 20 * fastest:
                 times[c.name].append(_step(c, x, grads[c.name], backend))
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def matmul_peak(backend: Backend) -> tuple[float, str]:
-    """``(FLOP/s, description)`` of one large square matmul in the backend's precision, best of 3 after a warm-up."""
-    n = 8192 if backend.device.type == "cuda" else 4096
-    dtype = backend.autocast or torch.float32
-    a = torch.randn(n, n, device=backend.device, dtype=dtype)
-    b = torch.randn(n, n, device=backend.device, dtype=dtype)
-    best = float("inf")
-    for _ in range(4):
-        backend.sync()
-        start = time.perf_counter()
-        torch.mm(a, b)
-        backend.sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best, f"{n}^3 {str(dtype).removeprefix('torch.')} matmul"
 
 
 def count_flops(candidate: Candidate, x: torch.Tensor, backend: Backend) -> int:
@@ -357,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     args.backend = Backend(torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else None)
     machine = machine_info()
     where = f"GPU {machine['gpu']}" if args.device == "cuda" else f"{machine['cpu']} x{machine['cpu_cores']}"
-    args.peak, peak_what = matmul_peak(args.backend)
+    args.peak, peak_what = matmul_peak(args.backend.device, args.backend.autocast or torch.float32)
     print(
         f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{where}, {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, forward + backward, "

@@ -71,6 +71,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from moekit.analysis.bench_model_tables import describe, print_table, table_record
+from moekit.analysis.peak import matmul_peak
 from moekit.analysis.step_times import STEP_TIMES_KIND
 from moekit.commands.train import _summary
 from moekit.configs import CONFIG_DIR, compose, instantiate
@@ -319,27 +320,6 @@ def time_models(candidates: list[Candidate], rounds: int, steps: int = 3, warmup
     }
 
 
-PEAK_DTYPE = torch.bfloat16
-
-
-def gpu_matmul_peak(n: int = 8192) -> dict[torch.dtype, float]:
-    """The GPU's FLOP/s on one ``n``^3 matmul in bf16 and in float32 (TF32 as the backend's setting has it),
-    best of 3 after a warm-up: the denominator of the tables' MFU."""
-    peak = {}
-    for dtype in (PEAK_DTYPE, torch.float32):
-        a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
-        best = float("inf")
-        for _ in range(4):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            torch.mm(a, b)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        peak[dtype] = 2 * n**3 / best
-        del a, b
-    return peak
-
-
 def parse_sweep(sweep: str | None) -> tuple[str, list[str]] | None:
     """``"key=v1,v2"`` -> ``("key", ["v1", "v2"])``; None stays None."""
     if sweep is None:
@@ -428,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--device cuda: no CUDA device is available")
     gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     machine = machine_info()
-    args.peak = gpu_matmul_peak() if args.device == "cuda" else None
+    dtypes = (torch.bfloat16, torch.float32)  # the steps' precisions (bf16-mixed, 32-true)
+    args.peak = {dtype: matmul_peak("cuda", dtype)[0] for dtype in dtypes} if args.device == "cuda" else None
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}; one training step "
@@ -437,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.peak:
         print(
-            f"# MFU: achieved FLOP/s over the measured peak, {args.peak[PEAK_DTYPE] / 1e12:.0f} TFLOP/s bf16 and "
+            f"# MFU: achieved FLOP/s over the measured peak, {args.peak[torch.bfloat16] / 1e12:.0f} TFLOP/s bf16 and "
             f"{args.peak[torch.float32] / 1e12:.0f} TFLOP/s float32 (one 8192^3 matmul, best of 3)"
         )
     tables = [table for group in args.groups for table in run_group(group, args)]

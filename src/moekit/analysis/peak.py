@@ -1,0 +1,31 @@
+"""The machine's matmul rate: the physical limit against which the benchmarks report GFLOP/s and MFU."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["matmul_peak"]
+
+
+def matmul_peak(device: torch.device | str, dtype: torch.dtype) -> tuple[float, str]:
+    """``(FLOP/s, description)`` of one large square matmul in ``dtype`` (8192^3 on a GPU, 4096^3 on a CPU), the
+    best of 3 after a warm-up."""
+    device = torch.device(device)
+    n = 8192 if device.type == "cuda" else 4096
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(4):
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best, f"{n}^3 {str(dtype).removeprefix('torch.')} matmul"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
