@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, compose_config
+from conftest import CONFIGS, compose_config, run_script
 from moekit.commands.train import train
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import build_moe_layer, collect_moe_outputs, grouped_linear
 from moekit.recipes import list_recipes
 
@@ -151,3 +152,31 @@ def test_one_bf16_training_step_of_each_experiment(experiment, tmp_path):
         overrides += [f"data.root={root}", "data.num_classes=2", "data.num_workers=0", "data.batch_size=4"]
     metrics = train(compose_config("train", overrides, tmp_path))
     assert torch.isfinite(torch.tensor(metrics["train/loss_step"])), metrics
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_data_parallel_training_over_the_gpus_present(strategy, tmp_path):
+    """Three bf16 steps of the main job's model (tiny) under moekit's DDP and FSDP strategies over every visible GPU
+    (on the CPU dry run: 2 gloo processes in float32), and the checkpoint they write holds every expert."""
+    devices = torch.cuda.device_count() if DEVICE == "cuda" else 2
+    data = write_fake_fashion_mnist(tmp_path / "fashion-mnist", n_train=96, n_test=32)
+    out = tmp_path / "run"
+    result = run_script(
+        "train.py",
+        "experiment=soft_moe_vit",
+        "debug=tiny",
+        "moe.num_experts=8",
+        f"trainer={strategy}",
+        f"trainer.accelerator={'gpu' if DEVICE == 'cuda' else 'cpu'}",
+        f"trainer.devices={devices}",
+        f"trainer.precision={'bf16-mixed' if DEVICE == 'cuda' else '32-true'}",
+        "trainer.max_steps=3",
+        f"data.root={data}",
+        "data.val_size=32",
+        f"paths.output_dir={out}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    assert {v.shape[0] for k, v in state.items() if k.endswith("experts.fc1_weight")} == {8}
