@@ -43,7 +43,6 @@ def test_a_plan_says_when_its_groups_cover_every_dispatched_row():
 def test_the_grouped_mm_kernel_gives_the_loops_layer(capacity_factor):
     """A top-2 layer with the device-side kernel (dropless: no tail masks; dropping: a masked tail) gives the
     outputs and gradients of the same layer with the per-expert loop."""
-    torch.manual_seed(0)
     results = []
     for kernel in ("loop", "grouped_mm"):
         torch.manual_seed(0)

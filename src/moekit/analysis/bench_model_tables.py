@@ -49,9 +49,8 @@ def print_table(
         if peak:
             flops = c.flops_per_example
             achieved = None if flops is None else 3 * flops * c.examples_per_step / t
-            dtype = torch.bfloat16 if c.precision.startswith("bf16") else torch.float32
             cells.append("n/a" if achieved is None else f"{achieved / 1e12:.2f}")
-            cells.append("n/a" if achieved is None else f"{achieved / peak[dtype]:.1%}")
+            cells.append("n/a" if achieved is None else f"{achieved / peak[c.compute_dtype]:.1%}")
         print("| " + " | ".join(cells) + " |")
     sys.stdout.flush()
 

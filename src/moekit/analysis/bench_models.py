@@ -154,6 +154,11 @@ class Candidate:
         return "token" if isinstance(self.task, LanguageModel) else "image"
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The matmuls' dtype: bf16 under ``bf16-mixed`` autocast, else float32."""
+        return _AUTOCAST.get(self.precision, torch.float32)
+
+    @property
     def flops_per_example(self) -> float | None:
         if self.summary is None:
             return None
@@ -280,9 +285,7 @@ class StepTiming:
 def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
     """One training step of ``c`` as Lightning runs it; returns its timing and the loss it minimised."""
     autocast = (
-        torch.autocast(c.device.type, dtype=_AUTOCAST[c.precision])
-        if c.precision in _AUTOCAST
-        else contextlib.nullcontext()
+        torch.autocast(c.device.type, dtype=c.compute_dtype) if c.precision in _AUTOCAST else contextlib.nullcontext()
     )
     _sync(c.device)
     start = time.perf_counter()
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--device cuda: no CUDA device is available")
     gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     machine = machine_info()
-    dtypes = (torch.bfloat16, torch.float32)  # the steps' precisions (bf16-mixed, 32-true)
+    dtypes = (torch.bfloat16, torch.float32)  # every Candidate.compute_dtype
     args.peak = {dtype: matmul_peak("cuda", dtype)[0] for dtype in dtypes} if args.device == "cuda" else None
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "

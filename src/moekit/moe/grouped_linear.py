@@ -226,8 +226,8 @@ def grouped_linear(
     else:
         counts = group_sizes
     offsets = counts.cumsum(0)
-    row = torch.arange(x.shape[0], device=x.device)
     mask_tail = not (equal or no_tail)  # rows past the last group: grouped_mm leaves them unset
+    row = torch.arange(x.shape[0], device=x.device) if mask_tail or bias is not None else None
     if mask_tail:
         valid = (row < offsets[-1]).unsqueeze(-1)
         x = torch.where(valid, x, x.new_zeros(()))
