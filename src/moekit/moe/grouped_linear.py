@@ -14,6 +14,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .cpu_threads import for_each_expert
+
 __all__ = ["grouped_linear", "AUTO_KERNELS", "Kernel", "GroupSizes"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
@@ -38,16 +40,12 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
     sizes = counts.tolist()  # the host sync the loop needs (free on CPU)
     rows = sum(sizes)
     out = x.new_empty(x.shape[0], weight.shape[-1])
-    x_parts = x[:rows].split(sizes)
-    out_parts = out[:rows].split(sizes)
+    x_parts, out_parts, w_parts = x[:rows].split(sizes), out[:rows].split(sizes), weight.unbind(0)
     if bias is None:
-        for e, (x_e, w_e) in enumerate(zip(x_parts, weight.unbind(0))):
-            if sizes[e]:
-                torch.mm(x_e, w_e, out=out_parts[e])
+        for_each_expert(lambda e: torch.mm(x_parts[e], w_parts[e], out=out_parts[e]), sizes, x.device)
     else:
-        for e, (x_e, w_e, b_e) in enumerate(zip(x_parts, weight.unbind(0), bias.unbind(0))):
-            if sizes[e]:
-                torch.addmm(b_e, x_e, w_e, out=out_parts[e])
+        b_parts = bias.unbind(0)
+        for_each_expert(lambda e: torch.addmm(b_parts[e], x_parts[e], w_parts[e], out=out_parts[e]), sizes, x.device)
     if rows < x.shape[0]:
         out[rows:].zero_()
     return out
@@ -64,21 +62,16 @@ def _loop_backward(
     grad_x = grad_w = grad_b = x.new_empty(0)
     if need_x:
         grad_x = torch.empty_like(x)
-        for e, (g_e, w_t, gx_e) in enumerate(
-            zip(g_parts, weight.transpose(1, 2).unbind(0), grad_x[:rows].split(sizes))
-        ):
-            if sizes[e]:
-                torch.mm(g_e, w_t, out=gx_e)
+        gx_parts, w_t = grad_x[:rows].split(sizes), weight.transpose(1, 2).unbind(0)
+        for_each_expert(lambda e: torch.mm(g_parts[e], w_t[e], out=gx_parts[e]), sizes, x.device)
         if rows < x.shape[0]:
             grad_x[rows:].zero_()
     if need_w:
         grad_w = torch.empty_like(weight)
-        x_t_parts = x[:rows].t().split(sizes, dim=1)
-        for e, (x_t, g_e, gw_e) in enumerate(zip(x_t_parts, g_parts, grad_w.unbind(0))):
-            if sizes[e]:
-                torch.mm(x_t, g_e, out=gw_e)
-            else:
-                gw_e.zero_()
+        x_t, gw_parts = x[:rows].t().split(sizes, dim=1), grad_w.unbind(0)
+        for e in (e for e, size in enumerate(sizes) if not size):
+            gw_parts[e].zero_()
+        for_each_expert(lambda e: torch.mm(x_t[e], g_parts[e], out=gw_parts[e]), sizes, x.device)
     if need_b:
         grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[-1])
         for e, (g_e, gb_e) in enumerate(zip(g_parts, grad_b.unbind(0))):

@@ -1,0 +1,112 @@
+"""Per-expert matmuls spread over the CPU's threads, one expert per thread at a time.
+
+An expert of ragged dispatch holds a few dozen to a few hundred rows. One BLAS call on such a product, split over all
+intra-op threads, runs far below the machine's matmul rate: each thread gets a sliver of a small product and waits for
+the others at its end. Here each of ``torch.get_num_threads()`` worker threads takes a contiguous share of the experts,
+about equal in rows, and runs its experts' products one after another on one intra-op thread, the way ``torch.bmm``
+runs equal groups. The workers start once per process (again after a fork); a worker's one-thread setting is its own
+(OpenMP's and MKL's thread-local settings), the calling thread keeps its own.
+
+Measured (``grouped_linear`` forward + backward, 2-core AMD EPYC, float32, interleaved rounds): with 32 to 256 experts
+of 32 to 128 rows each, 1.01-1.20x the speed of the plain loop (1.10-1.20x at 256 experts of 32 rows, the fine-grained
+layer's shape); with 4 to 16 experts 0.92-1.06x, as the plain loop's products split well over the BLAS's own
+threads. Hence :data:`MIN_EXPERTS_PER_THREAD`.
+
+The work runs in the calling thread, one expert after another, where threads cannot help or would hide the work: a
+device other than the CPU, one intra-op thread, fewer than ``MIN_EXPERTS_PER_THREAD`` non-empty experts per thread, or
+a ``TorchDispatchMode`` active (the FLOP counter's, which sees only the calling thread's operators).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["for_each_expert", "shares", "MIN_EXPERTS_PER_THREAD"]
+
+MIN_EXPERTS_PER_THREAD = 16
+
+
+class _Workers:
+    """``n`` threads, each with one intra-op thread (``usable`` False if a thread did not take that setting)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pool = ThreadPoolExecutor(n, thread_name_prefix="moekit-experts")
+        ready = threading.Barrier(n + 1)
+        # every worker waits at the barrier until all n exist: each of the n threads initialises once
+        inits = [self.pool.submit(self._init_worker, ready) for _ in range(n)]
+        ready.wait()
+        torch.set_num_threads(n)  # a worker's set_num_threads(1) also set the process default; restore it
+        self.usable = all(init.exception() is None and init.result() == 1 for init in inits)
+
+    @staticmethod
+    def _init_worker(ready: threading.Barrier) -> int:
+        try:
+            torch.set_num_threads(1)
+            # ATen sets a new thread's count from the process default once, at the first call that asks for it: ask
+            # now, while the default is 1 (the caller restores it after the barrier)
+            return torch.get_num_threads()
+        finally:
+            ready.wait()
+
+
+_workers: _Workers | None = None
+_lock = threading.Lock()
+
+
+def _get_workers(n: int) -> _Workers:
+    global _workers
+    with _lock:
+        if _workers is None or _workers.n != n:
+            if _workers is not None:
+                _workers.pool.shutdown(wait=True)
+            _workers = _Workers(n)
+        return _workers
+
+
+def _forget_workers() -> None:
+    global _workers
+    _workers = None  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
+def shares(costs: Sequence[int], n: int) -> list[range]:
+    """Split experts ``0 .. len(costs) - 1`` into at most ``n`` contiguous ranges of about equal total cost."""
+    total = sum(costs)
+    bounds, running = [0], 0
+    for e, cost in enumerate(costs):
+        running += cost
+        if len(bounds) < n and running * n >= total * len(bounds) and e + 1 < len(costs):
+            bounds.append(e + 1)
+    bounds.append(len(costs))
+    return [range(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+def for_each_expert(work: Callable[[int], None], costs: Sequence[int], device: torch.device) -> None:
+    """Call ``work(e)`` for every expert ``e`` with ``costs[e] > 0`` (its rows), in shares over the CPU's threads
+    when ``device`` is the CPU. ``work`` writes into preallocated tensors (``out=``); it runs without autograd
+    recording, in the caller's inference mode."""
+    inference = torch.is_inference_mode_enabled()
+
+    def run(share: range) -> None:
+        with torch.inference_mode(inference), torch.no_grad():
+            for e in share:
+                if costs[e] > 0:
+                    work(e)
+
+    n = torch.get_num_threads()
+    busy = sum(1 for cost in costs if cost > 0)
+    spread = device.type == "cpu" and n > 1 and busy >= MIN_EXPERTS_PER_THREAD * n
+    workers = _get_workers(n) if spread and torch._C._len_torch_dispatch_stack() == 0 else None
+    if workers is None or not workers.usable:
+        run(range(len(costs)))
+        return
+    for future in [workers.pool.submit(run, share) for share in shares(costs, n)]:
+        future.result()

@@ -1,0 +1,104 @@
+"""Per-expert work over the CPU's threads: every busy expert once, on one-thread workers, in the caller's modes."""
+
+import sys
+import threading
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from moekit.moe.cpu_threads import MIN_EXPERTS_PER_THREAD, for_each_expert, shares
+
+CPU = torch.device("cpu")
+grouped = sys.modules["moekit.moe.grouped_linear"]
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 20])
+def test_shares_cover_the_experts_in_order_and_balance_their_cost(n):
+    costs = [5, 0, 3, 9, 1, 1, 7, 2, 0, 4]
+    parts = shares(costs, n)
+    assert [e for part in parts for e in part] == list(range(len(costs)))
+    assert len(parts) <= n
+    # a share closes at the first expert that brings it to its part of the total: at most one expert's cost over
+    assert all(sum(costs[e] for e in part) <= sum(costs) / n + max(costs) for part in parts)
+
+
+def _record(costs, device=CPU):
+    seen, lock = [], threading.Lock()
+
+    def work(e):
+        with lock:
+            seen.append((e, threading.get_ident(), torch.get_num_threads(), torch.is_grad_enabled()))
+
+    for_each_expert(work, costs, device)
+    return seen
+
+
+def test_every_busy_expert_runs_once_on_a_one_thread_worker(two_threads):
+    costs = [0 if e % 5 == 0 else 1 + e % 3 for e in range(4 * MIN_EXPERTS_PER_THREAD)]
+    seen = _record(costs)
+    assert sorted(e for e, *_ in seen) == [e for e, cost in enumerate(costs) if cost]
+    assert all(ident != threading.get_ident() for _, ident, _, _ in seen), "the work runs on the workers"
+    assert {threads for *_, threads, _ in seen} == {1}, "each worker runs its products on one intra-op thread"
+    assert not any(grad for *_, grad in seen), "no autograd recording in the workers"
+    assert torch.get_num_threads() == 2, "the caller keeps its thread count"
+
+
+def test_few_experts_one_thread_or_a_dispatch_mode_stay_on_the_calling_thread(two_threads):
+    many = [1] * (4 * MIN_EXPERTS_PER_THREAD)
+    few = [1] * (2 * MIN_EXPERTS_PER_THREAD - 1)
+    assert {ident for _, ident, *_ in _record(few)} == {threading.get_ident()}
+    with FlopCounterMode(display=False):  # the FLOP counter sees only the calling thread's operators
+        assert {ident for _, ident, *_ in _record(many)} == {threading.get_ident()}
+    torch.set_num_threads(1)
+    assert {ident for _, ident, *_ in _record(many)} == {threading.get_ident()}
+
+
+def test_the_workers_keep_the_callers_inference_mode_and_raise_its_errors(two_threads):
+    experts = 4 * MIN_EXPERTS_PER_THREAD
+    with torch.inference_mode():
+        out = torch.zeros(experts)  # an inference tensor: writing it outside inference mode would fail
+        for_each_expert(lambda e: out[e].fill_(e), [1] * experts, CPU)
+    assert torch.equal(out, torch.arange(experts, dtype=out.dtype))
+
+    def fail(e):
+        if e == experts - 1:
+            raise ValueError(f"expert {e}")
+
+    with pytest.raises(ValueError, match=f"expert {experts - 1}"):
+        for_each_expert(fail, [1] * experts, CPU)
+
+
+def test_the_loop_kernel_on_threads_equals_the_reference(two_threads, monkeypatch):
+    """64 ragged experts with empty ones and a tail, values and gradients, with the workers in use."""
+    calls = []
+    workers = sys.modules["moekit.moe.cpu_threads"]._get_workers
+    monkeypatch.setattr(sys.modules["moekit.moe.cpu_threads"], "_get_workers", lambda n: calls.append(n) or workers(n))
+    experts = 64
+    counts = torch.randint(0, 6, (experts,))
+    counts[::7] = 0
+    rows = int(counts.sum()) + 3  # 3 tail rows that belong to no expert
+    x = torch.randn(rows, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(experts, 8, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(experts, 5, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(rows, 5, dtype=torch.float64)
+    out = grouped.grouped_linear(x, w, b, counts, "loop")
+    out.backward(grad)
+    got = (out.detach(), x.grad, w.grad, b.grad)
+    assert calls, "the threaded path ran"
+    x.grad = w.grad = b.grad = None
+    start, ref = 0, torch.zeros(rows, 5, dtype=torch.float64)
+    for e, n in enumerate(counts.tolist()):
+        ref[start : start + n] = x[start : start + n] @ w[e] + b[e]
+        start += n
+    ref.backward(grad)
+    for g, r in zip(got, (ref.detach(), x.grad, w.grad, b.grad)):
+        torch.testing.assert_close(g, r)
