@@ -8,7 +8,7 @@ from torch import nn
 from conftest import reference_tokens_choice
 from moekit.moe import TopKMoE, update_balancing_biases
 from moekit.moe.capacity import tokens_choice_capacity
-from moekit.moe.dispatch import plan_dispatch, priority_order
+from moekit.moe.dispatch import combine, plan_dispatch, priority_order
 from moekit.moe.losses import cv_squared, vmoe_load_loss
 
 
@@ -36,6 +36,31 @@ def test_a_plan_says_when_its_groups_cover_every_dispatched_row():
     assert not plan_dispatch(expert_ids, 3, capacity=8).all_kept  # nothing dropped here, but it could be
     assert not plan_dispatch(expert_ids, 3, keep=torch.ones(4, 2, dtype=torch.bool)).all_kept
     assert not plan_dispatch(expert_ids, 3, valid=torch.tensor([True, True, True, False])).all_kept
+
+
+@pytest.mark.parametrize("top_k, width", [(2, 8), (2, 256), (3, 200)], ids=["multiply-sum", "bmm", "bmm-k3"])
+def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width):
+    """Either CPU path (a multiply and a sum for small products, a batched matmul for large ones) gives
+    ``sum_j keep * gate * out`` per token, in values and gradients; a dropped assignment contributes nothing."""
+    expert_ids = torch.randint(0, 4, (10, top_k))
+    plan = plan_dispatch(expert_ids, 4, capacity=4)  # 30 assignments into 16 slots: some dropped
+    assert not plan.keep.all()
+    expert_out = torch.randn(10 * top_k, width, dtype=torch.float64, requires_grad=True)
+    gates = torch.rand(10, top_k, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(10, width, dtype=torch.float64)
+    combine(expert_out, plan, gates).backward(grad)
+    got = (expert_out.grad, gates.grad)
+    expert_out.grad = gates.grad = None
+    row_of = torch.empty_like(plan.order).scatter_(0, plan.order, torch.arange(plan.order.numel()))  # assignment's row
+    expected = torch.zeros(10, width, dtype=torch.float64)
+    for n in range(10):
+        for j in range(top_k):
+            if plan.keep[n, j]:
+                expected[n] += gates[n, j] * expert_out[row_of[n * top_k + j]]
+    expected.backward(grad)
+    torch.testing.assert_close(combine(expert_out, plan, gates), expected.detach())
+    for g, r in zip(got, (expert_out.grad, gates.grad)):
+        torch.testing.assert_close(g, r)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")

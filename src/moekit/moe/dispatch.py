@@ -22,6 +22,9 @@ from .routing import count_ids
 
 __all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine"]
 
+# torch's CPU bmm runs products of fewer multiply-adds than this on its naive kernel, larger ones on the BLAS's
+_CPU_BMM_MIN_MACS = 400
+
 
 @dataclass
 class DispatchPlan:
@@ -174,8 +177,10 @@ def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:
         return per_assignment[:, 0] * weights
-    if per_assignment.device.type == "cpu":  # [1, k] @ [k, o] per token: MKL's batched GEMM, 1.4x mul + sum
+    if per_assignment.device.type == "cpu" and top_k * per_assignment.shape[-1] >= _CPU_BMM_MIN_MACS:
+        # [1, k] @ [k, o] per token on MKL's batched GEMM: 1.4-1.6x a multiply and a sum at o = 256-512
         return torch.bmm(weights.unsqueeze(1), per_assignment).squeeze(1)
-    # On an H100 that bmm ran a tiny-tile GEMM kernel at ~1.2 ms per 32768 tokens (a quarter of a top-2 layer's
-    # step with 256 experts); a multiply and a sum read the same bytes once.
+    # Smaller products take torch's naive bmm kernel on CPUs: 2x slower than a multiply and a sum at o = 64-192 (top-2,
+    # 2-core AMD EPYC). On an H100 the bmm ran a tiny-tile GEMM kernel at ~1.2 ms per 32768 tokens (a quarter of a
+    # top-2 layer's step with 256 experts); a multiply and a sum read the same bytes once.
     return (per_assignment * weights.unsqueeze(-1)).sum(dim=1)
