@@ -1,7 +1,8 @@
 """Per-expert affine maps of rows sorted by expert: the kernels an :class:`~moekit.moe.ExpertBank` runs.
 
 ``"loop"`` - one BLAS call per expert, written into preallocated outputs (ragged counts are read on the host: a
-sync, free on CPU; under ``torch.compile`` a custom operator, opaque to it, so no graph break); ``"bmm"`` - one
+sync, free on CPU; under ``torch.compile`` a custom operator, opaque to it, so no graph break; on CPUs with many
+experts the calls are spread over the cores, :mod:`moekit.moe.cpu_threads`); ``"bmm"`` - one
 batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with device-side offsets (no host sync;
 feature sizes that are not 16-byte multiples are zero-padded to one). ``"auto"`` picks per device and layout
 (:data:`AUTO_KERNELS`).
