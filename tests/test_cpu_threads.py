@@ -1,5 +1,6 @@
 """Per-expert work over the CPU's threads: every busy expert once, on one-thread workers, in the caller's modes."""
 
+import multiprocessing
 import sys
 import threading
 
@@ -75,6 +76,23 @@ def test_the_workers_keep_the_callers_inference_mode_and_raise_its_errors(two_th
 
     with pytest.raises(ValueError, match=f"expert {experts - 1}"):
         for_each_expert(fail, [1] * experts, CPU)
+
+
+def _in_a_forked_child(experts: int) -> tuple[list[float], bool]:
+    torch.set_num_threads(2)
+    out = torch.zeros(experts)
+    idents = set()
+    for_each_expert(lambda e: idents.add(threading.get_ident()) or out[e].fill_(e), [1] * experts, CPU)
+    return out.tolist(), threading.get_ident() not in idents
+
+
+def test_a_forked_child_starts_its_own_workers(two_threads):
+    """The parent's worker threads do not exist in a forked child (a DataLoader worker): the child starts its own."""
+    experts = 4 * MIN_EXPERTS_PER_THREAD
+    _record([1] * experts)  # the parent's workers exist
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        values, on_workers = pool.apply_async(_in_a_forked_child, (experts,)).get(timeout=120)
+    assert values == list(range(experts)) and on_workers
 
 
 def test_the_loop_kernel_on_threads_equals_the_reference(two_threads, monkeypatch):

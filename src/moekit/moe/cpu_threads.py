@@ -70,8 +70,9 @@ def _get_workers(n: int) -> _Workers:
 
 
 def _forget_workers() -> None:
-    global _workers
-    _workers = None  # a forked child has none of its parent's threads
+    global _workers, _lock
+    _workers = None  # a forked child has none of its parent's threads,
+    _lock = threading.Lock()  # and a lock another thread held at the fork would stay held
 
 
 os.register_at_fork(after_in_child=_forget_workers)
