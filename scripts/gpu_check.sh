@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (`make gpu-check`), for a CUDA machine without network: the GPU test tier, then the layer and model
-# benchmarks on the GPU, all written to one markdown report (default docs/gpu_report.md; GPU_REPORT=<path>).
+# benchmarks on the GPU (with --profile: where each step spends its time), all written to one markdown report (default
+# docs/gpu_report.md; GPU_REPORT=<path>).
 # It runs the machine's own python3 and PyTorch; what that image lacks comes from `make gpu-bundle`, made beforehand
 # on a machine with network: wheels in .whl/ (installed to a private folder) and Fashion-MNIST in data/fashion-mnist/.
 # GPU_CHECK_SECTION_TIMEOUT=<seconds> bounds each of the three sections (0, the default: no bound), so that a lease
@@ -40,11 +41,11 @@ mkdir -p "$(dirname "$report")"
     echo
     echo "## Models: one training step against the dense twin (Soft MoE S/16 against ViT-S/16 first)"
     echo
-    section "$PY" scripts/bench_models.py --device cuda --groups s16 vit lm --rounds 3 2>&1 || status=1
+    section "$PY" scripts/bench_models.py --device cuda --groups s16 vit lm --rounds 3 --profile 2>&1 || status=1
     echo
     echo "## Layers: bf16 autocast, forward + backward, batches x8"
     echo
-    section "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 --rounds 3 2>&1 || status=1
+    section "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 --rounds 3 --profile 2>&1 || status=1
     exit $status
 ) | tee "$report"
 status=${PIPESTATUS[0]}

@@ -12,6 +12,7 @@ is credited with the same FLOPs, so its GFLOP/s compare as speeds of one computa
     python scripts/bench_moe.py --tables soft topk recipes --rounds 5
     python scripts/bench_moe.py --quick          # small shapes, a smoke run
     python scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8   # a GPU: bf16 autocast, 8x the batch
+    python scripts/bench_moe.py --tables topk --profile   # and where moekit's layers spend their time
 
 Optional references (``pip install -e .[bench]``): ``soft-moe-pytorch`` for Soft MoE and Hugging
 Face ``transformers``' ``MixtralSparseMoeBlock`` (every experts implementation it offers) for top-2.
@@ -34,6 +35,7 @@ import torch
 from timm.layers import Mlp, SwiGLU
 from torch import nn
 
+from moekit.analysis.op_profile import print_top_operators
 from moekit.analysis.peak import matmul_peak
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
@@ -137,6 +139,17 @@ def print_table(title: str, rows: list[tuple[str, float]], baseline: str, flops:
     sys.stdout.flush()
 
 
+def profile_moekit(cands: list[Candidate], x: torch.Tensor, args, title: str) -> None:
+    """With ``--profile``: where each moekit candidate's forward + backward spends its time."""
+    if not args.profile:
+        return
+    for c in cands:
+        if c.name.startswith("moekit"):
+            with torch.no_grad(), args.backend.precision():
+                grad = torch.randn_like(c.forward(c.module, x))
+            print_top_operators(f"{c.name}, {title}", lambda c=c, g=grad: _step(c, x, g, args.backend), x.device)
+
+
 # ---------------------------------------------------------------------------------------------
 def table_soft(args) -> None:
     """Soft MoE at the ViT-S/16 shape, 128 slots in total, vs soft-moe-pytorch and the dense MLP."""
@@ -172,6 +185,7 @@ def table_soft(args) -> None:
         )
         if "soft-moe-pytorch SoftMoE" in t:
             print(f"\nsoft-moe-pytorch / moekit: {t['soft-moe-pytorch SoftMoE'] / t['moekit SoftMoE']:.2f}x")
+        profile_moekit(cands, x, args, f"{experts} experts x {per} slots")
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -256,6 +270,7 @@ def table_topk(args) -> None:
         if mixtral:
             print(f"\nbest Mixtral block / moekit: {min(mixtral) / t['moekit TopKMoE']:.2f}x")
         print(f"moekit / dense: {t['moekit TopKMoE'] / t[dense]:.2f}x")
+        profile_moekit(cands, x, args, f"{experts} experts of hidden {hidden}")
 
 
 def table_recipes(args) -> None:
@@ -330,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--batch-scale", type=int, default=1, help="multiply every table's batch (or token count) by this"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="after the soft and topk tables: where moekit's layers spend their time"
     )
     add_allocator_argument(parser)
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ which grows with a model's total parameters where the forward and backward grow 
     python scripts/bench_models.py --groups vit --vit-width 64 96 128
     python scripts/bench_models.py --groups vit --override moe.num_experts=32
     python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s and model FLOPs utilisation
-    python scripts/bench_models.py --device cuda --groups s16   # Soft MoE S/16 against ViT-S/16, 224 px
+    python scripts/bench_models.py --device cuda --groups s16 --profile   # S/16 vs ViT-S/16, where time goes
     python scripts/bench_models.py --groups vit --models soft_moe --sweep moe.slots_per_expert=1,2,4
     python scripts/bench_models.py --groups scaling --sweep moe.num_experts=8,16,32,64,128,256
     python scripts/bench_models.py --groups vit --vit-width 64 96 128 --json logs/bench_models/pareto.json
@@ -71,6 +71,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from moekit.analysis.bench_model_tables import describe, print_table, table_record
+from moekit.analysis.op_profile import print_top_operators
 from moekit.analysis.peak import matmul_peak
 from moekit.analysis.step_times import STEP_TIMES_KIND
 from moekit.commands.train import _summary
@@ -374,6 +375,8 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         setup = " ".join(base) or "experiments"
         title = f"{group}: {setup}{what}, {describe(candidates[0])}{extras}"
         print_table(title, candidates, times, peak=args.peak)
+        for c in candidates if args.profile else []:
+            print_top_operators(f"{c.name}, one training step", lambda c=c: train_step(c), c.device)
         tables.append(table_record(title, candidates, times))
         del candidates
         gc.collect()
@@ -392,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps in a row per model and round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per model before its timed ones")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script")
+    parser.add_argument("--profile", action="store_true", help="after each table: where each model's step goes")
     parser.add_argument("--json", type=Path, help="also write the tables here (for plot_results.py --step-times)")
     parser.add_argument(
         "--override", nargs="+", default=[], help="Hydra overrides for every model (e.g. moe.num_experts=32)"

@@ -177,8 +177,10 @@ def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:
         return per_assignment[:, 0] * weights
-    if per_assignment.device.type == "cpu" and top_k * per_assignment.shape[-1] >= _CPU_BMM_MIN_MACS:
-        # [1, k] @ [k, o] per token on MKL's batched GEMM: 1.4-1.6x a multiply and a sum at o = 256-512
+    large = per_assignment.device.type == "cpu" and top_k * per_assignment.shape[-1] >= _CPU_BMM_MIN_MACS
+    if large or torch._C._len_torch_dispatch_stack() > 0:
+        # [1, k] @ [k, o] per token on MKL's batched GEMM: 1.4-1.6x a multiply and a sum at o = 256-512. Also under a
+        # TorchDispatchMode (the FLOP counter's), so that the combine's 2 k o FLOPs per token count whichever path runs.
         return torch.bmm(weights.unsqueeze(1), per_assignment).squeeze(1)
     # Smaller products take torch's naive bmm kernel on CPUs: 2x slower than a multiply and a sum at o = 64-192 (top-2,
     # 2-core AMD EPYC). On an H100 the bmm ran a tiny-tile GEMM kernel at ~1.2 ms per 32768 tokens (a quarter of a

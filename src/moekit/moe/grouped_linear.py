@@ -23,7 +23,8 @@ Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
 
 # Keys: (device type, "equal" | "ragged"). On CPUs, one batched matmul beats the per-expert loop on equal
-# groups and the loop ties with torch._grouped_mm on ragged ones (scripts/bench_moe.py; docs/performance.md).
+# groups; on ragged ones the loop, over the cores where experts are many, is level with torch._grouped_mm or faster
+# (scripts/bench_moe.py; docs/performance.md).
 # On an H100 (torch 2.11, make gpu-check) grouped_mm runs bf16 and float32 without a host sync; the loop reads
 # the counts on the host. CUDA in another dtype (float16) falls back to the loop.
 AUTO_KERNELS: dict[tuple[str, str], str] = {

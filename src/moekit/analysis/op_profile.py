@@ -1,0 +1,67 @@
+"""Where a step's time goes: the operators with the most self time over a few steps (``torch.profiler``), as a
+markdown table. The benchmarks print one per MoE candidate with ``--profile``; ``make gpu-check`` puts them in its
+report.
+
+On a GPU the time is the kernels' (self device time); on the CPU it is the calling thread's CPU time, in which the
+products that :mod:`moekit.moe.cpu_threads` runs on worker threads count as the self time of the kernel's autograd
+function (``_LoopGroupedLinear``, ``_LoopGroupedLinearBackward``) that waits for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["OperatorTime", "top_operators", "print_top_operators"]
+
+
+@dataclass(frozen=True)
+class OperatorTime:
+    name: str
+    ms_per_step: float
+    share: float  # of the self time of every operator over the profiled steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def top_operators(
+    step: Callable[[], object], device: torch.device, steps: int = 3, rows: int = 8
+) -> list[OperatorTime]:
+    """Profile ``steps`` calls of ``step`` (after one untimed call) and return the ``rows`` operators with the most
+    self time on ``device``, most first."""
+    if steps < 1 or rows < 1:
+        raise ValueError(f"top_operators: steps={steps} and rows={rows} must be positive")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    events = prof.key_averages()
+    if device.type == "cuda":  # operators by the kernel time they launched, over the time of every kernel
+        times = {e.key: e.self_device_time_total for e in events if e.device_type == DeviceType.CPU}
+        total = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    else:
+        times = {e.key: e.self_cpu_time_total for e in events}
+        total = sum(times.values())
+    ranked = sorted(times.items(), key=lambda item: item[1], reverse=True)[:rows]  # microseconds over all steps
+    total = total or 1.0
+    return [OperatorTime(name, us / 1e3 / steps, us / total) for name, us in ranked]
+
+
+def print_top_operators(title: str, step: Callable[[], object], device: torch.device, steps: int = 3, rows: int = 8):
+    """Print :func:`top_operators` of ``step`` under a ``####`` heading."""
+    where = "self GPU time" if device.type == "cuda" else "self CPU time of the calling thread"
+    print(f"\n#### Where the time goes: {title} ({where}, {steps} steps)\n")
+    print("| operator | ms / step | share |")
+    print("|---|---:|---:|")
+    for op in top_operators(step, device, steps, rows):
+        print(f"| `{op.name}` | {op.ms_per_step:.2f} | {op.share:.1%} |")
