@@ -19,7 +19,8 @@ Method, exact, in two stages that both keep the assignment optimal for the loads
 
 All arithmetic is batched over tokens; the loops are over rounds, augmenting paths (the excess left
 after stage 1: a handful) and Bellman-Ford passes (at most ``E``). Each loop step checks a condition
-on the host: BASE routing is a data-dependent solve and synchronises by nature.
+on the host: BASE routing is a data-dependent solve and synchronises by nature. Under ``torch.compile`` the solver is
+one custom operator, opaque to it, so its host reads break no graph.
 """
 
 from __future__ import annotations
@@ -46,23 +47,28 @@ def _sort_within_expert(expert: Tensor, key: Tensor, num_experts: int) -> tuple[
     return order, counts.cumsum(0) - counts
 
 
-@torch.no_grad()
 def balanced_assignment(scores: Tensor, capacities: Tensor | None = None, price_rounds: int = 20) -> Tensor:
     """Assign each of ``N`` tokens to one of ``E`` experts, expert ``e`` taking exactly ``c_e`` tokens,
-    maximising the total score (see the module docstring).
+    maximising the total score (see the module docstring). A custom operator: ``torch.compile`` sees one opaque
+    step of known output shape, so the solver's host reads break no graph.
 
     Args:
-        scores: ``[N, E]`` token-expert affinities (higher is better).
+        scores: ``[N, E]`` token-expert affinities (higher is better); no gradient flows through the assignment.
         capacities: ``[E]`` long with ``sum == N``; default :func:`balanced_capacities`.
         price_rounds: rounds of stage 1 before the exact finish; more rounds leave fewer paths.
 
     Returns:
         ``[N]`` long expert index per token.
     """
+    if capacities is None:
+        capacities = balanced_capacities(scores.shape[0], scores.shape[1], scores.device)
+    return _solve(scores.detach(), capacities, price_rounds)
+
+
+@torch.library.custom_op("moekit::balanced_assignment", mutates_args=())
+def _solve(scores: Tensor, capacities: Tensor, price_rounds: int) -> Tensor:
     num_tokens, num_experts = scores.shape
     device = scores.device
-    if capacities is None:
-        capacities = balanced_capacities(num_tokens, num_experts, device)
     capacities = capacities.to(device=device, dtype=torch.long)
     if capacities.shape != (num_experts,) or int(capacities.sum()) != num_tokens or bool((capacities < 0).any()):
         raise ValueError(
@@ -80,7 +86,7 @@ def balanced_assignment(scores: Tensor, capacities: Tensor | None = None, price_
         choice = top.indices[:, 0]
         over = torch.bincount(choice, minlength=num_experts) > capacities
         if not bool(over.any()):
-            return choice
+            return choice.clone()
         margin = top.values[:, 0] - top.values[:, 1]  # >= 0: preference for the chosen expert
         order, starts = _sort_within_expert(choice, margin, num_experts)
         sorted_margin = margin.index_select(0, order)
@@ -92,6 +98,11 @@ def balanced_assignment(scores: Tensor, capacities: Tensor | None = None, price_
         prices += torch.where(over, ((last_kept + first_moved) / 2).clamp_min(min_step), 0.0)
     choice = (scores - prices).argmax(dim=1)
     return _successive_shortest_paths(scores, choice, capacities)
+
+
+@_solve.register_fake
+def _(scores: Tensor, capacities: Tensor, price_rounds: int) -> Tensor:
+    return scores.new_empty(scores.shape[0], dtype=torch.long)
 
 
 def _successive_shortest_paths(scores: Tensor, choice: Tensor, capacities: Tensor) -> Tensor:
