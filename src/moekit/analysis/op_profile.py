@@ -1,6 +1,6 @@
 """Where a step's time goes: the operators with the most self time over a few steps (``torch.profiler``), as a
-markdown table. The benchmarks print one per MoE candidate with ``--profile``; ``make gpu-check`` puts them in its
-report.
+markdown table. With ``--profile`` the layer benchmark prints one per moekit layer and the model benchmark one per
+model (the dense twin too); ``make gpu-check`` puts them in its report.
 
 On a GPU the time is the kernels' (self device time); on the CPU it is the calling thread's CPU time, in which the
 products that :mod:`moekit.moe.cpu_threads` runs on worker threads count as the self time of the kernel's autograd
