@@ -86,6 +86,7 @@ def _in_a_forked_child(experts: int) -> tuple[list[float], bool]:
     return out.tolist(), threading.get_ident() not in idents
 
 
+@pytest.mark.e2e  # starts a process
 def test_a_forked_child_starts_its_own_workers(two_threads):
     """The parent's worker threads do not exist in a forked child (a DataLoader worker): the child starts its own."""
     experts = 4 * MIN_EXPERTS_PER_THREAD
