@@ -36,7 +36,7 @@ from timm.layers import Mlp, SwiGLU
 from torch import nn
 
 from moekit.analysis.op_profile import print_top_operators
-from moekit.analysis.peak import matmul_peak
+from moekit.analysis.peak import device_sync, matmul_peak
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
@@ -52,8 +52,7 @@ class Backend:
     autocast: torch.dtype | None = None
 
     def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device_sync(self.device)
 
     def precision(self):
         if self.autocast is None:

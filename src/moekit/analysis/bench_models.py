@@ -72,7 +72,7 @@ from torch import Tensor
 
 from moekit.analysis.bench_model_tables import describe, print_table, table_record
 from moekit.analysis.op_profile import print_top_operators
-from moekit.analysis.peak import matmul_peak
+from moekit.analysis.peak import device_sync, matmul_peak
 from moekit.analysis.step_times import STEP_TIMES_KIND
 from moekit.commands.train import _summary
 from moekit.configs import CONFIG_DIR, compose, instantiate
@@ -268,11 +268,6 @@ def _no_trainer_warnings():
         yield
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass(frozen=True)
 class StepTiming:
     """Seconds of a training step, and of its parameter update alone (gradient clipping, the optimizer
@@ -288,12 +283,12 @@ def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
     autocast = (
         torch.autocast(c.device.type, dtype=c.compute_dtype) if c.precision in _AUTOCAST else contextlib.nullcontext()
     )
-    _sync(c.device)
+    device_sync(c.device)
     start = time.perf_counter()
     with autocast, _no_trainer_warnings():
         loss = c.task.training_step(c.batch, 0)
     loss.backward()
-    _sync(c.device)
+    device_sync(c.device)
     update_start = time.perf_counter()
     if c.clip_val:  # Lightning's norm clipping (precision plugin): over the optimizer's parameters
         params = [p for group in c.optimizer.param_groups for p in group["params"]]
@@ -301,7 +296,7 @@ def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
     c.optimizer.step()
     update_balancing_biases(c.task.net)  # MoETask.optimizer_step
     c.optimizer.zero_grad(set_to_none=True)
-    _sync(c.device)
+    device_sync(c.device)
     end = time.perf_counter()
     return StepTiming(seconds=end - start, update_seconds=end - update_start), loss.detach()
 

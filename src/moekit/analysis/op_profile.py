@@ -16,6 +16,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from moekit.analysis.peak import device_sync
+
 __all__ = ["OperatorTime", "top_operators", "print_top_operators"]
 
 
@@ -23,12 +25,7 @@ __all__ = ["OperatorTime", "top_operators", "print_top_operators"]
 class OperatorTime:
     name: str
     ms_per_step: float
-    share: float  # of the self time of every operator over the profiled steps
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    share: float  # of all self time (CPU) or of all kernel time (GPU) over the profiled steps
 
 
 def top_operators(
@@ -40,11 +37,11 @@ def top_operators(
         raise ValueError(f"top_operators: steps={steps} and rows={rows} must be positive")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step()
-    _sync(device)
+    device_sync(device)
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        device_sync(device)
     events = prof.key_averages()
     if device.type == "cuda":  # operators by the kernel time they launched, over the time of every kernel
         times = {e.key: e.self_device_time_total for e in events if e.device_type == DeviceType.CPU}

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-__all__ = ["matmul_peak"]
+__all__ = ["matmul_peak", "device_sync"]
 
 
 def matmul_peak(device: torch.device | str, dtype: torch.dtype) -> tuple[float, str]:
@@ -18,14 +18,15 @@ def matmul_peak(device: torch.device | str, dtype: torch.dtype) -> tuple[float, 
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(4):
-        _sync(device)
+        device_sync(device)
         start = time.perf_counter()
         torch.mm(a, b)
-        _sync(device)
+        device_sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best, f"{n}^3 {str(dtype).removeprefix('torch.')} matmul"
 
 
-def _sync(device: torch.device) -> None:
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): what the benchmarks do around every timed span."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
