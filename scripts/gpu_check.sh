@@ -4,7 +4,7 @@
 # docs/gpu_report.md; GPU_REPORT=<path>).
 # It runs the machine's own python3 and PyTorch; what that image lacks comes from `make gpu-bundle`, made beforehand
 # on a machine with network: wheels in .whl/ (installed to a private folder) and Fashion-MNIST in data/fashion-mnist/.
-# GPU_CHECK_SECTION_TIMEOUT=<seconds> bounds each of the three sections (0, the default: no bound), so that a lease
+# GPU_CHECK_SECTION_TIMEOUT=<seconds> bounds each of the four sections (0, the default: no bound), so that a lease
 # of fixed length still brings back the report of every section.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +42,10 @@ mkdir -p "$(dirname "$report")"
     echo "## Models: one training step against the dense twin (Soft MoE S/16 against ViT-S/16 first)"
     echo
     section "$PY" scripts/bench_models.py --device cuda --groups s16 vit lm --rounds 3 --profile 2>&1 || status=1
+    echo
+    echo "## Compiled: Soft MoE S/16 and ViT-S/16 with task.compile=true"
+    echo
+    section "$PY" scripts/bench_models.py --device cuda --groups s16 --override task.compile=true --rounds 3 2>&1 || status=1
     echo
     echo "## Layers: bf16 autocast, forward + backward, batches x8"
     echo

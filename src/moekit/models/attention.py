@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.moe.dropout import Dropout
+
 from .rotary import RotaryEmbedding
 
 __all__ = ["CausalSelfAttention"]
@@ -45,7 +47,7 @@ class CausalSelfAttention(nn.Module):
         qkv_width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv = nn.Linear(dim, qkv_width, bias=bias if qkv_bias is None else qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
-        self.proj_drop = nn.Dropout(dropout)
+        self.proj_drop = Dropout(dropout)
         self.rope = rope
 
     def forward(

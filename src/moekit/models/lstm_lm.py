@@ -17,6 +17,7 @@ from timm.layers import get_act_layer
 from torch import Tensor, nn
 
 from moekit.moe import build_moe_layer, require_causal
+from moekit.moe.dropout import Dropout
 from moekit.recipes import check_fits, resolve_recipe
 
 from .lm_common import (
@@ -139,7 +140,7 @@ class LSTMMoELM(nn.Module):
         )
         self.moe_takes_token_ids = takes_token_ids(self.moe)
         self.lstm_after = nn.ModuleList(nn.LSTM(dim, dim, batch_first=True) for _ in range(num_lstm_layers_after))
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
         self.head = nn.Linear(dim, vocab_size)
         with torch.no_grad():
             nn.init.uniform_(self.embedding.weight, -0.1, 0.1)

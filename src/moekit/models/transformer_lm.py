@@ -27,6 +27,7 @@ from timm.layers import Mlp, SwiGLU, get_act_layer
 from torch import Tensor, nn
 
 from moekit.moe import DepthRouter, ExpertBank, MoELayer, RoutingModule, build_moe_layer, require_causal
+from moekit.moe.dropout import Dropout, use_fast_dropout
 from moekit.recipes import check_fits, resolve_recipe, routes_by_position
 from moekit.recipes.depth import DepthSpec, resolve_depth
 
@@ -332,7 +333,7 @@ class TransformerLM(nn.Module):
         self.token_embedding = nn.Embedding(vocab_size, dim)
         self.position_embedding = nn.Embedding(max_seq_len, dim) if pos_embedding == "learned" else None
         rope = RotaryEmbedding(self.head_dim, max_seq_len, base=rope_base) if pos_embedding == "rope" else None
-        self.embed_drop = nn.Dropout(dropout)
+        self.embed_drop = Dropout(dropout)
         blocks = []
         for i in range(depth):
             if i in self.moe_block_indices:
@@ -355,6 +356,7 @@ class TransformerLM(nn.Module):
         if tie_embeddings:
             self.head.weight = self.token_embedding.weight
         self._init_weights()
+        use_fast_dropout(self)  # timm's MLPs build torch's Dropout
         require_causal(self)
         self.grad_checkpointing = False
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from moekit.moe import DepthRouter, ExpertBank, MixtureOfDepths, build_moe_layer
 from moekit.moe.depth import capacity_tokens
+from moekit.moe.dropout import use_fast_dropout
 from moekit.recipes import check_fits, resolve_recipe
 from moekit.recipes.depth import DepthSpec, resolve_depth
 
@@ -75,7 +76,8 @@ def create_moe_vit(
         The ``VisionTransformer``, mapping images ``[B, in_chans, H, W]`` to logits ``[B, num_classes]``,
         with ``moe_block_indices`` and ``mod_block_indices``: the sorted indices of its MoE and
         Mixture-of-Depths blocks. Experts start from the truncated
-        normal of :data:`EXPERT_INIT_STD`, as timm's MLPs (``fix_init`` rescales their fc2 as timm's).
+        normal of :data:`EXPERT_INIT_STD`, as timm's MLPs (``fix_init`` rescales their fc2 as timm's). Its
+        dropout layers draw their CPU masks as :mod:`moekit.moe.dropout` does.
 
     Raises:
         ValueError: an unknown recipe or placement, a recipe setting its layer does not take, ``img_size``
@@ -103,7 +105,7 @@ def create_moe_vit(
     for i in model.mod_block_indices:
         router = DepthRouter(model.embed_dim, depth_spec, causal=False, device=settings["device"])
         model.blocks[i] = MixtureOfDepths(model.blocks[i], router, prefix_tokens=model.num_prefix_tokens)
-    return model
+    return use_fast_dropout(model)
 
 
 def _replace_mlps(

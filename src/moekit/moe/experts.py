@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from moekit.utils.machine import check_fits_in_memory
 
 from .all_to_all import expert_parallel_apply
+from .dropout import Dropout
 from .grouped_linear import GroupSizes, Kernel, grouped_linear
 
 if TYPE_CHECKING:
@@ -134,8 +135,8 @@ class ExpertBank(nn.Module):
         self.fc2_bias = nn.Parameter(torch.empty(num_experts, out_features, **dd)) if bias2 else None
         act = get_act_layer(act_layer) if isinstance(act_layer, str) else act_layer
         self.act = act() if act is not None else nn.Identity()
-        self.drop1 = nn.Dropout(drop1)
-        self.drop2 = nn.Dropout(drop2)
+        self.drop1 = Dropout(drop1)
+        self.drop2 = Dropout(drop2)
         self.reset_parameters()
 
     def _pairs(self):

@@ -1,0 +1,59 @@
+"""Dropout whose CPU mask takes four elements from each 64-bit random draw.
+
+torch's CPU dropout draws its mask with ``bernoulli_``. ATen hands that to MKL's VSL only on Intel CPUs; elsewhere it
+runs on one thread, one double-precision draw per element, and in the Transformer LM's training step (dropout 0.1 on
+the embeddings, attention outputs and feed-forwards) dropout took 31% of the step on a 2-core AMD EPYC in float32.
+
+Here the mask comes from the same generator's 64-bit draws (``random_`` over the whole int64 range), each split into
+four 16-bit levels, uniform on ``[-32768, 32767]``; an element is dropped where its level falls in the lowest
+``round(p * 65536)``. The drop probability is thus ``p`` rounded to a multiple of 1/65536 (0.1 -> 0.1000061) and the
+kept elements are scaled by one over the exact keep probability, so the output's expectation is the input, as with
+:func:`torch.nn.functional.dropout`. Forward + backward of an ``[8192, 1024]`` float32 activation on that CPU: 27 ms
+against ``F.dropout``'s 110.
+
+On other devices (their dropout kernels draw in parallel), under ``torch.compile`` (inductor draws its own masks), and
+for a ``p`` that rounds to 0 or to 65536 levels, :func:`dropout` is ``F.dropout``. The probabilities' dropout inside
+``F.scaled_dot_product_attention`` stays torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Dropout", "dropout", "use_fast_dropout"]
+
+LEVELS = 1 << 16  # 16-bit levels per element
+
+
+def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:
+    """``F.dropout(x, p, training, inplace)`` with the CPU mask described in the module docstring."""
+    if not training or p == 0.0:
+        return x
+    dropped_levels = round(p * LEVELS)
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or not 0 < dropped_levels < LEVELS:
+        return F.dropout(x, p, training, inplace)
+    n = x.numel()
+    draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # the whole int64 range
+    level = draws.view(torch.int16)[:n].view(x.shape)  # four uniform 16-bit levels per draw
+    scale = torch.tensor(LEVELS / (LEVELS - dropped_levels), dtype=x.dtype)
+    noise = torch.where(level >= dropped_levels - LEVELS // 2, scale, 0.0)  # [x.shape]: 0 or 1 / keep probability
+    return x.mul_(noise) if inplace else x * noise
+
+
+class Dropout(nn.Dropout):
+    """:class:`torch.nn.Dropout` through :func:`dropout` (the fast CPU mask); same arguments, no state."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training, self.inplace)
+
+
+def use_fast_dropout(module: nn.Module) -> nn.Module:
+    """Replace every :class:`torch.nn.Dropout` inside ``module`` (those timm's blocks build) with :class:`Dropout` of
+    the same ``p``, in place; the state dict does not change. Returns ``module``."""
+    for parent in module.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Dropout:
+                setattr(parent, name, Dropout(child.p, child.inplace))
+    return module

@@ -1,0 +1,128 @@
+"""moekit.moe.dropout: the CPU mask of 16-bit levels drops each element with probability p (to 1/65536), every lane of
+a 64-bit draw alike, keeps the expectation, and backpropagates through the same mask; models use it throughout."""
+
+import math
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+from torch import nn
+
+import moekit.models  # noqa: F401  (registers the ViTs)
+from moekit.models import LSTMMoELM, TransformerLM
+from moekit.moe.dropout import LEVELS, Dropout, dropout, use_fast_dropout
+
+
+def _exact_keep(p: float) -> float:
+    return 1 - round(p * LEVELS) / LEVELS
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_each_lane_of_a_draw_keeps_an_element_with_probability_one_minus_p(p):
+    torch.manual_seed(0)
+    n = 1 << 22
+    kept = dropout(torch.ones(n), p) != 0  # [n]
+    keep = _exact_keep(p)
+    sigma = math.sqrt(keep * (1 - keep) / (n // 4))
+    for lane in range(4):  # element i comes from 16 bits (lane i % 4) of draw i // 4: the sign bit's lane included
+        assert abs(kept[lane::4].double().mean().item() - keep) < 5 * sigma, lane
+    # neighbours are independent: P(both kept) = keep^2
+    both = (kept[:-1] & kept[1:]).double().mean().item()
+    assert abs(both - keep**2) < 10 * math.sqrt(keep**2 * (1 - keep**2) / n)  # overlapping pairs: a wider bound
+
+
+@pytest.mark.parametrize("p", [0.1, 0.25, 0.9])
+def test_kept_elements_scale_by_one_over_the_exact_keep_probability(p):
+    torch.manual_seed(1)
+    x = torch.randn(1000, 37)
+    y = dropout(x, p)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / _exact_keep(p), rtol=1e-6, atol=0)
+    assert round(0.1 * LEVELS) / LEVELS == pytest.approx(0.1, abs=1 / LEVELS)
+    # the expectation is the input: E[y] = x, checked on a constant input over many elements
+    ones = dropout(torch.ones(1 << 20), p)
+    assert ones.double().mean().item() == pytest.approx(1.0, abs=5 * math.sqrt(p / (1 - p) / (1 << 20)))
+
+
+def test_gradient_flows_through_the_same_mask():
+    torch.manual_seed(2)
+    x = torch.randn(64, 96, requires_grad=True)
+    g = torch.randn(64, 96)
+    y = dropout(x, 0.3)
+    y.backward(g)
+    noise = (y / x).detach()  # 0 or 1 / keep
+    torch.testing.assert_close(x.grad, g * noise)
+    scaled = torch.isclose(noise, torch.tensor(1 / _exact_keep(0.3)))
+    assert ((noise == 0) | scaled).all() and scaled.any() and (noise == 0).any()
+
+
+def test_odd_sizes_strided_inputs_inplace_and_bfloat16():
+    torch.manual_seed(3)
+    x = torch.randn(7, 5, 3).transpose(0, 2)  # 105 elements, not a multiple of 4, not contiguous
+    y = dropout(x, 0.5)
+    assert y.shape == x.shape and ((y == 0) | torch.isclose(y, 2 * x)).all()
+    z = torch.randn(33)
+    out = dropout(z, 0.5, inplace=True)
+    assert out is z and ((z == 0).any() and (z != 0).any())
+    b = dropout(torch.ones(4096, dtype=torch.bfloat16), 0.5)
+    assert b.dtype == torch.bfloat16 and set(b.unique().tolist()) <= {0.0, 2.0}
+
+
+def test_the_mask_follows_the_seed_and_advances_the_generator():
+    x = torch.randn(4096)
+    torch.manual_seed(4)
+    a, b = dropout(x, 0.2), dropout(x, 0.2)
+    torch.manual_seed(4)
+    assert torch.equal(dropout(x, 0.2), a)
+    assert not torch.equal(a, b)
+
+
+def test_identity_in_eval_or_without_dropout_and_torch_at_the_ends():
+    x = torch.randn(10)
+    assert dropout(x, 0.5, training=False) is x and dropout(x, 0.0) is x
+    assert torch.equal(dropout(x, 1.0), torch.zeros(10))  # 65536 levels dropped: torch's F.dropout
+    layer = Dropout(0.5).eval()
+    assert layer(x) is x
+
+
+def test_compiled_dropout_is_torch_s():
+    torch.manual_seed(5)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(x):
+        return dropout(x, 0.5)
+
+    y = f(torch.ones(1 << 16))
+    assert set(y.unique().tolist()) == {0.0, 2.0}
+    assert abs((y == 0).double().mean().item() - 0.5) < 0.02
+
+
+def test_use_fast_dropout_replaces_torch_s_dropout_and_keeps_the_state_dict():
+    mlp = Mlp(8, 16, drop=0.25)
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    assert use_fast_dropout(mlp) is mlp
+    assert type(mlp.drop1) is Dropout and mlp.drop1.p == 0.25 and type(mlp.drop2) is Dropout
+    assert mlp.state_dict().keys() == before.keys()
+    torch.manual_seed(6)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(
+        mlp.eval()(x), F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)), mlp.fc2.weight, mlp.fc2.bias)
+    )
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: TransformerLM(vocab_size=50, max_seq_len=16, dim=32, depth=2, num_heads=4, dropout=0.1, moe="mixtral"),
+        lambda: TransformerLM(vocab_size=50, max_seq_len=16, dim=32, depth=2, num_heads=4, dropout=0.1, moe="none"),
+        lambda: LSTMMoELM(vocab_size=50, dim=32, dropout=0.1),
+        lambda: timm.create_model("vit_tiny_patch4_28", moe="switch", proj_drop_rate=0.1, drop_rate=0.1),
+    ],
+    ids=["moe_lm", "dense_lm", "lstm_lm", "vit"],
+)
+def test_models_use_it_for_every_dropout(build):
+    drops = [m for m in build().modules() if isinstance(m, nn.Dropout)]
+    assert drops and all(type(m) is Dropout for m in drops)
+    assert any(m.p == pytest.approx(0.1) for m in drops)
