@@ -11,9 +11,10 @@ kept elements are scaled by one over the exact keep probability, so the output's
 :func:`torch.nn.functional.dropout`. Forward + backward of an ``[8192, 1024]`` float32 activation on that CPU: 27 ms
 against ``F.dropout``'s 110.
 
-On other devices (their dropout kernels draw in parallel), under ``torch.compile`` (inductor draws its own masks), and
-for a ``p`` that rounds to 0 or to 65536 levels, :func:`dropout` is ``F.dropout``. The probabilities' dropout inside
-``F.scaled_dot_product_attention`` stays torch's.
+Under ``torch.compile`` the draws are one opaque operator, so a compiled model draws the masks eager mode draws
+(inductor's own CPU masks were as slow as torch's in the compiled Transformer LM). On other
+devices (their dropout kernels draw in parallel) and for a ``p`` that rounds to 0 or to 65536 levels, :func:`dropout`
+is ``F.dropout``. The probabilities' dropout inside ``F.scaled_dot_product_attention`` stays torch's.
 """
 
 from __future__ import annotations
@@ -27,16 +28,28 @@ __all__ = ["Dropout", "dropout", "use_fast_dropout"]
 LEVELS = 1 << 16  # 16-bit levels per element
 
 
+@torch.library.custom_op("moekit::dropout_levels", mutates_args=(), tags=torch.Tag.nondeterministic_seeded)
+def _levels(n: int) -> Tensor:
+    """``[n]`` int16 levels, uniform on ``[-32768, 32767]``: four from each 64-bit draw of the default CPU generator. A
+    custom operator, so that ``torch.compile`` runs these draws (no graph break) and neither merges nor recomputes
+    them (seeded nondeterministic)."""
+    draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # the whole int64 range
+    return draws.view(torch.int16)[:n]
+
+
+@_levels.register_fake
+def _(n: int) -> Tensor:
+    return torch.empty(n, dtype=torch.int16)
+
+
 def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:
     """``F.dropout(x, p, training, inplace)`` with the CPU mask described in the module docstring."""
     if not training or p == 0.0:
         return x
     dropped_levels = round(p * LEVELS)
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or not 0 < dropped_levels < LEVELS:
+    if x.device.type != "cpu" or not 0 < dropped_levels < LEVELS:
         return F.dropout(x, p, training, inplace)
-    n = x.numel()
-    draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # the whole int64 range
-    level = draws.view(torch.int16)[:n].view(x.shape)  # four uniform 16-bit levels per draw
+    level = _levels(x.numel()).view(x.shape)
     scale = torch.tensor(LEVELS / (LEVELS - dropped_levels), dtype=x.dtype)
     noise = torch.where(level >= dropped_levels - LEVELS // 2, scale, 0.0)  # [x.shape]: 0 or 1 / keep probability
     return x.mul_(noise) if inplace else x * noise
