@@ -1,5 +1,6 @@
 """moekit.moe.dropout: the CPU mask of 16-bit levels drops each element with probability p (to 1/65536), every lane of
-a 64-bit draw alike, keeps the expectation, and backpropagates through the same mask; models use it throughout."""
+a 64-bit draw alike, keeps the expectation, and backpropagates through the same mask; models use it throughout, and
+the CPU attention (moekit.models.attention.attention_with_dropout) applies it to the probabilities."""
 
 import math
 
@@ -11,7 +12,9 @@ from timm.layers import Mlp
 from torch import nn
 
 import moekit.models  # noqa: F401  (registers the ViTs)
+import moekit.models.attention as attention_module
 from moekit.models import LSTMMoELM, TransformerLM
+from moekit.models.attention import attention_with_dropout
 from moekit.moe.dropout import LEVELS, Dropout, dropout, use_fast_dropout
 
 
@@ -134,3 +137,60 @@ def test_models_use_it_for_every_dropout(build):
     drops = [m for m in build().modules() if isinstance(m, nn.Dropout)]
     assert drops and all(type(m) is Dropout for m in drops)
     assert any(m.p == pytest.approx(0.1) for m in drops)
+
+
+def _attention_inputs(heads=4, kv_heads=4, tokens=12, batch=3, hd=8):
+    torch.manual_seed(7)
+    q = torch.randn(batch, heads, tokens, hd, requires_grad=True)
+    k = torch.randn(batch, kv_heads, tokens, hd, requires_grad=True)
+    v = torch.randn(batch, kv_heads, tokens, hd, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_with_dropout_is_sdpa_without_it(kv_heads, masked):
+    """p = 0: the same values and gradients as F.scaled_dot_product_attention (causal or a key mask, grouped heads)."""
+    q, k, v = _attention_inputs(kv_heads=kv_heads)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    mask = causal
+    if masked:  # a batch-dependent key mask that keeps each query's own key: [batch, 1, tokens, keys]
+        keys = torch.rand(3, 12) > 0.4
+        mask = (causal & (keys.unsqueeze(1) | torch.eye(12, dtype=torch.bool))).unsqueeze(1)
+    g = torch.randn(3, 4, 12, 8)
+    ours = attention_with_dropout(q, k, v, mask, 0.0)
+    grads = torch.autograd.grad(ours, (q, k, v), g)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(ours, ref)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_attention_with_dropout_drops_probabilities_with_the_seeded_mask():
+    q, k, v = _attention_inputs(tokens=16)
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    torch.manual_seed(8)
+    out = attention_with_dropout(q, k, v, causal, 0.25)
+    torch.manual_seed(8)
+    noise = dropout(torch.ones(3 * 4, 16, 16), 0.25).view(3, 4, 16, 16)  # the same draws, on ones
+    probs = torch.softmax(
+        (q @ k.transpose(-1, -2)) / math.sqrt(8) + torch.zeros(16, 16).masked_fill(~causal, -math.inf), -1
+    )
+    torch.testing.assert_close(out, (probs * noise) @ v)
+    assert (noise == 0).any()
+
+
+def test_the_lm_attention_takes_it_in_cpu_training_only(monkeypatch):
+    lm = TransformerLM(vocab_size=50, max_seq_len=16, dim=32, depth=1, num_heads=4, dropout=0.2, moe="none")
+    ids = torch.randint(0, 50, (2, 16))
+    calls = []
+
+    def spy(*args):
+        calls.append(args[-1])
+        return attention_with_dropout(*args)
+
+    monkeypatch.setattr(attention_module, "attention_with_dropout", spy)
+    lm.train()(ids)
+    lm.eval()(ids)
+    assert calls == [0.2]

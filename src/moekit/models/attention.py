@@ -7,11 +7,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moekit.moe.dropout import Dropout
+from moekit.moe.dropout import Dropout, dropout
 
 from .rotary import RotaryEmbedding
 
-__all__ = ["CausalSelfAttention"]
+__all__ = ["CausalSelfAttention", "attention_with_dropout"]
+
+
+def attention_with_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, p: float) -> Tensor:
+    """Softmax attention with :func:`moekit.moe.dropout.dropout` on the probabilities: the CPU's training path.
+
+    With dropout, ``F.scaled_dot_product_attention`` leaves the CPU's flash kernel for a math path whose mask comes
+    from torch's slow CPU draws; this is the same math with moekit's mask, 1.6-1.7x faster forward + backward at
+    ``[32, 4, 256, 64]`` (2-core AMD EPYC, float32). ``q: [batch, heads, tokens, hd]``, ``k, v: [batch, kv_heads,
+    keys, hd]`` (``heads`` a multiple of ``kv_heads``), ``mask``: bool, broadcastable to ``[batch, heads, tokens,
+    keys]``, True where a query may attend (each query must see at least one key). Returns ``[batch, heads, tokens,
+    hd]``.
+    """
+    batch, heads, tokens, hd = q.shape
+    if k.shape[1] != heads:  # grouped-query heads: each key/value head serves heads / kv_heads query heads
+        k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
+    keys = k.shape[2]
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    bias_ZTK = bias.expand(batch, heads, tokens, keys).reshape(batch * heads, tokens, keys)  # Z = batch x heads
+    q_ZTd, k_ZKd, v_ZKd = q.reshape(-1, tokens, hd), k.reshape(-1, keys, hd), v.reshape(-1, keys, hd)
+    scores_ZTK = torch.baddbmm(bias_ZTK, q_ZTd, k_ZKd.transpose(1, 2), alpha=hd**-0.5)
+    probs_ZTK = dropout(torch.softmax(scores_ZTK, dim=-1, dtype=torch.float32).to(v.dtype), p)
+    return torch.bmm(probs_ZTK, v_ZKd).view(batch, heads, tokens, hd)
 
 
 class CausalSelfAttention(nn.Module):
@@ -68,6 +90,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rope(q, start, positions), self.rope(k, start, positions)
         dropout_p = self.dropout if self.training else 0.0
         sdpa_kwargs = {"dropout_p": dropout_p, "enable_gqa": self.num_kv_heads != self.num_heads}
+        cpu_dropout = dropout_p > 0 and x.device.type == "cpu"  # see attention_with_dropout
         end = start + tokens
         if kv_cache is not None:
             key_buffer, value_buffer = kv_cache
@@ -79,7 +102,13 @@ class CausalSelfAttention(nn.Module):
             query_pos = torch.arange(start, end, device=x.device).unsqueeze(1)  # [tokens, 1]
             key_pos = torch.arange(end, device=x.device)  # [end]
             mask = (key_pos <= query_pos) & (key_mask.unsqueeze(1) | (key_pos == query_pos))  # [batch, tokens, end]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), **sdpa_kwargs)
+            if cpu_dropout:
+                out = attention_with_dropout(q, k, v, mask.unsqueeze(1), dropout_p)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), **sdpa_kwargs)
+        elif start == 0 and cpu_dropout:
+            causal = torch.ones(tokens, tokens, dtype=torch.bool, device=x.device).tril()
+            out = attention_with_dropout(q, k, v, causal, dropout_p)
         elif start == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
         else:  # cached: query i (position start + i) sees keys 0 .. start + i; one query sees all of them

@@ -14,7 +14,8 @@ against ``F.dropout``'s 110.
 Under ``torch.compile`` the draws are one opaque operator, so a compiled model draws the masks eager mode draws
 (inductor's own CPU masks were as slow as torch's in the compiled Transformer LM). On other
 devices (their dropout kernels draw in parallel) and for a ``p`` that rounds to 0 or to 65536 levels, :func:`dropout`
-is ``F.dropout``. The probabilities' dropout inside ``F.scaled_dot_product_attention`` stays torch's.
+is ``F.dropout``. The Transformer LM's attention applies it to the probabilities on CPUs
+(:func:`moekit.models.attention.attention_with_dropout`).
 """
 
 from __future__ import annotations
