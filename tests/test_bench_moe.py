@@ -95,6 +95,24 @@ def test_quick_run_prints_tables_with_the_baseline_at_one(capsys):
     assert all(re.fullmatch(r"\d+\.\d \(\d+\.\d\dx\)", cell) for row in scaling for cell in row[2:])
 
 
+def test_the_dropout_table_times_moekit_against_torch(capsys):
+    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--tables", "dropout"])
+    tables = {title: [r for r in rows if r[0] != "kernel"] for title, rows in _rows(capsys.readouterr().out).items()}
+    activation, attention = tables.values()
+    assert [row[0] for row in activation] == ["torch nn.Dropout", "moekit Dropout"]
+    assert [row[0] for row in attention] == [
+        "torch sdpa, dropout",
+        "moekit attention_with_dropout",
+        "torch sdpa, no dropout",
+    ]
+    for rows in (activation, attention):
+        assert rows[0][2] == "1.00x" and all(float(row[1]) > 0 for row in rows)
+        for row in rows[1:]:  # each ratio is its time over the first row's (both rounded to 0.1 ms)
+            assert float(row[2][:-1]) == pytest.approx(
+                float(row[1]) / float(rows[0][1]), abs=0.01 + 0.1 / float(rows[0][1])
+            )
+
+
 def test_a_layers_flops_are_its_forward_and_backward_matmuls():
     """An Mlp 8 -> 16 -> 8 on 10 rows: each linear costs 2 * rows * in * out in the forward and twice that in the
     backward (the input's gradient and the weight's)."""

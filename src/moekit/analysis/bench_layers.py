@@ -13,6 +13,7 @@ is credited with the same FLOPs, so its GFLOP/s compare as speeds of one computa
     python scripts/bench_moe.py --quick          # small shapes, a smoke run
     python scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8   # a GPU: bf16 autocast, 8x the batch
     python scripts/bench_moe.py --tables topk --profile   # and where moekit's layers spend their time
+    python scripts/bench_moe.py --tables dropout         # moekit's CPU dropout against torch's (no FLOPs columns)
 
 Optional references (``pip install -e .[bench]``): ``soft-moe-pytorch`` for Soft MoE and Hugging
 Face ``transformers``' ``MixtralSparseMoeBlock`` (every experts implementation it offers) for top-2.
@@ -32,13 +33,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from timm.layers import Mlp, SwiGLU
 from torch import nn
 
 from moekit.analysis.op_profile import print_top_operators
 from moekit.analysis.peak import device_sync, matmul_peak
+from moekit.models.attention import attention_with_dropout
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
+from moekit.moe.dropout import Dropout
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 from moekit.utils.machine import machine_info
@@ -329,7 +333,56 @@ def table_scaling(args) -> None:
         del cands
 
 
-TABLES = {"soft": table_soft, "topk": table_topk, "recipes": table_recipes, "scaling": table_scaling}
+def table_dropout(args) -> None:
+    """moekit's dropout (:mod:`moekit.moe.dropout`) against torch's, on an activation and on attention probabilities
+    (:func:`moekit.models.attention.attention_with_dropout` against ``F.scaled_dot_product_attention``)."""
+    rows, width = (8192, 1024) if not args.quick else (256, 64)
+    batch, heads, tokens, head_dim = (32, 4, 256, 64) if not args.quick else (2, 2, 32, 16)
+    act = torch.randn(rows * args.batch_scale, width, device=args.backend.device, requires_grad=True)
+    qkv = torch.randn(batch * args.batch_scale, heads, tokens, head_dim, device=args.backend.device, requires_grad=True)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=qkv.device).tril()
+    sdpa = F.scaled_dot_product_attention
+    tables = [
+        (
+            f"Dropout 0.1 of a [{act.shape[0]}, {width}] activation",
+            act,
+            [
+                Candidate("torch nn.Dropout", nn.Dropout(0.1)),
+                Candidate("moekit Dropout", Dropout(0.1)),
+            ],
+        ),
+        (
+            f"Causal attention with dropout 0.1 on the probabilities, [{qkv.shape[0]}, {heads}, {tokens}, {head_dim}]",
+            qkv,
+            [
+                Candidate(
+                    "torch sdpa, dropout", nn.Identity(), lambda m, x: sdpa(x, x, x, is_causal=True, dropout_p=0.1)
+                ),
+                Candidate(
+                    "moekit attention_with_dropout",
+                    nn.Identity(),
+                    lambda m, x: attention_with_dropout(x, x, x, causal, 0.1),
+                ),
+                Candidate("torch sdpa, no dropout", nn.Identity(), lambda m, x: sdpa(x, x, x, is_causal=True)),
+            ],
+        ),
+    ]
+    for title, x, cands in tables:
+        t = time_candidates(cands, x, args.rounds, args.backend)
+        base = t[cands[0].name]
+        print(f"\n### {title}\n\n| kernel | fwd+bwd ms | vs {cands[0].name} |\n|---|---:|---:|")
+        for c in cands:
+            print(f"| {c.name} | {t[c.name] * 1e3:.1f} | {t[c.name] / base:.2f}x |")
+    sys.stdout.flush()
+
+
+TABLES = {
+    "soft": table_soft,
+    "topk": table_topk,
+    "recipes": table_recipes,
+    "scaling": table_scaling,
+    "dropout": table_dropout,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
