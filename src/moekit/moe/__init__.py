@@ -24,7 +24,8 @@ in place of an MLP.
 
 Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`,
 :mod:`moekit.moe.hash_routing` and :mod:`moekit.moe.hierarchical_routing`, capacity in
-:mod:`moekit.moe.capacity`, dispatch in :mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`.
+:mod:`moekit.moe.capacity`, dispatch in :mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`, a dropout
+whose CPU masks are cheap in :mod:`moekit.moe.dropout` (the experts' and the models').
 
 Training-loop helpers: :func:`collect_moe_outputs` (aux losses + statistics of the latest forward),
 :func:`update_balancing_biases` (loss-free balancing, once per optimizer step; :func:`discard_balancing_updates`
