@@ -24,6 +24,8 @@ if not torch.cuda.is_available():
     raise SystemExit("make gpu-check needs a CUDA device (torch.cuda.is_available() is False); on a CPU run make test")
 PYEOF
 report=${GPU_REPORT:-docs/gpu_report.md}
+# The tier's tests in 4 processes where pytest-xdist is installed: most of their time is imports and compilation.
+workers=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4 --dist worksteal" || true)
 section() { timeout --kill-after=10 "${GPU_CHECK_SECTION_TIMEOUT:-0}" "$@"; }
 mkdir -p "$(dirname "$report")"
 (
@@ -36,7 +38,7 @@ mkdir -p "$(dirname "$report")"
     echo "## Test tier (tests/test_gpu.py)"
     echo
     echo '```'
-    section "$PY" -m pytest -q -m gpu -p no:cacheprovider -p no:warnings --tb=short --durations=10 tests/test_gpu.py 2>&1 | tail -n 80 || status=1
+    section "$PY" -m pytest -q -m gpu $workers -p no:cacheprovider -p no:warnings --tb=short --durations=10 tests/test_gpu.py 2>&1 | tail -n 80 || status=1
     echo '```'
     echo
     echo "## Models: one training step against the dense twin (Soft MoE S/16 against ViT-S/16 first)"

@@ -4,14 +4,19 @@ gradients."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo as dynamo
 from torch._dynamo.utils import counters
 
+from conftest import TINY_NET
 from moekit.models import TransformerLM, create_model
 from moekit.moe import build_moe_layer
 from moekit.recipes import list_recipes
+from moekit.tasks import ImageClassifier, LanguageModel
+from moekit.tasks.base import compile_network
 
 
 def settings_for(name: str) -> dict:
@@ -78,3 +83,61 @@ def test_a_new_capacity_factor_does_not_recompile_and_drops_as_in_eager(scope):
         assert float(layer.stats["dropped_fraction"]) == dropped[-1]
     assert dropped[1] > dropped[2] > dropped[3], dropped  # the factors took effect
     assert counters["stats"]["unique_graphs"] == 1, "a new capacity factor recompiled the layer"
+
+
+def _double_the_output(module, args, out):
+    return out * 2
+
+
+def _frames_compiled() -> int:
+    return counters["frames"]["ok"]
+
+
+@pytest.mark.parametrize("kind", ["torch_linear", "moe_vit"])
+def test_compile_network_compiles_in_place_with_hooks_and_the_same_state_dict(kind):
+    """``nn.Linear.compile()`` compiles nothing on torch 2.11 (its forward is torch's own code, a frame Dynamo skips);
+    compile_network compiles it and a whole MoE ViT: one frame, no graph break, the eager outputs and gradients, a
+    forward hook registered before it still applied, the state-dict keys unchanged, and a copy is plain eager."""
+    torch.manual_seed(0)
+    net, x = (
+        (torch.nn.Linear(8, 8), torch.randn(4, 8))
+        if kind == "torch_linear"
+        else (create_model("soft_moe_vit_tiny_patch4_28"), torch.randn(2, 1, 28, 28))
+    )
+    net.register_forward_hook(_double_the_output)
+    keys = list(net.state_dict())
+    eager = net(x)
+    eager_grads = torch.autograd.grad(eager.square().sum(), list(net.parameters()))
+    dynamo.reset()
+    counters.clear()
+    compile_network(net, backend="aot_eager")
+    compiled = net(x)
+    grads = torch.autograd.grad(compiled.square().sum(), list(net.parameters()))
+    assert _frames_compiled() == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want)
+    assert list(net.state_dict()) == keys
+    assert copy.deepcopy(net)._compiled_call_impl is None  # what pickling keeps (Module.__getstate__)
+
+
+@pytest.mark.parametrize("task", ["classifier", "language_model"])
+def test_task_compile_true_runs_the_network_compiled(task, monkeypatch):
+    """``task.compile=true`` (both tasks): a forward of the task runs a compiled frame and gives the eager logits."""
+    compile_fn = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_fn(fn, **{"backend": "aot_eager", **kw}))
+    torch.manual_seed(0)
+    if task == "classifier":
+        model, x = ImageClassifier(net=TINY_NET, num_classes=10, compile=True), torch.randn(2, 1, 28, 28)
+    else:
+        net = {"_target_": "moekit.models.TransformerLM", "vocab_size": 50, "dim": 32, "depth": 2, "num_heads": 2}
+        net["max_seq_len"] = 16
+        model, x = LanguageModel(net=net, vocab_size=50, compile=True), torch.randint(50, (2, 16))
+    model.eval()
+    dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = model(x)
+        eager = model.net._call_impl(x)
+    assert _frames_compiled() >= 1, "task.compile=true ran the network eagerly"
+    torch.testing.assert_close(compiled, eager)

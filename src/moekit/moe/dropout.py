@@ -29,7 +29,7 @@ __all__ = ["Dropout", "dropout", "use_fast_dropout"]
 LEVELS = 1 << 16  # 16-bit levels per element
 
 
-@torch.library.custom_op("moekit::dropout_levels", mutates_args=(), tags=torch.Tag.nondeterministic_seeded)
+@torch.library.custom_op("moekit::dropout_levels", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _levels(n: int) -> Tensor:
     """``[n]`` int16 levels, uniform on ``[-32768, 32767]``: four from each 64-bit draw of the default CPU generator. A
     custom operator, so that ``torch.compile`` runs these draws (no graph break) and neither merges nor recomputes

@@ -23,7 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from moekit.checkpoint import CLASS_NAMES_KEY, head_prefixes, load_weights, read_state_dict
 
-from .base import MoETask, plain
+from .base import MoETask, compile_network, plain
 
 __all__ = ["ImageClassifier"]
 
@@ -107,7 +107,7 @@ class ImageClassifier(MoETask):
             for name, param in self.net.named_parameters():
                 param.requires_grad = name.startswith(heads)
         if compile:
-            self.net.compile()
+            compile_network(self.net)
         top5 = min(5, num_classes)
         self.metrics = nn.ModuleDict(
             {

@@ -28,7 +28,7 @@ from moekit.models import fit_hash_routing, upcycle
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HF_PREFIX
 
-from .base import MoETask, plain
+from .base import MoETask, compile_network, plain
 
 __all__ = ["LanguageModel"]
 
@@ -97,7 +97,7 @@ class LanguageModel(MoETask):
         elif init_from:
             load_weights(self.net, read_state_dict(init_from), source=init_from)
         if compile:
-            self.net.compile()
+            compile_network(self.net)
         # Token-weighted mean cross-entropy of each evaluation split, reduced over ranks.
         self.eval_ce = nn.ModuleDict({split: MeanMetric() for split in ("val", "test")})
 
