@@ -38,7 +38,7 @@ mkdir -p "$(dirname "$report")"
     echo "## Test tier (tests/test_gpu.py)"
     echo
     echo '```'
-    section "$PY" -m pytest -q -m gpu $workers -p no:cacheprovider -p no:warnings --tb=short --durations=10 tests/test_gpu.py 2>&1 | tail -n 80 || status=1
+    section "$PY" -m pytest -q -m gpu $workers -p no:cacheprovider -p no:warnings -p no:benchmark --tb=short --durations=10 tests/test_gpu.py 2>&1 | tail -n 80 || status=1
     echo '```'
     echo
     echo "## Models: one training step against the dense twin (Soft MoE S/16 against ViT-S/16 first)"

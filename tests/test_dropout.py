@@ -92,7 +92,8 @@ def test_identity_in_eval_or_without_dropout_and_torch_at_the_ends():
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_dropout_draws_the_eager_masks_without_a_graph_break(backend):
-    """Two dropouts of one shape in one graph: neither merged nor redrawn for the backward."""
+    """Two dropouts of one shape in one graph: neither merged (torch 2.11 merged them when the draws took only their
+    size) nor redrawn for the backward."""
 
     def f(x):
         return dropout(torch.tanh(x), 0.3) + dropout(x, 0.3) ** 2

@@ -30,17 +30,20 @@ LEVELS = 1 << 16  # 16-bit levels per element
 
 
 @torch.library.custom_op("moekit::dropout_levels", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def _levels(n: int) -> Tensor:
-    """``[n]`` int16 levels, uniform on ``[-32768, 32767]``: four from each 64-bit draw of the default CPU generator. A
-    custom operator, so that ``torch.compile`` runs these draws (no graph break) and neither merges nor recomputes
-    them (seeded nondeterministic)."""
+def _levels(like: Tensor) -> Tensor:
+    """``[like.numel()]`` int16 levels, uniform on ``[-32768, 32767]``: four from each 64-bit draw of the default CPU
+    generator. A custom operator, so that ``torch.compile`` runs these draws (no graph break) and neither merges nor
+    recomputes them (seeded nondeterministic). ``like``, the tensor to mask, is an argument (its values unread), so
+    that dropouts of two tensors are two calls: torch 2.11's common-subexpression pass over the joint forward and
+    backward graph merged two calls of one size despite the tag, drawing one mask for both."""
+    n = like.numel()
     draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # the whole int64 range
     return draws.view(torch.int16)[:n]
 
 
 @_levels.register_fake
-def _(n: int) -> Tensor:
-    return torch.empty(n, dtype=torch.int16)
+def _(like: Tensor) -> Tensor:
+    return torch.empty(like.numel(), dtype=torch.int16)
 
 
 def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:
@@ -50,7 +53,7 @@ def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -
     dropped_levels = round(p * LEVELS)
     if x.device.type != "cpu" or not 0 < dropped_levels < LEVELS:
         return F.dropout(x, p, training, inplace)
-    level = _levels(x.numel()).view(x.shape)
+    level = _levels(x.detach()).view(x.shape)
     scale = torch.tensor(LEVELS / (LEVELS - dropped_levels), dtype=x.dtype)
     noise = torch.where(level >= dropped_levels - LEVELS // 2, scale, 0.0)  # [x.shape]: 0 or 1 / keep probability
     return x.mul_(noise) if inplace else x * noise
