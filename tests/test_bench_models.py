@@ -210,3 +210,21 @@ def test_mfu_is_the_achieved_flops_over_the_peak_of_the_steps_precision(capsys):
     dtype = torch.bfloat16 if c.precision.startswith("bf16") else torch.float32
     assert float(row[8]) == pytest.approx(achieved / 1e12, abs=0.005)
     assert float(row[9].rstrip("%")) == pytest.approx(100 * achieved / peak[dtype], abs=0.05)
+
+
+def test_a_compiled_table_says_when_dynamo_compiled_nothing(capsys, monkeypatch):
+    """``--override task.compile=true``: the table says so when no frame was compiled (its steps ran eagerly, as with
+    ``Module.compile`` on one torch 2.11 image), and stays quiet once the step ran compiled."""
+    from torch._dynamo.utils import counters
+
+    compile_fn = torch.compile  # aot_eager: quick to compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_fn(fn, **{"backend": "aot_eager", **kw}))
+    c = bench.build_candidate("dense", ["results=pareto", "moe=none", *bench.QUICK, "task.compile=true"], batch_size=2)
+    times = {c.name: bench.StepTiming(seconds=0.5, update_seconds=0.1)}
+    torch._dynamo.reset()
+    counters.clear()
+    print_table("t", [c], times, peak=None)
+    assert "Dynamo compiled no frame: the steps of dense ran eagerly" in capsys.readouterr().out
+    bench.train_step(c)
+    print_table("t", [c], times, peak=None)
+    assert "compiled no frame" not in capsys.readouterr().out

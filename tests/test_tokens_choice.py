@@ -8,7 +8,7 @@ from torch import nn
 from conftest import reference_tokens_choice
 from moekit.moe import TopKMoE, update_balancing_biases
 from moekit.moe.capacity import tokens_choice_capacity
-from moekit.moe.dispatch import combine, plan_dispatch, priority_order
+from moekit.moe.dispatch import _GatherRows, combine, dispatch, plan_dispatch, priority_order
 from moekit.moe.losses import cv_squared, vmoe_load_loss
 
 
@@ -61,6 +61,27 @@ def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width):
     torch.testing.assert_close(combine(expert_out, plan, gates), expected.detach())
     for g, r in zip(got, (expert_out.grad, gates.grad)):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "gather"])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_dispatch_copies_each_token_k_times_and_sums_its_copies_gradients(top_k, kernel):
+    """Row ``r`` of the dispatch is token ``order[r] // k``; a token's gradient is the sum of its ``k`` rows', with
+    assignments dropped by capacity among them: on CPUs by ``index_select``'s backward, elsewhere by a gather of
+    each token's rows (``_GatherRows``, run here on the CPU)."""
+    expert_ids = torch.randint(0, 4, (10, top_k))
+    plan = plan_dispatch(expert_ids, 4, capacity=3)
+    assert torch.equal(plan.inverse[plan.order], torch.arange(10 * top_k))  # the inverse permutation
+    x = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(10 * top_k, 6, dtype=torch.float64)
+    tokens = torch.div(plan.order, top_k, rounding_mode="floor")
+    rows = dispatch(x, plan) if kernel == "cpu" else _GatherRows.apply(x, tokens, plan.inverse, top_k)
+    rows.backward(grad)
+    expected_grad = torch.zeros(10, 6, dtype=torch.float64)
+    for r, a in enumerate(plan.order.tolist()):
+        torch.testing.assert_close(rows[r], x[a // top_k], rtol=0, atol=0)
+        expected_grad[a // top_k] += grad[r]
+    torch.testing.assert_close(x.grad, expected_grad)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
