@@ -3,6 +3,7 @@ cannot serve a model, and built as their comment line says (layer, experts, k, c
 
 from __future__ import annotations
 
+import io
 import math
 import re
 
@@ -99,6 +100,29 @@ def test_token_mixing_follows_the_built_layer(name):
         )
         layer = get_moe_layer(spec["layer"])(8, 16, **settings, **extra)
         assert mixes_tokens(spec) == (not layer.causal_safe), spec
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_layer_pickles_after_a_training_step_without_that_steps_record(name):
+    """``torch.save(layer)`` after a training forward (whose statistics are closures over its tensors): the loaded
+    layer computes what the layer computes and starts without a record; the layer keeps its own."""
+    torch.manual_seed(0)
+    recipe = load_recipe(name)
+    settings = {k: v for k, v in recipe.items() if k not in ("name", "layer", "granularity")}
+    extra = (
+        {"vocab_size": 10} if recipe["layer"] == "hash" else {"num_tokens": 16} if recipe["layer"] == "soft_moe" else {}
+    )
+    layer = get_moe_layer(recipe["layer"])(8, 16, **settings, **extra)
+    x = torch.randn(2, 16, 8)
+    kwargs = {"token_ids": torch.randint(10, (2, 16))} if recipe["layer"] == "hash" else {}
+    layer(x, **kwargs).square().sum().backward()
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.forward_tokens == 0 and loaded.stats == {} and loaded.aux_losses == {}
+    assert layer.forward_tokens == 32 and layer.stats
+    torch.testing.assert_close(loaded.eval()(x, **kwargs), layer.eval()(x, **kwargs))
 
 
 def _dense_mlp(width: int, hidden: int, gated: bool) -> tuple[int, int]:

@@ -139,6 +139,14 @@ class RoutingModule(nn.Module):
         self._stats: dict[str, Tensor] = {}
         self._token_weights_fn: Callable[[], Tensor] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save(model)``, a model sent to spawned processes) without the record of the latest
+        forward: its statistics are closures over that forward's tensors, which pickle cannot take."""
+        state = super().__getstate__()
+        state.update(aux_losses={}, forward_tokens=0, router_logit_checksum=None, _stats={})
+        state.update(_stats_fn=None, _token_weights_fn=None)
+        return state
+
     @property
     def stats(self) -> dict[str, Tensor]:
         """Routing statistics of the latest forward (``{}`` when ``compute_stats`` is False).
