@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import CONFIGS, compose_config, run_script
 from moekit.commands.train import train
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
-from moekit.moe import build_moe_layer, collect_moe_outputs, grouped_linear
+from moekit.moe import TopKMoE, build_moe_layer, collect_moe_outputs, grouped_linear
 from moekit.recipes import list_recipes
 
 DEVICE = os.environ.get("MOEKIT_GPU_CHECK_DEVICE", "cuda")
@@ -78,6 +79,26 @@ def _step(layer, x, kwargs) -> None:
         out = layer(x, **kwargs)
         loss = out.float().square().mean() + collect_moe_outputs(layer).aux_loss
     loss.backward()
+
+
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (64, 8)])
+def test_a_dropless_layers_gradients_are_the_same_in_every_run(experts, top_k):
+    """Bias-free dropless SwiGLU experts (Mixtral's shape, and fine-grained): two bf16 training steps from one state
+    give bit-identical gradients (the dispatch's and combine's gradients are gathers, not atomic ``index_add_``;
+    biased experts still sum their bias gradients with ``index_add_``)."""
+    torch.manual_seed(0)
+    layer = TopKMoE(128, 2048 // experts, num_experts=experts, top_k=top_k, gated=True, act_layer=nn.SiLU, bias=False)
+    layer = layer.to(DEVICE).train()
+    x = torch.randn(8, 256, 128, device=DEVICE, requires_grad=True)
+    grads = []
+    for _ in range(2):
+        layer.zero_grad()
+        x.grad = None
+        _step(layer, x, {})
+        grads.append([t.grad.clone() for t in (x, *layer.parameters()) if t.grad is not None])
+    assert len(grads[0]) == 1 + len(list(layer.parameters()))
+    for first, second in zip(*grads):
+        assert torch.equal(first, second)
 
 
 @needs_cuda
