@@ -52,9 +52,9 @@ def print_table(
             cells.append("n/a" if achieved is None else f"{achieved / 1e12:.2f}")
             cells.append("n/a" if achieved is None else f"{achieved / peak[c.compute_dtype]:.1%}")
         print("| " + " | ".join(cells) + " |")
-    compiled = [c.name for c in candidates if c.cfg.task.get("compile")]
-    from torch._dynamo.utils import counters  # (lazily: Dynamo's import takes seconds)
+    from torch._dynamo.utils import counters  # here, not at the top: Dynamo's import takes seconds
 
+    compiled = [c.name for c in candidates if c.cfg.task.get("compile")]
     if compiled and not counters["frames"]["ok"]:  # as on a torch 2.11 image with Module.compile
         print(f"\n(task.compile=true, yet Dynamo compiled no frame: the steps of {', '.join(compiled)} ran eagerly)")
     sys.stdout.flush()
