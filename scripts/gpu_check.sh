@@ -26,8 +26,14 @@ PYEOF
 report=${GPU_REPORT:-docs/gpu_report.md}
 # The tier's tests in 4 processes where pytest-xdist is installed: most of their time is imports and compilation.
 workers=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4 --dist worksteal" || true)
-section() { timeout --kill-after=10 "${GPU_CHECK_SECTION_TIMEOUT:-0}" "$@"; }
+section() {  # one section, bounded; says how long it took (to size the bound for a lease)
+    local start=$SECONDS rc=0
+    timeout --kill-after=10 "${GPU_CHECK_SECTION_TIMEOUT:-0}" "$@" || rc=$?
+    echo "(this section: $((SECONDS - start)) s$([ "$rc" -eq 124 ] && echo ', stopped at its bound' || true))"
+    return "$rc"
+}
 mkdir -p "$(dirname "$report")"
+set +e  # a failed section fails the check, after the report is written
 (
     status=0
     echo "# GPU check"
@@ -55,5 +61,6 @@ mkdir -p "$(dirname "$report")"
     exit $status
 ) | tee "$report"
 status=${PIPESTATUS[0]}
+set -e
 echo "wrote $report"
 exit "$status"
