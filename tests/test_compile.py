@@ -11,7 +11,10 @@ import torch
 import torch._dynamo as dynamo
 from torch._dynamo.utils import counters
 
-from conftest import TINY_NET
+from conftest import TINY_NET, compose_config
+from moekit.commands.train import train
+from moekit.configs import instantiate
+from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.models import TransformerLM, create_model
 from moekit.moe import build_moe_layer
 from moekit.recipes import list_recipes
@@ -141,3 +144,23 @@ def test_task_compile_true_runs_the_network_compiled(task, monkeypatch):
         eager = model.net._call_impl(x)
     assert _frames_compiled() >= 1, "task.compile=true ran the network eagerly"
     torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.e2e
+def test_a_training_run_with_task_compile_fits_evaluates_and_checkpoints_plain_keys(tmp_path, monkeypatch):
+    """``task.compile=true`` through Lightning (fit, validation, test): the steps run compiled frames, and the
+    checkpoint holds the network's own state-dict keys, which an uncompiled model loads."""
+    compile_fn = torch.compile  # aot_eager: the same frames, quick to compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_fn(fn, **{"backend": "aot_eager", **kw}))
+    data = write_fake_fashion_mnist(tmp_path / "fm", n_train=64, n_test=32)
+    overrides = ["experiment=soft_moe_vit", "debug=tiny", "trainer.max_steps=3", f"data.root={data}"]
+    overrides.append("data.val_size=32")
+    dynamo.reset()
+    counters.clear()
+    metrics = train(compose_config("train", [*overrides, "task.compile=true"], tmp_path / "run"))
+    assert counters["frames"]["ok"] >= 2, dict(counters["frames"])  # training and evaluation graphs
+    assert torch.isfinite(torch.tensor(metrics["test/loss"]))
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    eager = instantiate(compose_config("train", overrides, tmp_path / "eager").model)
+    net_state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
+    eager.load_state_dict(net_state)  # strict: the same keys
