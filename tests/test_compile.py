@@ -15,11 +15,10 @@ from conftest import TINY_NET, compose_config
 from moekit.commands.train import train
 from moekit.configs import instantiate
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
-from moekit.models import TransformerLM, create_model
+from moekit.models import TransformerLM, compile_network, create_model
 from moekit.moe import build_moe_layer
 from moekit.recipes import list_recipes
 from moekit.tasks import ImageClassifier, LanguageModel
-from moekit.tasks.base import compile_network
 
 
 def settings_for(name: str) -> dict:

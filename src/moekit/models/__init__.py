@@ -13,6 +13,8 @@
 * :func:`upcycle_vit` / :func:`upcycle` - sparse upcycling from a dense ViT / any dense twin (the Transformer LM's).
 * :func:`export_hf` / :func:`load_hf_lm` - the Transformer LM as a transformers model folder (Mixtral or Qwen2-MoE
   layout) and back (:mod:`moekit.models.hf_export`, :mod:`moekit.models.hf_import`).
+* :func:`compile_network` - ``torch.compile`` a network in place (state-dict keys unchanged), also where
+  ``Module.compile()`` compiles no frame.
 * :func:`export_safetensors` - weights that ``timm.create_model(name, pretrained=True,
   pretrained_cfg_overlay=dict(file=path))`` loads.
 """
@@ -21,6 +23,7 @@ import timm
 from torch import nn
 
 from . import registry
+from .compilation import compile_network
 from .export import export_safetensors
 from .generate import generate, sample_next_token
 from .hf_export import export_hf
@@ -48,6 +51,7 @@ def create_model(model_name: str, **kwargs) -> nn.Module:
 
 
 __all__ = [
+    "compile_network",
     "create_model",
     "registry",
     "create_moe_vit",

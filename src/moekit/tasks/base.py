@@ -26,7 +26,7 @@ from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_ba
 from .epoch_means import EpochMeans
 from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
 
-__all__ = ["MoETask", "compile_network", "plain"]
+__all__ = ["MoETask", "plain"]
 
 EPOCH_MEANS_KEY = "moekit_epoch_means"  # checkpoint entries: the training-epoch means,
 LOG_POSITIONS_KEY = "moekit_log_positions"  # and how far the logs went (moekit.loggers.log_positions)
@@ -37,25 +37,6 @@ def plain(config: Any) -> Any:
     if isinstance(config, DictConfig):
         return OmegaConf.to_container(config, resolve=True)
     return config
-
-
-def compile_network(net: nn.Module, **compile_kwargs: Any) -> nn.Module:
-    """``torch.compile`` ``net`` in place, as ``net.compile()`` means to: calls of ``net`` (forward hooks included) run
-    compiled, its state-dict keys are unchanged, and a pickled or deep-copied ``net`` is the uncompiled one.
-
-    ``net.compile()`` compiles ``net._call_impl``, a frame of torch's own ``module.py``, which Dynamo skips, relying on
-    catching the frame of ``forward`` below it. On torch 2.11 it caught none where the forward is torch's own
-    (``nn.Linear``), and none for the whole ViT-S/16 on an H200 image of torch 2.11 and Python 3.12 (the same kernels
-    as eager mode, no frame compiled). Here the compiled frame is this function's own call of ``_call_impl``, which
-    Dynamo traces, inlining ``_call_impl`` and everything below it: the way ``torch.compile(net)`` treats torch's
-    own modules, without its ``_orig_mod.`` prefix on every state-dict key."""
-    call_impl = net._call_impl
-
-    def compiled_call(*args: Any, **kwargs: Any) -> Any:
-        return call_impl(*args, **kwargs)
-
-    net._compiled_call_impl = torch.compile(compiled_call, **compile_kwargs)
-    return net
 
 
 class MoETask(LightningModule):

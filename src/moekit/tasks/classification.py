@@ -22,8 +22,9 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from moekit.checkpoint import CLASS_NAMES_KEY, head_prefixes, load_weights, read_state_dict
+from moekit.models import compile_network
 
-from .base import MoETask, compile_network, plain
+from .base import MoETask, plain
 
 __all__ = ["ImageClassifier"]
 

@@ -24,11 +24,11 @@ from torchmetrics import MeanMetric
 
 from moekit.checkpoint import load_weights, read_state_dict
 from moekit.data.text import PAD_TARGET
-from moekit.models import fit_hash_routing, upcycle
+from moekit.models import compile_network, fit_hash_routing, upcycle
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HF_PREFIX
 
-from .base import MoETask, compile_network, plain
+from .base import MoETask, plain
 
 __all__ = ["LanguageModel"]
 
