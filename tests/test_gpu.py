@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from conftest import CONFIGS, compose_config, run_script
 from moekit.commands.train import train
+from moekit.configs import instantiate
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import TopKMoE, build_moe_layer, collect_moe_outputs, grouped_linear
 from moekit.recipes import list_recipes
@@ -149,10 +151,6 @@ def test_a_compiled_layer_gives_the_eager_outputs(name):
 def test_task_compile_true_compiles_the_s16_models(model, tmp_path):
     """``task.compile=true`` on the ImageNet experiment's two models: the task's forward runs one compiled frame (on
     an H200 image, torch 2.11 and Python 3.12, ``Module.compile`` compiled none) and gives eager mode's logits."""
-    from torch._dynamo.utils import counters
-
-    from moekit.configs import instantiate
-
     overrides = [
         "experiment=soft_moe_vit_s16_imagenet",
         f"data.root={tmp_path}",  # no image is read
