@@ -129,23 +129,28 @@ class RoutingModule(nn.Module):
     (computed when first read), ``forward_tokens`` and ``router_logit_checksum`` (see the module docstring) -
     and the once-per-optimizer-step hooks."""
 
+    aux_losses: dict[str, Tensor]
+    forward_tokens: int
+    router_logit_checksum: Tensor | None
+    _stats_fn: Callable[[], dict[str, Tensor]] | None
+    _stats: dict[str, Tensor]
+    _token_weights_fn: Callable[[], Tensor] | None
+
     def __init__(self, *, compute_stats: bool = True) -> None:
         super().__init__()
         self.compute_stats = compute_stats
-        self.aux_losses: dict[str, Tensor] = {}
-        self.forward_tokens = 0
-        self.router_logit_checksum: Tensor | None = None
-        self._stats_fn: Callable[[], dict[str, Tensor]] | None = None
-        self._stats: dict[str, Tensor] = {}
-        self._token_weights_fn: Callable[[], Tensor] | None = None
+        self.__dict__.update(self._no_record())
+
+    @staticmethod
+    def _no_record() -> dict[str, Any]:
+        """The record before any forward."""
+        record = dict(aux_losses={}, forward_tokens=0, router_logit_checksum=None)
+        return {**record, "_stats_fn": None, "_stats": {}, "_token_weights_fn": None}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (``torch.save(model)``, a model sent to spawned processes) without the record of the latest
         forward: its statistics are closures over that forward's tensors, which pickle cannot take."""
-        state = super().__getstate__()
-        state.update(aux_losses={}, forward_tokens=0, router_logit_checksum=None, _stats={})
-        state.update(_stats_fn=None, _token_weights_fn=None)
-        return state
+        return {**super().__getstate__(), **self._no_record()}
 
     @property
     def stats(self) -> dict[str, Tensor]:
