@@ -1,6 +1,6 @@
-"""``torch.compile`` and the MoE layers: no graph break inside any layer (BASE's balanced-assignment solver and the
-ragged loop kernel are custom operators), none in the models, and compiled layers give the eager outputs and
-gradients."""
+"""``torch.compile`` and the MoE layers: no graph break inside any layer (BASE's exact balanced-assignment solver
+and the ragged loop kernel are custom operators; BASE's sync-free solver is plain tensor operations), none in the
+models, and compiled layers give the eager outputs and gradients."""
 
 from __future__ import annotations
 
@@ -46,11 +46,13 @@ def test_no_graph_break_in_the_models(model):
     assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "base"])
+@pytest.mark.parametrize("name", ["mixtral", "base", "base_sync_free"])
 def test_a_compiled_layer_gives_the_eager_outputs_and_gradients(name):
-    """Mixtral's dropless groups run the ragged loop kernel; BASE's training forward the balanced assignment."""
+    """Mixtral's dropless groups run the ragged loop kernel; BASE's training forward the balanced assignment: the
+    exact solver (a custom operator) or the sync-free one (plain tensor operations, traced whole)."""
     torch.manual_seed(0)
-    layer = build_moe_layer(name, in_features=32, hidden_features=64)
+    moe = {"recipe": "base", "solver": "sync_free"} if name == "base_sync_free" else name
+    layer = build_moe_layer(moe, in_features=32, hidden_features=64)
     x = torch.randn(2, 16, 32)
     grads = []
     for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):

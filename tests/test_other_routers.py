@@ -7,7 +7,7 @@ from scipy.optimize import linear_sum_assignment
 from conftest import reference_expert, reference_lory, reference_tokens_choice
 from moekit.models import TransformerLM, fit_hash_routing
 from moekit.moe import BaseMoE, DenseMoE, ExpertsChoiceMoE, HashMoE, HierarchicalMoE, LoryMoE
-from moekit.moe.assignment import balanced_assignment, balanced_capacities
+from moekit.moe.assignment import balanced_assignment, balanced_capacities, resolve_solver
 from moekit.moe.losses import cv_squared, load_probabilities, smooth_load
 
 TINY_LM = dict(max_seq_len=24, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
@@ -70,6 +70,53 @@ def test_balanced_assignment_ties_and_uneven_capacities():
     assert torch.equal(torch.bincount(balanced_assignment(scores, caps), minlength=4), caps)
     with pytest.raises(ValueError, match="summing to the 8 tokens"):
         balanced_assignment(scores, torch.tensor([1, 1, 1, 1]))
+
+
+@pytest.mark.parametrize("tokens, experts, skew", [(200, 16, 1.0), (1024, 64, 2.0), (4096, 8, 0.5)])
+def test_the_sync_free_solver_is_balanced_and_near_the_optimum(tokens, experts, skew):
+    """Exact loads; on these random affinities 95-100% of the tokens where the exact solver puts them (95.0%, 97.2%,
+    99.9% here) and a total affinity within 2% of the optimum (0.95%, 0.42%, 0.03% below it)."""
+    scores = torch.randn(tokens, experts)
+    scores[:, 0] += skew
+    caps = balanced_capacities(tokens, experts)
+    assignment = balanced_assignment(scores, caps, solver="sync_free")
+    assert torch.equal(torch.bincount(assignment, minlength=experts), caps)
+    exact = balanced_assignment(scores, caps, solver="exact")
+    assert (assignment == exact).float().mean() >= 0.94
+    total, optimum = (scores.double().gather(1, a.unsqueeze(1)).sum() for a in (assignment, exact))
+    assert (optimum - total) / optimum.abs() <= 0.02
+    # Where each token's favourite already balances the loads, both solvers give it.
+    favourites = torch.arange(tokens) % experts
+    easy = torch.randn(tokens, experts) + 10 * torch.nn.functional.one_hot(favourites, experts)
+    assert torch.equal(balanced_assignment(easy, caps, solver="sync_free"), favourites)
+
+
+def test_the_sync_free_solver_takes_uneven_and_zero_capacities_and_device_counts():
+    scores = torch.randn(8, 4)
+    caps = torch.tensor([5, 0, 1, 2])
+    assert torch.equal(torch.bincount(balanced_assignment(scores, caps, solver="sync_free"), minlength=4), caps)
+    with pytest.raises(RuntimeError, match="capacities must sum to the tokens"):
+        balanced_assignment(scores, torch.tensor([1, 1, 1, 1]), solver="sync_free")
+    for n in (0, 3, 8, 13):  # a count held on the device gives the same capacities as the int
+        assert torch.equal(balanced_capacities(torch.tensor(n), 4), balanced_capacities(n, 4))
+    assert resolve_solver("auto", torch.device("cpu")) == "exact"
+    assert resolve_solver("auto", torch.device("cuda")) == "sync_free"
+    with pytest.raises(ValueError, match="solver='hungarian'; allowed: 'auto', 'exact', 'sync_free'"):
+        BaseMoE(8, 16, num_experts=4, solver="hungarian")
+
+
+@pytest.mark.parametrize("solver", ["exact", "sync_free"])
+def test_base_layer_shares_the_experts_among_the_real_tokens(solver):
+    layer = BaseMoE(8, 16, num_experts=4, solver=solver).train()
+    x = torch.randn(2, 12, 8)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 7:] = False  # 19 real tokens
+    routing = layer.router(x.reshape(-1, 8), None, mask.reshape(-1))
+    experts = routing.expert_ids[:, 0]
+    assert torch.bincount(experts[mask.reshape(-1)], minlength=4).tolist() == [5, 5, 5, 4]
+    assert experts[~mask.reshape(-1)].tolist() == [0] * 5
+    out = layer(x, padding_mask=mask)
+    assert torch.equal(out[1, 7:], torch.zeros(5, 8)), "padding is dropped"
 
 
 def test_base_layer_balanced_in_training_greedy_at_inference():

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .assignment import balanced_assignment, balanced_capacities
+from .assignment import Solver, balanced_assignment, balanced_capacities, resolve_solver
 from .expert_dropping import OverpoweringExperts, check_margin
 from .losses import (
     bengio_batchwise_loss,
@@ -327,20 +327,24 @@ class BalancedRouter(Router):
 
     Affinities ``s = x W^T`` (one learned embedding per expert). In training, the assignment
     maximising the total affinity with every expert taking ``N / E`` tokens (±1 when ``E`` does not
-    divide ``N``) is solved by :func:`balanced_assignment`; at inference each token takes its best
+    divide ``N``) is solved by :func:`balanced_assignment` (``solver``: ``"auto"`` takes the exact solver on CPUs,
+    the sync-free one elsewhere; see :mod:`moekit.moe.assignment`); at inference each token takes its best
     expert. The gate is ``sigmoid(s[n, a(n)])``, the paper's residual weighting.
     """
 
     @dataclass(kw_only=True)
     class Config:
         num_experts: int = 8
+        solver: Solver = "auto"
 
         def __post_init__(self) -> None:
             check_top_k(self.num_experts, 1)
+            resolve_solver(self.solver, torch.device("cpu"))  # a clear error for an unknown name
 
     def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
         super().__init__()
         self.num_experts = config.num_experts
+        self.solver = config.solver
         self.top_k = 1
         self.weight = router_weight(config.num_experts, in_features, device, dtype)
 
@@ -350,17 +354,32 @@ class BalancedRouter(Router):
             # Non-finite scores would keep the assignment's auction from ending: assign as if they were 0.
             # The gates below still carry them, so the loss is non-finite and NonFiniteGuard skips the step.
             finite = torch.nan_to_num(scores.detach(), nan=0.0, posinf=0.0, neginf=0.0)
-            if mask is None:
-                caps = balanced_capacities(x.shape[0], self.num_experts, x.device)
-                expert_ids = balanced_assignment(finite, caps).unsqueeze(1)
-            else:  # the real tokens share the experts evenly; padding (expert 0) is dropped by the layer
-                real = mask.nonzero().squeeze(1)  # the assignment synchronises anyway
-                caps = balanced_capacities(real.numel(), self.num_experts, x.device)
-                expert_ids = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-                expert_ids[real] = balanced_assignment(finite[real], caps).unsqueeze(1)
+            expert_ids = self._assign(finite, mask).unsqueeze(1)
         else:
             expert_ids = scores.argmax(dim=-1, keepdim=True)
         gates = torch.sigmoid(scores.gather(1, expert_ids))
         return Routing(
             expert_ids, gates, torch.softmax(scores, dim=-1), priority=None, logit_checksum=logit_checksum(scores)
         )
+
+    def _assign(self, scores_NE: Tensor, mask: Tensor | None) -> Tensor:
+        """``[N]`` experts: the real tokens share the experts evenly; padding goes to expert 0 (the layer drops it)."""
+        num_tokens, num_experts = scores_NE.shape
+        solver = resolve_solver(self.solver, scores_NE.device)
+        if mask is None:
+            caps = balanced_capacities(num_tokens, num_experts, scores_NE.device)
+            return balanced_assignment(scores_NE, caps, solver=solver)
+        if solver == "exact":  # it reads the host anyway
+            real = mask.nonzero().squeeze(1)
+            caps = balanced_capacities(real.numel(), num_experts, scores_NE.device)
+            expert_ids = torch.zeros(num_tokens, dtype=torch.long, device=scores_NE.device)
+            expert_ids[real] = balanced_assignment(scores_NE[real], caps, solver=solver)
+            return expert_ids
+        # Without reading how many tokens are real: the padding fills an expert of its own, E, which every real
+        # token values far below any other and every padding token far above.
+        real = mask.sum()
+        caps = torch.cat([balanced_capacities(real, num_experts), (num_tokens - real).view(1)])
+        far = 4 * scores_NE.abs().amax() + 1
+        scores = torch.cat([scores_NE, torch.where(mask, -far, far).unsqueeze(1)], dim=1)
+        scores = torch.where(mask.unsqueeze(1), scores, torch.cat([-far.expand(num_experts), far.view(1)]))
+        return torch.where(mask, balanced_assignment(scores, caps, solver=solver), 0)
