@@ -1,6 +1,7 @@
-"""No host synchronisation in a layer's training step, checked on the CPU: every operator that reads a tensor's
-values on the host (on an accelerator, a wait for the device) is intercepted while each recipe's layer runs the
-code paths it takes on an accelerator (the ``grouped_mm`` expert kernel, BASE's sync-free solver). The GPU tier's
+"""No host synchronisation in a training step, checked on the CPU: every operator that reads a tensor's values on
+the host (on an accelerator, a wait for the device) is intercepted while each recipe's layer, and each kind of model
+with its optimizer step, runs the code paths it takes on an accelerator (the ``grouped_mm`` expert kernel, BASE's
+sync-free solver). The GPU tier's
 ``test_no_host_synchronisation_in_a_layers_training_step`` checks the same with CUDA's sync debug mode, where a GPU
 is at hand."""
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moekit.moe import BaseMoE, ExpertBank, build_moe_layer, collect_moe_outputs
+from moekit.models import LSTMMoELM, TransformerLM, create_model
+from moekit.moe import BaseMoE, ExpertBank, build_moe_layer, collect_moe_outputs, update_balancing_biases
 from moekit.moe.routers import BalancedRouter
 from moekit.recipes import list_recipes
 
@@ -157,3 +159,35 @@ def test_padding_reads_nothing_on_the_host(name):
     _step(layer.train(), x, {"padding_mask": mask})
     found = _reads(lambda: _step(layer, x, {"padding_mask": mask}))
     assert not found, f"{name} with padding: {found[0][0]} reads the host, called at\n{found[0][1]}"
+
+
+LM = dict(vocab_size=50, dim=32, depth=2, num_heads=2, max_seq_len=16)
+MODELS = {
+    "transformer_lm_deepseek": lambda: TransformerLM(**LM, moe="deepseek"),  # shared experts, loss-free balancing
+    "transformer_lm_mode": lambda: TransformerLM(**LM, moe="mixtral", mod={"capacity": 0.5, "blocks": "all"}),
+    "lstm_lm": lambda: LSTMMoELM(vocab_size=50, dim=32, expert_hidden=64),
+    "soft_moe_vit": lambda: create_model("soft_moe_vit_tiny_patch4_28"),
+    "top2_vit": lambda: create_model("soft_moe_vit_tiny_patch4_28", moe="top2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_models_training_step_reads_nothing_on_the_host(name):
+    """Forward, backward, gradient clipping, the fused AdamW step and the loss-free balancing update, as the
+    template's training step runs them."""
+    torch.manual_seed(0)
+    net = _as_on_an_accelerator(MODELS[name]()).train()
+    x = torch.randn(2, 1, 28, 28) if name.endswith("vit") else torch.randint(50, (2, 16))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+
+    def step():
+        out = net(x)
+        (out.float().square().mean() + collect_moe_outputs(net).aux_loss).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_balancing_biases(net)
+
+    step()
+    found = _reads(step)
+    assert not found, f"{name}: {found[0][0]} reads the host, called at\n{found[0][1]}"
