@@ -1,9 +1,8 @@
 """No host synchronisation in a training step, checked on the CPU: every operator that reads a tensor's values on
 the host (on an accelerator, a wait for the device) is intercepted while each recipe's layer, and each kind of model
 with its optimizer step, runs the code paths it takes on an accelerator (the ``grouped_mm`` expert kernel, BASE's
-sync-free solver). The GPU tier's
-``test_no_host_synchronisation_in_a_layers_training_step`` checks the same with CUDA's sync debug mode, where a GPU
-is at hand."""
+sync-free solver). The GPU tier's ``test_no_host_synchronisation_in_a_layers_training_step`` checks the layers
+with CUDA's sync debug mode, where a GPU is at hand."""
 
 from __future__ import annotations
 
