@@ -27,6 +27,12 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The ``slow`` tests (40-110 s each: several processes) first, then the other ``e2e`` ones, then the units: under
+    ``pytest -n N`` the last tests to start are short ones, and no long one runs alone at the end."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("e2e") is None))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

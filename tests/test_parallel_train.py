@@ -111,6 +111,7 @@ def _state(ckpt: Path) -> dict[str, torch.Tensor]:
     ],
     ids=["ddp", "fsdp", "fsdp_sharded", "fsdp_ep"],
 )
+@pytest.mark.slow
 def test_a_2_process_checkpoint_resumes_in_1_or_4_to_the_same_step(tmp_path, strategy, worlds):
     data_root = write_fake_fashion_mnist(tmp_path / "fm", n_train=16, n_test=8)
     split_experts = {"expert_parallel_size": "${trainer.devices}"}
@@ -158,6 +159,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the rank-1 process")
 def test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly(tmp_path, tiny_fashion):
     """Pre-emption under DDP: SIGTERM reaches rank 1 only; the ranks agree after the step, save

@@ -476,6 +476,7 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(fake_fashion, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_sweep_rerun_into_its_folder_skips_the_finished_settings(fake_fashion, tmp_path):
     """The same sweep again with ``hydra.sweep.dir`` of the first: the job that finished is skipped (its record
     untouched, listed in the summary), the one that did not (no ``finished.json``: killed) runs;
