@@ -24,7 +24,7 @@ Two solvers share stage 1 (:func:`balanced_assignment`'s ``solver=``; :func:`res
    claimants that prefer it most; in each of ``fill_rounds`` rounds every token left over proposes to its best
    expert with room, which accepts as many as it has room for, the most reluctant to go elsewhere first; the
    tokens still left take the free places in expert order. The loads are exact; the total affinity is close to
-   the optimum, not at it (97-100% of tokens as the exact solver places them on random affinities; ``tests``).
+   the optimum, not at it (on random affinities 95-100% of the tokens where the exact solver puts them).
 
 All arithmetic is batched over tokens; the loops are over rounds, augmenting paths (the excess left
 after stage 1: a handful) and Bellman-Ford passes (at most ``E``).
@@ -95,18 +95,19 @@ def balanced_assignment(
         return _solve_sync_free(scores.detach().float(), capacities.to(scores.device), price_rounds, fill_rounds)
 
 
-def _rank_within_expert(expert: Tensor, key: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Items sorted by (expert, key descending): the order, each expert's count and each item's rank among its
-    expert's items (0: the largest key)."""
+def _sort_within_expert(expert: Tensor, key: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sort items by (expert, key descending). Returns the order, each expert's count and the start of its run."""
     by_key = torch.sort(key, descending=True, stable=True).indices
     order = by_key[torch.sort(expert.index_select(0, by_key), stable=True).indices]
     counts = count_ids(expert, num_experts)
-    starts = counts.cumsum(0) - counts
-    rank = torch.empty_like(expert)
-    rank[order] = torch.arange(expert.numel(), device=expert.device) - starts.index_select(
-        0, expert.index_select(0, order)
-    )
-    return order, counts, rank
+    return order, counts, counts.cumsum(0) - counts
+
+
+def _rank_within_expert(expert: Tensor, key: Tensor, num_experts: int) -> Tensor:
+    """Each item's rank among its expert's items by ``key`` (0: the largest)."""
+    order, _, starts = _sort_within_expert(expert, key, num_experts)
+    rank_in_order = torch.arange(expert.numel(), device=expert.device) - starts[expert[order]]
+    return torch.empty_like(expert).index_put_((order,), rank_in_order)
 
 
 def _price_round(scores: Tensor, prices: Tensor, capacities: Tensor, min_step: Tensor | float):
@@ -116,9 +117,8 @@ def _price_round(scores: Tensor, prices: Tensor, capacities: Tensor, min_step: T
     top = (scores - prices).topk(2, dim=1)
     choice = top.indices[:, 0]
     margin = top.values[:, 0] - top.values[:, 1]  # >= 0: preference for the chosen expert
-    order, counts, _ = _rank_within_expert(choice, margin, num_experts)
+    order, counts, starts = _sort_within_expert(choice, margin, num_experts)
     over = counts > capacities
-    starts = counts.cumsum(0) - counts
     sorted_margin = margin.index_select(0, order)
     # Inside each over-full expert: the margin of the last token kept (rank c_e - 1) and of the
     # first moved (rank c_e). An expert of capacity 0 moves everyone.
@@ -173,7 +173,7 @@ def _solve_sync_free(scores: Tensor, capacities: Tensor, price_rounds: int, fill
     # Each expert keeps the c_e claimants with the largest margin over their second choice.
     top = value.topk(2, dim=1)
     choice = top.indices[:, 0]
-    assigned = _rank_within_expert(choice, top.values[:, 0] - top.values[:, 1], num_experts)[2] < capacities[choice]
+    assigned = _rank_within_expert(choice, top.values[:, 0] - top.values[:, 1], num_experts) < capacities[choice]
     room = capacities - _placed(choice, assigned, num_experts)
     big = torch.finfo(value.dtype).max
     for _ in range(fill_rounds):
@@ -182,7 +182,7 @@ def _solve_sync_free(scores: Tensor, capacities: Tensor, price_rounds: int, fill
         top = value.masked_fill(room == 0, float("-inf")).topk(2, dim=1)
         want = torch.where(assigned, num_experts, top.indices[:, 0])
         regret = torch.nan_to_num(top.values[:, 0] - top.values[:, 1], nan=0.0, posinf=big)
-        rank = _rank_within_expert(want, regret, num_experts + 1)[2]
+        rank = _rank_within_expert(want, regret, num_experts + 1)
         accept = rank < torch.cat([room, room.new_zeros(1)]).index_select(0, want)
         choice = torch.where(accept, want, choice)
         assigned = assigned | accept
