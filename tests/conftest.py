@@ -27,15 +27,18 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
-def pytest_collection_modifyitems(config, items):
-    """The ``slow`` tests (40-110 s each: several processes) first, then the other ``e2e`` ones, then the units: under
-    ``pytest -n N`` the last tests to start are short ones, and no long one runs alone at the end."""
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("e2e") is None))
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A run in this process under a DDP strategy (the ImageNet recipe's, on one CPU) leaves Lightning's process
+    group of one behind; the processes a later test forks would inherit it and fail to start their own."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def reference_expert(bank: ExpertBank, e: int, x: torch.Tensor) -> torch.Tensor:
