@@ -66,21 +66,44 @@ def test_grouped_linear_ragged_with_empty_experts_and_tail(kernel):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("layout", ["equal", "ragged", "ragged_no_tail"])
 def test_grouped_linear_takes_the_stride_0_gradient_of_a_sum(kernel, layout):
-    """``out.sum().backward()`` sends an expanded (stride-0) gradient; every kernel gives the reference's, also
-    told that the groups cover every row (``no_tail``: no masks in between)."""
+    """``out.sum().backward()`` sends an expanded (stride-0) gradient; every kernel gives the reference's, with a
+    bias, also told that the groups cover every row (``no_tail``: no masks in between)."""
     equal = layout == "equal"
     if kernel == "bmm" and not equal:
         pytest.skip("bmm takes equal groups only")
     sizes = [4, 4, 4] if equal else [5, 0, 7]
     x = torch.randn(12, 8, requires_grad=True)
     w = torch.randn(3, 8, 4, requires_grad=True)
+    b = torch.randn(3, 4, requires_grad=True)
     group_sizes = 4 if equal else torch.tensor(sizes)
-    grouped_linear(x, w, None, group_sizes, kernel, no_tail=layout == "ragged_no_tail").sum().backward()
-    got = (x.grad.clone(), w.grad.clone())
-    x.grad = w.grad = None
-    _reference_grouped(x, w, None, sizes).sum().backward()
-    for g, r in zip(got, (x.grad, w.grad)):
+    grouped_linear(x, w, b, group_sizes, kernel, no_tail=layout == "ragged_no_tail").sum().backward()
+    got = (x.grad.clone(), w.grad.clone(), b.grad.clone())
+    x.grad = w.grad = b.grad = None
+    _reference_grouped(x, w, b, sizes).sum().backward()
+    for g, r in zip(got, (x.grad, w.grad, b.grad)):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
+def test_the_grouped_mm_kernels_gradients_add_nothing_atomically():
+    """The accelerators' kernel sums each expert's bias gradient with a grouped product, not with ``index_add_``
+    (atomic adds on GPUs: another order, other low bits, in every run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(3, 8, 4, requires_grad=True)
+    b = torch.randn(3, 4, requires_grad=True)
+    with Ops():
+        grouped_linear(x, w, b, torch.tensor([5, 0, 6]), "grouped_mm").square().sum().backward()
+    assert "aten::_grouped_mm" in seen and b.grad is not None
+    assert not seen & {"aten::index_add", "aten::index_add_", "aten::scatter_add", "aten::scatter_add_"}
 
 
 def test_loop_kernel_gradcheck_float64():

@@ -83,13 +83,14 @@ def _step(layer, x, kwargs) -> None:
     loss.backward()
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("experts, top_k", [(8, 2), (64, 8)])
-def test_a_dropless_layers_gradients_are_the_same_in_every_run(experts, top_k):
-    """Bias-free dropless SwiGLU experts (Mixtral's shape, and fine-grained): two bf16 training steps from one state
-    give bit-identical gradients (the dispatch's and combine's gradients are gathers, not atomic ``index_add_``;
-    biased experts still sum their bias gradients with ``index_add_``)."""
+def test_a_dropless_layers_gradients_are_the_same_in_every_run(experts, top_k, bias):
+    """Dropless SwiGLU experts (Mixtral's shape, and fine-grained), without and with biases: two bf16 training steps
+    from one state give bit-identical gradients (the dispatch's and combine's gradients are gathers and the bias
+    gradients grouped products, not atomic ``index_add_``)."""
     torch.manual_seed(0)
-    layer = TopKMoE(128, 2048 // experts, num_experts=experts, top_k=top_k, gated=True, act_layer=nn.SiLU, bias=False)
+    layer = TopKMoE(128, 2048 // experts, num_experts=experts, top_k=top_k, gated=True, act_layer=nn.SiLU, bias=bias)
     layer = layer.to(DEVICE).train()
     x = torch.randn(8, 256, 128, device=DEVICE, requires_grad=True)
     grads = []

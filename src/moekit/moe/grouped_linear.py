@@ -144,6 +144,26 @@ def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Ten
     return _LoopGroupedLinear.apply(x, weight, bias, counts)
 
 
+class _AddGroupBias(torch.autograd.Function):
+    """``out + bias[expert_of_row]``, whose bias gradient sums each expert's rows of the output gradient with one
+    grouped product of a block of ones (``[8, rows] @ [rows, out]`` per group of rows): summed in the matmul's float32
+    accumulator and in a fixed order, where ``index_select``'s gradient, ``index_add_``, adds every row into its
+    expert's one row atomically on GPUs (a different order in every run, in the gradient's own dtype)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, bias: Tensor, expert_of_row: Tensor, offs: Tensor) -> Tensor:
+        ctx.save_for_backward(offs)
+        return out + bias.index_select(0, expert_of_row)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (offs,) = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        ones = grad_out.new_ones(grad_out.shape[0], 8).t()  # [8, rows], column-major: 16-byte strides in bf16
+        grad_bias = torch._grouped_mm(ones, grad_out, offs=offs)[:, 0]  # [experts, 8, out] -> [experts, out]
+        return grad_out, grad_bias, None, None
+
+
 class _DenseGrad(torch.autograd.Function):
     """Identity whose backward hands on a dense gradient: ``torch._grouped_mm``'s CPU backward fails on the
     stride-0 gradient that ``out.sum()`` sends back ("Invalid strides/sizes")."""
@@ -227,14 +247,17 @@ def grouped_linear(
         valid = (row < offsets[-1]).unsqueeze(-1)
         x = torch.where(valid, x, x.new_zeros(()))
     x, padded_weight, out_features = _aligned_operands(x, weight)
-    out = torch._grouped_mm(x, padded_weight, offs=offsets.to(torch.int32))
+    offs = offsets.to(torch.int32)
+    out = torch._grouped_mm(x, padded_weight, offs=offs)
+    if bias is not None:  # on the padded width: its rows are 16-byte multiples, as the bias gradient's product needs
+        expert_of_row = torch.searchsorted(offsets, row, right=True).clamp_(max=num_experts - 1)
+        out = _AddGroupBias.apply(
+            out, torch.nn.functional.pad(bias, (0, out.shape[-1] - out_features)), expert_of_row, offs
+        )
     if out.shape[-1] != out_features:
         out = out[:, :out_features]
     if not mask_tail and x.device.type == "cpu":  # masked outputs pass torch.where below, whose gradient is dense
         out = _DenseGrad.apply(out)
-    if bias is not None:
-        expert_of_row = torch.searchsorted(offsets, row, right=True).clamp_(max=num_experts - 1)
-        out = out + bias.index_select(0, expert_of_row)
     if mask_tail:
         out = torch.where(valid, out, out.new_zeros(()))
     return out
