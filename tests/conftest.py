@@ -33,12 +33,18 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_left():
-    """A run in this process under a DDP strategy (the ImageNet recipe's, on one CPU) leaves Lightning's process
-    group of one behind; the processes a later test forks would inherit it and fail to start their own."""
+def _no_distributed_state_left():
+    """A run in this process under a DDP strategy (the ImageNet recipe's, on one CPU) leaves Lightning's process group
+    of one and its variables (``LOCAL_RANK``, ``MASTER_PORT``, ...) behind: processes a later test forks would inherit
+    the group and fail to start their own, and a 2-process run it launches would take ``LOCAL_RANK`` for a launcher's
+    and wait for a rank 1 that never starts."""
+    environ = dict(os.environ)
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def reference_expert(bank: ExpertBank, e: int, x: torch.Tensor) -> torch.Tensor:
