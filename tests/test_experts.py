@@ -8,7 +8,7 @@ from torch import nn
 from conftest import reference_expert
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertBank, grouped_linear
-from moekit.moe.grouped_linear import _HAS_GROUPED_MM
+from moekit.moe.grouped_linear import _HAS_GROUPED_MM, _resolve_kernel
 
 KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 
@@ -239,3 +239,19 @@ def test_a_bank_larger_than_the_memory_left_is_refused_with_the_size(monkeypatch
     ):
         ExpertBank(64, 64, 256)  # 64 * (64 * 256 + 256 * 64) float32 weights: 8 MiB
     ExpertBank(4, 64, 256)  # 512 KiB fits
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
+def test_auto_leaves_grouped_mm_for_the_loop_where_it_would_fail(monkeypatch):
+    """On CUDA, ragged groups take grouped_mm in bf16 and float32, but not in float32 under ``torch.compile`` (whose
+    meta function for ``torch._grouped_mm`` refuses float32) nor in float16. Fake CUDA tensors: no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = {dtype: torch.empty(8, 16, device="cuda", dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
+        x_half = torch.empty(8, 16, device="cuda", dtype=torch.float16)
+    assert [_resolve_kernel("auto", t, equal_groups=False) for t in x.values()] == ["grouped_mm", "grouped_mm"]
+    assert _resolve_kernel("auto", x_half, equal_groups=False) == "loop"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _resolve_kernel("auto", x[torch.bfloat16], equal_groups=False) == "grouped_mm"
+    assert _resolve_kernel("auto", x[torch.float32], equal_groups=False) == "loop"

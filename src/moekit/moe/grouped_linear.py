@@ -26,7 +26,7 @@ GroupSizes = int | Tensor
 # groups; on ragged ones the loop, over the cores where experts are many, is level with torch._grouped_mm or faster
 # (scripts/bench_moe.py; docs/performance.md).
 # On an H100 (torch 2.11, make gpu-check) grouped_mm runs bf16 and float32 without a host sync; the loop reads
-# the counts on the host. CUDA in another dtype (float16) falls back to the loop.
+# the counts on the host. CUDA in another dtype (float16), or in float32 under torch.compile, falls back to the loop.
 AUTO_KERNELS: dict[tuple[str, str], str] = {
     ("cpu", "equal"): "bmm",
     ("cpu", "ragged"): "loop",
@@ -35,7 +35,14 @@ AUTO_KERNELS: dict[tuple[str, str], str] = {
 }
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-_GROUPED_MM_AUTO_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _grouped_mm_takes(dtype: torch.dtype) -> bool:
+    """``torch._grouped_mm`` runs bf16 and float32 eagerly; under ``torch.compile`` its meta function takes bf16 only
+    (float32: "Expected mat_a to be BFloat16")."""
+    return _HAS_GROUPED_MM and (
+        dtype == torch.bfloat16 or (dtype == torch.float32 and not torch.compiler.is_compiling())
+    )
 
 
 def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
@@ -180,7 +187,7 @@ class _DenseGrad(torch.autograd.Function):
 def _resolve_kernel(kernel: str, x: Tensor, equal_groups: bool) -> str:
     if kernel == "auto":
         kernel = AUTO_KERNELS.get((x.device.type, "equal" if equal_groups else "ragged"), "loop")
-        if kernel == "grouped_mm" and not (_HAS_GROUPED_MM and x.dtype in _GROUPED_MM_AUTO_DTYPES):
+        if kernel == "grouped_mm" and not _grouped_mm_takes(x.dtype):
             kernel = "bmm" if equal_groups else "loop"
     if kernel == "bmm" and not equal_groups:
         raise ValueError("kernel='bmm' needs equal rows per expert (capacity buffers); use 'loop' or 'grouped_mm'")
