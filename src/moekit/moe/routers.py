@@ -380,6 +380,7 @@ class BalancedRouter(Router):
         real = mask.sum()
         caps = torch.cat([balanced_capacities(real, num_experts), (num_tokens - real).view(1)])
         far = 4 * scores_NE.abs().amax() + 1
-        scores = torch.cat([scores_NE, torch.where(mask, -far, far).unsqueeze(1)], dim=1)
-        scores = torch.where(mask.unsqueeze(1), scores, torch.cat([-far.expand(num_experts), far.view(1)]))
+        real_rows = torch.cat([scores_NE, -far.expand(num_tokens, 1)], dim=1)  # [N, E + 1]
+        padding_row = torch.cat([-far.expand(num_experts), far.view(1)])  # [E + 1]
+        scores = torch.where(mask.unsqueeze(1), real_rows, padding_row)
         return torch.where(mask, balanced_assignment(scores, caps, solver=solver), 0)
