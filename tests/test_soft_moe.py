@@ -50,6 +50,31 @@ def test_logits_use_l2_normalised_tokens_and_phi_with_learned_scale():
     assert layer.phi.shape == (8, 4 * 2), "Phi is [d, n * p]"
 
 
+def test_logits_gradients_equal_those_of_normalising_the_tokens_first():
+    # compute_logits divides X @ Phi by |X| instead of multiplying l2norm(X) by Phi: same values and gradients,
+    # a zero token (padding) included
+    layer = _layer()
+    with torch.no_grad():
+        layer.scale.fill_(1.7)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    x[0, 3] = 0
+    layer.double()
+    g = torch.randn(2, 6, 8, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grads = []
+    for x_, logits_fn in (
+        (x1, layer.compute_logits),
+        (x2, lambda t: F.normalize(t, dim=-1) @ (layer.scale * F.normalize(layer.phi, dim=0))),
+    ):
+        layer.zero_grad()
+        logits = logits_fn(x_)
+        (logits * g).sum().backward()
+        grads.append((logits.detach(), x_.grad, layer.phi.grad.clone(), layer.scale.grad.clone()))
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs)
+    assert grads[0][0][0, 3].abs().max() == 0 and torch.isfinite(grads[0][1]).all()
+
+
 def test_slots_are_weighted_averages_of_unnormalised_tokens():
     layer = _layer(num_experts=1, slots_per_expert=1)
     x = torch.randn(1, 6, 8) * 10

@@ -131,12 +131,15 @@ class SoftMoE(MoELayer):
     def compute_logits(self, x_BMD: Tensor) -> Tensor:
         """``[B, M, D] -> [B, M, S]`` routing logits in float32 (noise not included)."""
         with torch.autocast(x_BMD.device.type, enabled=False):
-            x = router_precision(x_BMD)
-            phi_DS = self.phi.to(x.dtype)
-            if self.normalize:
-                x = F.normalize(x, dim=-1)
-                phi_DS = self.scale.to(x.dtype) * F.normalize(phi_DS, dim=0)
-            return torch.matmul(x, phi_DS)
+            x_BMD = router_precision(x_BMD)
+            phi_DS = self.phi.to(x_BMD.dtype)
+            if not self.normalize:
+                return torch.matmul(x_BMD, phi_DS)
+            phi_DS = self.scale.to(x_BMD.dtype) * F.normalize(phi_DS, dim=0)
+            # l2norm(X) @ Phi = (X @ Phi) / |X|: the division runs over S logits a token, not over its D
+            # features, and no normalised copy of X is kept for backward (F.normalize's eps as the floor).
+            norm_BM1 = torch.linalg.vector_norm(x_BMD, dim=-1, keepdim=True).clamp_min(1e-12)
+            return torch.matmul(x_BMD, phi_DS) / norm_BM1
 
     def routing_weights(self, x: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Dispatch and combine weights ``D, C: [B, M, S]`` (float32) for ``x: [B, M, D]``, noise included in
