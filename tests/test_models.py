@@ -1,5 +1,6 @@
 """MoE ViTs on timm: placement, the builder, timm registration, summary, upcycling, export."""
 
+import copy
 import math
 
 import pytest
@@ -318,6 +319,31 @@ def test_conv_stem_convolutions_follow_its_channels(channels, strides, widths):
     rows = x.grad[0, 0].abs().sum(1).nonzero().flatten().tolist()
     extra = len(strides) - 2
     assert rows == list(range(4 * (3 - extra) - 3, 4 * (3 + extra) + 4)), rows
+
+
+def test_conv_stem_runs_channels_last_with_the_values_and_gradients_of_nchw(tmp_path):
+    model = timm.create_model("vit_tiny_patch4_28", stem="conv", stem_channels=[16, 32, 32]).train()
+    stem = copy.deepcopy(model.patch_embed).double()  # float64: no difference from the order of the sums
+    convs = [m for m in stem.proj if isinstance(m, nn.Conv2d)]
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
+    # The same stem in torch's default NCHW layout: equal tokens and gradients
+    reference = copy.deepcopy(stem).to(memory_format=torch.contiguous_format)
+    assert not convs[1].weight.is_contiguous() and reference.proj[3].weight.is_contiguous()
+    x = torch.randn(4, 1, 28, 28, dtype=torch.float64)
+    g = torch.randn(4, 49, 128, dtype=torch.float64)
+    ours, ref = stem(x), reference.proj(x).flatten(2).transpose(1, 2)
+    assert ours.is_contiguous(), "channels-last output: the flatten to tokens is a view, no copy"
+    torch.testing.assert_close(ours, ref)
+    ours.backward(g)
+    ref.backward(g)
+    for a, b in zip(stem.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    # The layout survives a checkpoint's round trip into a new model
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    fresh = timm.create_model("vit_tiny_patch4_28", stem="conv", stem_channels=[16, 32, 32])
+    fresh.load_state_dict(torch.load(tmp_path / "m.pt"))
+    assert fresh.patch_embed.proj[3].weight.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(fresh.patch_embed.proj[3].weight, model.patch_embed.proj[3].weight)
 
 
 @pytest.mark.parametrize(
