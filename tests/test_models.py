@@ -350,6 +350,23 @@ def test_conv_stem_runs_channels_last_with_the_values_and_gradients_of_nchw():
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_a_conv_stem_vit_shards_with_fsdp2():
+    # fully_shard takes contiguous parameters only: the stem's layout change happens inside its forward
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from distributed import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    model = timm.create_model("vit_tiny_patch4_28", stem="conv", stem_channels=[16, 32, 32], moe="switch")
+    expected = copy.deepcopy(model)(torch.ones(2, 1, 28, 28))
+    fully_shard(model)
+    out = model(torch.ones(2, 1, 28, 28))
+    out.sum().backward()
+    torch.testing.assert_close(out, expected)
+    assert all(p.grad is not None for p in model.patch_embed.parameters())
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
