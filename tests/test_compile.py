@@ -16,6 +16,7 @@ from moekit.commands.train import train
 from moekit.configs import instantiate
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.models import TransformerLM, compile_network, create_model
+from moekit.models.summary import model_summary
 from moekit.moe import build_moe_layer
 from moekit.recipes import list_recipes
 from moekit.tasks import ImageClassifier, LanguageModel
@@ -123,6 +124,24 @@ def test_compile_network_compiles_in_place_with_hooks_and_the_same_state_dict(ki
         torch.testing.assert_close(got, want)
     assert list(net.state_dict()) == keys
     assert copy.deepcopy(net)._compiled_call_impl is None  # what pickling keeps (Module.__getstate__)
+
+
+def test_the_flop_counter_runs_a_compiled_network_eagerly_and_leaves_it_to_compile():
+    """``train()`` measures the network's FLOPs before fitting it. Dynamo does not trace under the counter (a dispatch
+    mode), and torch 2.11 marks a frame first met there as never to be compiled (a GPU image trained a
+    ``task.compile=true`` model eagerly): under the counter Dynamo is off (stance ``force_eager``), and the network's
+    next call compiles one frame."""
+    net = create_model("soft_moe_vit_tiny_patch4_28")
+    stances = []
+    net.register_forward_pre_hook(lambda module, args: stances.append(dynamo.eval_frame._stance.stance))
+    dynamo.reset()
+    counters.clear()
+    compile_network(net, backend="aot_eager")
+    summary = model_summary(net, input_size=(1, 28, 28))
+    assert stances == ["force_eager"] and summary.flops_per_image > 0
+    assert dynamo.eval_frame._stance.stance == "default"
+    net(torch.randn(2, 1, 28, 28))
+    assert _frames_compiled() == 1, dict(counters["frames"])
 
 
 @pytest.mark.parametrize("task", ["classifier", "language_model"])

@@ -19,6 +19,7 @@ from conftest import CONFIGS, compose_config, run_script
 from moekit.commands.train import train
 from moekit.configs import instantiate
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
+from moekit.models.summary import model_summary
 from moekit.moe import TopKMoE, build_moe_layer, collect_moe_outputs, grouped_linear
 from moekit.recipes import list_recipes
 
@@ -150,8 +151,10 @@ def test_a_compiled_layer_gives_the_eager_outputs(name):
 
 @pytest.mark.parametrize("model", ["vit_s16", "soft_moe_s16"])
 def test_task_compile_true_compiles_the_s16_models(model, tmp_path):
-    """``task.compile=true`` on the ImageNet experiment's two models: the task's forward runs one compiled frame (on
-    an H200 image, torch 2.11 and Python 3.12, ``Module.compile`` compiled none) and gives eager mode's logits."""
+    """``task.compile=true`` on the ImageNet experiment's two models, their FLOPs measured first as ``train()`` does:
+    the task's forward runs one compiled frame (on an H200 image, torch 2.11 and Python 3.12, ``Module.compile``
+    compiled none, nor did ``compile_network`` once the FLOP counter had met the frame) and gives eager mode's
+    logits."""
     overrides = [
         "experiment=soft_moe_vit_s16_imagenet",
         f"data.root={tmp_path}",  # no image is read
@@ -159,10 +162,12 @@ def test_task_compile_true_compiles_the_s16_models(model, tmp_path):
         *(["moe=none"] if model == "vit_s16" else []),
     ]
     cfg = compose_config("train", overrides, tmp_path)
-    task = instantiate(cfg.task, net=cfg.model, _recursive_=False).to(DEVICE).eval()
-    x = torch.randn(4, 3, 224, 224, device=DEVICE)
+    task = instantiate(cfg.task, net=cfg.model, _recursive_=False)
     torch._dynamo.reset()
     counters.clear()
+    assert model_summary(task.net, input_size=(3, 224, 224)).flops_per_image > 0
+    task = task.to(DEVICE).eval()
+    x = torch.randn(4, 3, 224, 224, device=DEVICE)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
         compiled = task(x).float()
         eager = task.net._call_impl(x).float()

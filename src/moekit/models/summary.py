@@ -189,10 +189,35 @@ _EXTRA_FLOP_FORMULAS = {
 }
 
 
+class _EagerFlopCounter(FlopCounterMode):
+    """A ``FlopCounterMode`` under which compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``).
+
+    Dynamo does not trace under a dispatch mode, and torch 2.11 marks a frame it first meets there as never to be
+    compiled: ``train()`` measures a network's FLOPs before fitting it, and on a torch 2.11 GPU image a network
+    compiled by ``task.compile=true`` then trained entirely in eager mode. Under ``force_eager`` Dynamo never sees
+    the frame, and its first call outside the counter compiles it."""
+
+    def __enter__(self):
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._eager.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            self._eager.__exit__(*exc_info)
+
+
 def flop_counter() -> FlopCounterMode:
     """``torch.utils.flop_counter.FlopCounterMode`` that also counts the kernels it has no formula for (grouped
-    matmuls, CPU attention, fused LSTMs): what every FLOP figure of moekit is measured with."""
-    return FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
+    matmuls, CPU attention, fused LSTMs), and under which compiled code runs eagerly: what every FLOP figure of
+    moekit is measured with."""
+    return _EagerFlopCounter(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
 
 
 def _param_count(params) -> int:
