@@ -51,9 +51,9 @@ set +e  # a failed section fails the check, after the report is written
     echo
     section "$PY" scripts/bench_models.py --device cuda --groups s16 vit lm --rounds 3 --profile 2>&1 || status=1
     echo
-    echo "## Compiled: Soft MoE S/16 and ViT-S/16 with task.compile=true"
+    echo "## Compiled: Soft MoE S/16 and ViT-S/16, eager and task.compile=true in the same rounds"
     echo
-    section "$PY" scripts/bench_models.py --device cuda --groups s16 --override task.compile=true --rounds 3 2>&1 || status=1
+    section "$PY" scripts/bench_models.py --device cuda --groups s16 --sweep task.compile=false,true --rounds 3 2>&1 || status=1
     echo
     echo "## Layers: bf16 autocast, forward + backward, batches x8"
     echo

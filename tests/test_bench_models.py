@@ -126,6 +126,23 @@ def test_sweep_times_each_value_of_a_setting_against_one_dense_baseline(capsys):
     assert flops[1] > flops[0]
 
 
+def test_sweep_of_a_key_the_dense_twin_has_times_it_once_per_value_too(tmp_path, capsys):
+    """``--sweep task.compile=false,true`` is for both models: the dense baseline runs once per value, first (the
+    ratios are against its first value), and each row ran its value."""
+    out = tmp_path / "sweep.json"
+    bench.main(
+        ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "vit", "--models", "soft_moe"]
+        + ["--sweep", "task.label_smoothing=0.0,0.5", "--json", str(out)]
+    )
+    (printed,) = _tables(capsys.readouterr().out).values()
+    names = ["dense label_smoothing=0.0", "dense label_smoothing=0.5"]
+    names += ["soft_moe label_smoothing=0.0", "soft_moe label_smoothing=0.5"]
+    assert [row[0] for row in printed] == names
+    assert printed[0][7] == "1.00x"
+    (table,) = json.loads(out.read_text())["tables"]
+    assert [row["overrides"][-1] for row in table["rows"]] == [f"task.label_smoothing={v}" for v in ("0.0", "0.5") * 2]
+
+
 def test_time_models_times_consecutive_steps_after_warm_up(monkeypatch):
     """Each round gives every model its warm-up steps, then its timed steps, in a row; a model's time is
     the median over its timed steps of all rounds, the warm-up steps left out."""

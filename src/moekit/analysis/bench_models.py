@@ -39,7 +39,9 @@ Parameters and forward FLOPs are those ``results.json`` records (:func:`moekit.m
 ``lm_summary``: FLOPs measured in eval mode). An ``--override`` whose key a model's config lacks
 (``moe.num_experts`` for the dense twin) is left out for that model, and said so. ``--models`` keeps some of
 a group's MoE models (the dense baseline always runs); ``--sweep key=v1,v2`` times each kept MoE model once
-per value, in the same interleaved rounds (the step-time side of an ablation, e.g. slots per expert).
+per value, in the same interleaved rounds (the step-time side of an ablation, e.g. slots per expert), and the dense
+baseline once per value too where its config has the key (``task.compile=false,true``: eager and compiled side by
+side), else once.
 
 ``--json PATH`` also writes the tables as JSON, each row with its model's resolved config, batch size and
 precision: ``scripts/plot_results.py --step-times PATH`` matches them to a sweep's runs and draws the
@@ -341,6 +343,12 @@ def group_models(group: str, keep: Sequence[str] | None) -> list[str]:
     return [models[0], *[m for m in models[1:] if m in keep]]
 
 
+def _sweeps(sweep: tuple[str, list[str]], model: Sequence[str]) -> bool:
+    """Whether the swept key is in the config of ``model`` (``task.compile``, yes; ``moe.num_experts`` for the dense
+    twin, no: it runs once)."""
+    return bool(applicable_overrides(model, [f"{sweep[0]}={sweep[1][0]}"])[0])
+
+
 def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time the group's models (one table per ViT width); print each table and return them as
     :func:`table_record` s."""
@@ -359,7 +367,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             kept, dropped = applicable_overrides(overrides, list(args.override))
             if dropped:
                 print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
-            settings = [None] if sweep is None or i == 0 else sweep[1]  # the dense baseline runs once
+            settings = [None] if sweep is None or (i == 0 and not _sweeps(sweep, overrides)) else sweep[1]
             for value in settings:
                 swept = [] if value is None else [f"{sweep[0]}={value}"]
                 name = model if value is None else f"{model} {sweep[0].rsplit('.', 1)[-1]}={value}"
@@ -382,7 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", nargs="+", choices=list(GROUPS), default=DEFAULT_GROUPS)
     parser.add_argument("--models", nargs="+", help="MoE models of the group to time (default: all)")
-    parser.add_argument("--sweep", help="key=v1,v2,...: time each MoE model once per value, in the same rounds")
+    parser.add_argument(
+        "--sweep", help="key=v1,v2,...: time each model whose config has the key once per value, in the same rounds"
+    )
     parser.add_argument("--vit-width", type=int, nargs="+", help="model.embed_dim of the ViTs, one table each")
     parser.add_argument("--batch-size", type=int, help="default: the data config's batch size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
