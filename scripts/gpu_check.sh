@@ -4,7 +4,7 @@
 # docs/gpu_report.md; GPU_REPORT=<path>).
 # It runs the machine's own python3 and PyTorch; what that image lacks comes from `make gpu-bundle`, made beforehand
 # on a machine with network: wheels in .whl/ (installed to a private folder) and Fashion-MNIST in data/fashion-mnist/.
-# GPU_CHECK_SECTION_TIMEOUT=<seconds> bounds each of the four sections (0, the default: no bound), so that a lease
+# GPU_CHECK_SECTION_TIMEOUT=<seconds> bounds each of the five sections (0, the default: no bound), so that a lease
 # of fixed length still brings back the report of every section.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +58,12 @@ set +e  # a failed section fails the check, after the report is written
     echo "## Layers: bf16 autocast, forward + backward, batches x8"
     echo
     section "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 --rounds 3 --profile 2>&1 || status=1
+    echo
+    echo "## Batch 512: compiled S/16 steps at 128 and 512 images (Soft MoE S/16's update of 923M parameters bounds"
+    echo "its MFU at 128: docs/performance.md#gpu)"
+    echo
+    section "$PY" scripts/bench_models.py --device cuda --groups s16 --override task.compile=true \
+        --sweep data.batch_size=128,512 --rounds 3 2>&1 || status=1
     exit $status
 ) | tee "$report"
 status=${PIPESTATUS[0]}
