@@ -343,12 +343,6 @@ def group_models(group: str, keep: Sequence[str] | None) -> list[str]:
     return [models[0], *[m for m in models[1:] if m in keep]]
 
 
-def _sweeps(sweep: tuple[str, list[str]], model: Sequence[str]) -> bool:
-    """Whether the swept key is in the config of ``model`` (``task.compile``, yes; ``moe.num_experts`` for the dense
-    twin, no: it runs once)."""
-    return bool(applicable_overrides(model, [f"{sweep[0]}={sweep[1][0]}"])[0])
-
-
 def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time the group's models (one table per ViT width); print each table and return them as
     :func:`table_record` s."""
@@ -367,7 +361,9 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             kept, dropped = applicable_overrides(overrides, list(args.override))
             if dropped:
                 print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
-            settings = [None] if sweep is None or (i == 0 and not _sweeps(sweep, overrides)) else sweep[1]
+            # The dense twin runs once where its config lacks the swept key (moe.num_experts), else once per value.
+            per_value = sweep and (i > 0 or applicable_overrides(overrides, [f"{sweep[0]}={sweep[1][0]}"])[0])
+            settings = sweep[1] if per_value else [None]
             for value in settings:
                 swept = [] if value is None else [f"{sweep[0]}={value}"]
                 name = model if value is None else f"{model} {sweep[0].rsplit('.', 1)[-1]}={value}"
