@@ -166,8 +166,11 @@ def test_task_compile_true_runs_the_network_compiled(task, monkeypatch):
     torch.testing.assert_close(compiled, eager)
 
 
+NO_FRAME_WARNING = "task.compile=true, yet Dynamo compiled no frame"
+
+
 @pytest.mark.e2e
-def test_a_training_run_with_task_compile_fits_evaluates_and_checkpoints_plain_keys(tmp_path, monkeypatch):
+def test_a_training_run_with_task_compile_fits_evaluates_and_checkpoints_plain_keys(tmp_path, monkeypatch, caplog):
     """``task.compile=true`` through Lightning (fit, validation, test): the steps run compiled frames, and the
     checkpoint holds the network's own state-dict keys, which an uncompiled model loads."""
     compile_fn = torch.compile  # aot_eager: the same frames, quick to compile
@@ -177,10 +180,24 @@ def test_a_training_run_with_task_compile_fits_evaluates_and_checkpoints_plain_k
     overrides.append("data.val_size=32")
     dynamo.reset()
     counters.clear()
-    metrics = train(compose_config("train", [*overrides, "task.compile=true"], tmp_path / "run"))
+    with caplog.at_level("WARNING", logger="moekit"):
+        metrics = train(compose_config("train", [*overrides, "task.compile=true"], tmp_path / "run"))
     assert counters["frames"]["ok"] >= 2, dict(counters["frames"])  # training and evaluation graphs
+    assert NO_FRAME_WARNING not in caplog.text
     assert torch.isfinite(torch.tensor(metrics["test/loss"]))
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     eager = instantiate(compose_config("train", overrides, tmp_path / "eager").model)
     net_state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
     eager.load_state_dict(net_state)  # strict: the same keys
+
+
+@pytest.mark.e2e
+def test_a_compile_that_compiles_nothing_is_said_after_the_first_step(tmp_path, monkeypatch, caplog):
+    """A torch whose Dynamo compiles no frame of the network (``Module.compile()`` on a torch 2.11 GPU image) trains
+    it eagerly: the first training step says so, once."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # compiles nothing, as that torch did
+    data = write_fake_fashion_mnist(tmp_path / "fm", n_train=64, n_test=32)
+    overrides = ["experiment=soft_moe_vit", "debug=tiny", "trainer.max_steps=3", f"data.root={data}", "test=false"]
+    with caplog.at_level("WARNING", logger="moekit"):
+        train(compose_config("train", [*overrides, "data.val_size=32", "task.compile=true"], tmp_path / "run"))
+    assert caplog.text.count(NO_FRAME_WARNING) == 1, caplog.text

@@ -9,6 +9,7 @@ their task loss and metrics and call :meth:`MoETask.add_aux_losses`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,12 +22,15 @@ from torch import Tensor, nn
 
 from moekit.checkpoint import TASK_KEY
 from moekit.loggers import log_before_checkpoint, log_positions, resume_logs
+from moekit.models import compile_network
 from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_balancing_biases
 
 from .epoch_means import EpochMeans
 from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
 
 __all__ = ["MoETask", "plain"]
+
+log = logging.getLogger("moekit")
 
 EPOCH_MEANS_KEY = "moekit_epoch_means"  # checkpoint entries: the training-epoch means,
 LOG_POSITIONS_KEY = "moekit_log_positions"  # and how far the logs went (moekit.loggers.log_positions)
@@ -48,6 +52,8 @@ class MoETask(LightningModule):
     """
 
     net: nn.Module
+    frames_before_compile: int | None = None
+    """Dynamo's count of compiled frames when :meth:`compile_net` ran, until the first training batch checks it."""
     step_skipped: bool = False
     """Set by :class:`~moekit.callbacks.NonFiniteGuard` when it drops the gradients of the current
     optimizer step (or a fp16 grad scaler skips it): :meth:`optimizer_step` then discards the step's
@@ -59,6 +65,27 @@ class MoETask(LightningModule):
         self.optimizer_config = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.05, **(optimizer or {})}
         self.schedule = ScheduleConfig(**(scheduler or {}))
         self.epoch_means = EpochMeans()
+
+    def compile_net(self) -> None:
+        """``torch.compile`` the network in place (:func:`~moekit.models.compile_network`). The first training
+        batch warns if Dynamo compiled no frame (as ``Module.compile()`` on a torch 2.11 GPU image); the run goes
+        on, eagerly."""
+        from torch._dynamo.utils import counters
+
+        compile_network(self.net)
+        self.frames_before_compile = counters["frames"]["ok"]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.frames_before_compile is not None:
+            from torch._dynamo.utils import counters
+
+            if counters["frames"]["ok"] == self.frames_before_compile:
+                log.warning(
+                    "task.compile=true, yet Dynamo compiled no frame by the end of the first training step (torch "
+                    "%s): the network runs eagerly (TORCH_LOGS=+dynamo shows why)",
+                    torch.__version__,
+                )
+            self.frames_before_compile = None
 
     def add_aux_losses(self, split: str, task_loss: Tensor, batch_size: int) -> Tensor:
         """Task loss (a cross-entropy) + the weighted MoE auxiliary losses of the latest forward. Logs

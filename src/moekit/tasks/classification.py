@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from moekit.checkpoint import CLASS_NAMES_KEY, head_prefixes, load_weights, read_state_dict
-from moekit.models import compile_network
 
 from .base import MoETask, plain
 
@@ -108,7 +107,7 @@ class ImageClassifier(MoETask):
             for name, param in self.net.named_parameters():
                 param.requires_grad = name.startswith(heads)
         if compile:
-            compile_network(self.net)
+            self.compile_net()
         top5 = min(5, num_classes)
         self.metrics = nn.ModuleDict(
             {

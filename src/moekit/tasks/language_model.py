@@ -24,7 +24,7 @@ from torchmetrics import MeanMetric
 
 from moekit.checkpoint import load_weights, read_state_dict
 from moekit.data.text import PAD_TARGET
-from moekit.models import compile_network, fit_hash_routing, upcycle
+from moekit.models import fit_hash_routing, upcycle
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HF_PREFIX
 
@@ -97,7 +97,7 @@ class LanguageModel(MoETask):
         elif init_from:
             load_weights(self.net, read_state_dict(init_from), source=init_from)
         if compile:
-            compile_network(self.net)
+            self.compile_net()
         # Token-weighted mean cross-entropy of each evaluation split, reduced over ranks.
         self.eval_ce = nn.ModuleDict({split: MeanMetric() for split in ("val", "test")})
 
