@@ -126,6 +126,20 @@ def test_compile_network_compiles_in_place_with_hooks_and_the_same_state_dict(ki
     assert copy.deepcopy(net)._compiled_call_impl is None  # what pickling keeps (Module.__getstate__)
 
 
+def test_networks_compiled_one_after_another_each_compile_past_the_recompile_limit():
+    """Dynamo keeps at most ``recompile_limit`` graphs per code object: networks of a process (a sweep's jobs, each a
+    train and an eval graph) must not share one budget, or the fifth job or so would train eagerly."""
+    limit = getattr(dynamo.config, "recompile_limit", None) or dynamo.config.cache_size_limit
+    dynamo.reset()
+    counters.clear()
+    for width in range(1, limit + 3):  # each another shape: another graph
+        net = compile_network(torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.GELU()), backend="eager")
+        before = _frames_compiled()
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(net(x), net._call_impl(x))
+        assert _frames_compiled() == before + 1, f"network {width} ran eagerly"
+
+
 def test_the_flop_counter_runs_a_compiled_network_eagerly_and_leaves_it_to_compile():
     """``train()`` measures the network's FLOPs before fitting it. Dynamo does not trace under the counter (a dispatch
     mode), and torch 2.11 marks a frame first met there as never to be compiled (a GPU image trained a
