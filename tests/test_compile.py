@@ -207,8 +207,8 @@ def test_a_training_run_with_task_compile_fits_evaluates_and_checkpoints_plain_k
 
 @pytest.mark.e2e
 def test_a_compile_that_compiles_nothing_is_said_after_the_first_step(tmp_path, monkeypatch, caplog):
-    """A torch whose Dynamo compiles no frame of the network (``Module.compile()`` on a torch 2.11 GPU image) trains
-    it eagerly: the first training step says so, once."""
+    """A network of which Dynamo compiles no frame (a frame torch 2.11 had first met under the FLOP counter) trains
+    eagerly: the first training step says so, once."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # compiles nothing, as that torch did
     data = write_fake_fashion_mnist(tmp_path / "fm", n_train=64, n_test=32)
     overrides = ["experiment=soft_moe_vit", "debug=tiny", "trainer.max_steps=3", f"data.root={data}", "test=false"]

@@ -152,9 +152,8 @@ def test_a_compiled_layer_gives_the_eager_outputs(name):
 @pytest.mark.parametrize("model", ["vit_s16", "soft_moe_s16"])
 def test_task_compile_true_compiles_the_s16_models(model, tmp_path):
     """``task.compile=true`` on the ImageNet experiment's two models, their FLOPs measured first as ``train()`` does:
-    the task's forward runs one compiled frame (on an H200 image, torch 2.11 and Python 3.12, ``Module.compile``
-    compiled none, nor did ``compile_network`` once the FLOP counter had met the frame) and gives eager mode's
-    logits."""
+    the task's forward runs one compiled frame (on an H200 image, torch 2.11 and Python 3.12, none compiled once the
+    FLOP counter had met the frame) and gives eager mode's logits."""
     overrides = [
         "experiment=soft_moe_vit_s16_imagenet",
         f"data.root={tmp_path}",  # no image is read

@@ -68,8 +68,8 @@ class MoETask(LightningModule):
 
     def compile_net(self) -> None:
         """``torch.compile`` the network in place (:func:`~moekit.models.compile_network`). The first training
-        batch warns if Dynamo compiled no frame (as ``Module.compile()`` on a torch 2.11 GPU image); the run goes
-        on, eagerly."""
+        batch warns if Dynamo compiled no frame (as torch 2.11 on a frame it had first met under a dispatch mode); the
+        run goes on, eagerly."""
         from torch._dynamo.utils import counters
 
         compile_network(self.net)
