@@ -9,6 +9,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# GPU_CHECK_SECTIONS="compiled batch" runs some of the sections (default: all five), e.g. to split the check over
+# two leases; the report then holds those alone.
+SECTIONS="tier models compiled layers batch"
+for name in ${GPU_CHECK_SECTIONS:-$SECTIONS}; do
+    [[ " $SECTIONS " == *" $name "* ]] || { echo "GPU_CHECK_SECTIONS: no section '$name'; choose from: $SECTIONS" >&2; exit 2; }
+done
+wants() { [[ " ${GPU_CHECK_SECTIONS:-$SECTIONS} " == *" $1 "* ]]; }
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/moekit-site .whl/*.whl
     export PYTHONPATH=/tmp/moekit-site${PYTHONPATH:+:$PYTHONPATH}
@@ -41,29 +48,41 @@ set +e  # a failed section fails the check, after the report is written
     echo "\`make gpu-check\` on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'), torch" \
         "$("$PY" -c 'import torch; print(torch.__version__)'), $(date -u +%Y-%m-%d)."
     echo
-    echo "## Test tier (tests/test_gpu.py)"
-    echo
-    echo '```'
-    section "$PY" -m pytest -q -m gpu $workers -p no:cacheprovider -p no:warnings -p no:benchmark --tb=short --durations=10 tests/test_gpu.py 2>&1 | tail -n 80 || status=1
-    echo '```'
-    echo
-    echo "## Models: one training step against the dense twin (Soft MoE S/16 against ViT-S/16 first)"
-    echo
-    section "$PY" scripts/bench_models.py --device cuda --groups s16 vit lm --rounds 3 --profile 2>&1 || status=1
-    echo
-    echo "## Compiled: Soft MoE S/16 and ViT-S/16, eager and task.compile=true in the same rounds"
-    echo
-    section "$PY" scripts/bench_models.py --device cuda --groups s16 --sweep task.compile=false,true --rounds 3 2>&1 || status=1
-    echo
-    echo "## Layers: bf16 autocast, forward + backward, batches x8"
-    echo
-    section "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 --rounds 3 --profile 2>&1 || status=1
-    echo
-    echo "## Batch 512: compiled S/16 steps at 128 and 512 images (Soft MoE S/16's update of 923M parameters bounds"
-    echo "its MFU at 128: docs/performance.md#gpu)"
-    echo
-    section "$PY" scripts/bench_models.py --device cuda --groups s16 --override task.compile=true \
-        --sweep data.batch_size=128,512 --rounds 3 2>&1 || status=1
+    if wants tier; then
+        echo "## Test tier (tests/test_gpu.py)"
+        echo
+        echo '```'
+        section "$PY" -m pytest -q -m gpu $workers -p no:cacheprovider -p no:warnings -p no:benchmark --tb=short \
+            --durations=10 tests/test_gpu.py 2>&1 | tail -n 80 || status=1
+        echo '```'
+        echo
+    fi
+    if wants models; then
+        echo "## Models: one training step against the dense twin (Soft MoE S/16 against ViT-S/16 first)"
+        echo
+        section "$PY" scripts/bench_models.py --device cuda --groups s16 vit lm --rounds 3 --profile 2>&1 || status=1
+        echo
+    fi
+    if wants compiled; then
+        echo "## Compiled: Soft MoE S/16 and ViT-S/16, eager and task.compile=true in the same rounds"
+        echo
+        section "$PY" scripts/bench_models.py --device cuda --groups s16 --sweep task.compile=false,true --rounds 3 \
+            2>&1 || status=1
+        echo
+    fi
+    if wants layers; then
+        echo "## Layers: bf16 autocast, forward + backward, batches x8"
+        echo
+        section "$PY" scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8 --rounds 3 --profile 2>&1 || status=1
+        echo
+    fi
+    if wants batch; then
+        echo "## Batch 512: compiled S/16 steps at 128 and 512 images (Soft MoE S/16's update of 923M parameters bounds"
+        echo "its MFU at 128: docs/performance.md#gpu)"
+        echo
+        section "$PY" scripts/bench_models.py --device cuda --groups s16 --override task.compile=true \
+            --sweep data.batch_size=128,512 --rounds 3 2>&1 || status=1
+    fi
     exit $status
 ) | tee "$report"
 status=${PIPESTATUS[0]}
