@@ -68,12 +68,12 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 # tcmalloc, which every script restarts itself with (moekit.utils.allocator; MOEKIT_ALLOCATOR=system opts out): large
-# expert gradients page-fault on every step under glibc's malloc. Best effort: without apt the scripts use the system's.
+# expert gradients page-fault on every step under glibc's defaults. Best effort: without it moekit tunes glibc's malloc.
 .PHONY: allocator
 allocator:
 	@if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && command -v apt-get >/dev/null; then \
 		SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 		echo "Installing libtcmalloc-minimal4 (the scripts run with tcmalloc: faster MoE training on CPUs)"; \
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 \
-		|| echo "could not install libtcmalloc-minimal4; the scripts use the system allocator"; \
+		|| echo "could not install libtcmalloc-minimal4; the scripts tune glibc's malloc instead"; \
 	fi

@@ -8,8 +8,6 @@ value can be overridden from the command line (``trainer.max_epochs=3``, ``moe.n
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.utils.allocator import reexec_with_tcmalloc
 
 if __name__ == "__main__":
-    reexec_with_tcmalloc()  # MoE gradients are large: avoid glibc's per-step page faults (moekit.utils.allocator)
     run_script("moekit.commands.train:run", "train", Path(__file__).parents[1] / "configs")

@@ -11,10 +11,8 @@ Prints, per layer, the first and last drop rate and factor and the first step un
 from pathlib import Path
 
 from moekit.cli import run_script
-from moekit.utils.allocator import reexec_with_tcmalloc
 
 if __name__ == "__main__":
-    reexec_with_tcmalloc()
     run_script(
         "moekit.commands.tune_capacity:tune_capacity_demo", "tune_capacity_demo", Path(__file__).parents[1] / "configs"
     )

@@ -1,10 +1,12 @@
 """The machine's fast path by default: every command-line entry restarts itself with tcmalloc preloaded when it is
-installed (``MOEKIT_ALLOCATOR=system`` keeps the system's; run records name it), and ``trainer.precision=auto``, the
-experiments' setting, trains in bf16 only where that is fast (GPUs, CPUs with AMX)."""
+installed, and any process that imports ``moekit.moe`` without it (a notebook, a user's script) has glibc's malloc
+keep large freed blocks (``MOEKIT_ALLOCATOR=system`` keeps the system's defaults; run records name the allocator); and
+``trainer.precision=auto``, the experiments' setting, trains in bf16 only where that is fast (GPUs, CPUs with AMX)."""
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS
-from moekit.utils.allocator import find_tcmalloc
+from moekit.utils.allocator import TUNED, find_tcmalloc
 from moekit.utils.machine import machine_info, resolve_precision
 
 pytestmark = pytest.mark.e2e  # starts processes
@@ -28,13 +30,40 @@ ENTRY = textwrap.dedent(
 )
 
 
+# A user's own script: the layer library imported, then a large block (a 256 MB expert gradient's kind) allocated,
+# written and freed step after step; prints the page faults of steps 10-19 and the allocator.
+REUSE = textwrap.dedent(
+    """
+    import resource
+    import torch
+    import moekit.moe
+    from moekit.utils.allocator import active_allocator
+
+    def step():
+        block = torch.empty(16 << 20)  # 64 MB
+        block.fill_(1.0)
+
+    for _ in range(10):
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        step()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, active_allocator())
+    """
+)
+
+
+def _clean_env(**env: str) -> dict[str, str]:
+    drop = ("MOEKIT_NO_REEXEC", "LD_PRELOAD", "MOEKIT_ALLOCATOR")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **env}
+
+
 def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     script = tmp_path / "entry.py"
     script.write_text(ENTRY.format(configs=str(CONFIGS)))
-    environ = {k: v for k, v in os.environ.items() if k not in ("MOEKIT_NO_REEXEC", "LD_PRELOAD", "MOEKIT_ALLOCATOR")}
     return subprocess.run(
         [sys.executable, str(script), "ckpt_path=unused", f"paths.log_dir={tmp_path / 'logs'}"],
-        env={**environ, **env},
+        env=_clean_env(**env),
         capture_output=True,
         text=True,
         timeout=120,
@@ -44,16 +73,35 @@ def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 def test_scripts_restart_with_tcmalloc_unless_told_otherwise(tmp_path):
     default = _run(tmp_path)
     assert default.returncode == 0, default.stderr
-    expected = "tcmalloc" if find_tcmalloc() else "system malloc"
+    expected = "tcmalloc" if find_tcmalloc() else TUNED
     assert f"allocator: {expected}" in default.stdout
+    in_process = _run(tmp_path, MOEKIT_ALLOCATOR="glibc")  # no restart, tcmalloc or not
+    assert f"allocator: {TUNED}" in in_process.stdout
     system = _run(tmp_path, MOEKIT_ALLOCATOR="system")
     assert "allocator: system malloc" in system.stdout
     wrong = _run(tmp_path, MOEKIT_ALLOCATOR="jemalloc")
     assert wrong.returncode != 0 and "MOEKIT_ALLOCATOR='jemalloc'" in wrong.stderr and "'system'" in wrong.stderr
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's malloc")
+def test_importing_the_layers_keeps_large_freed_blocks_for_reuse():
+    """Without tcmalloc (a notebook, a user's script), importing moekit.moe has glibc's malloc reuse a freed 64 MB
+    block: no page faults once the heap holds it; with MOEKIT_ALLOCATOR=system every step faults all its pages."""
+    faults = {}
+    for choice in ("tcmalloc", "system"):
+        run = subprocess.run(
+            [sys.executable, "-c", REUSE], env=_clean_env(MOEKIT_ALLOCATOR=choice), capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        count, allocator = run.stdout.strip().split(" ", 1)
+        faults[allocator] = int(count)
+    pages = 10 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert faults[TUNED] < pages / 100, faults
+    assert faults["system malloc"] > pages / 2, faults
+
+
 def test_run_records_name_the_allocator():
-    assert machine_info()["allocator"] in ("tcmalloc", "system malloc")
+    assert machine_info()["allocator"] in ("tcmalloc", TUNED, "system malloc")
 
 
 @pytest.mark.parametrize(

@@ -27,10 +27,15 @@ Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`,
 :mod:`moekit.moe.capacity`, dispatch in :mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`, a dropout
 whose CPU masks are cheap in :mod:`moekit.moe.dropout` (the experts' and the models').
 
+Importing this package tunes glibc's malloc to keep the large blocks a training step frees
+(:func:`moekit.utils.allocator.tune_glibc_malloc`; ``MOEKIT_ALLOCATOR=system`` opts out).
+
 Training-loop helpers: :func:`collect_moe_outputs` (aux losses + statistics of the latest forward),
 :func:`update_balancing_biases` (loss-free balancing, once per optimizer step; :func:`discard_balancing_updates`
 for a skipped step), :func:`require_causal` (reject token-mixing routers in causal models).
 """
+
+from moekit.utils.allocator import tune_by_default
 
 from .balanced_gating import StrictlyBalancedMoE
 from .base import (
@@ -58,6 +63,10 @@ from .grouped_linear import grouped_linear
 from .lory import LoryMoE, SegmentState
 from .soft_moe import SoftMoE
 from .tokens_choice import BaseMoE, HashMoE, HierarchicalMoE, SharedExperts, TokensChoiceMoE, TopKMoE
+
+# Expert gradients are large blocks that every step frees and allocates again: keep glibc's malloc from unmapping
+# them (moekit.utils.allocator; MOEKIT_ALLOCATOR=system opts out). A no-op under tcmalloc.
+tune_by_default()
 
 __all__ = [
     "MlpSpec",

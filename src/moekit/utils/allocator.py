@@ -3,18 +3,28 @@
 MoE layers hold many more parameters than the dense layer they replace, so every training step
 allocates large gradient tensors. glibc's malloc serves allocations above 32 MB with fresh ``mmap``
 pages and returns them on free, so each step pays a page fault per 4 KiB of gradient (on a 2-core
-CPU: ~100 ms for the 100 M expert parameters of 256 fine-grained experts). tcmalloc keeps freed
-memory for reuse; PyTorch's CPU performance guide recommends it (or jemalloc) for training.
-:func:`reexec_with_tcmalloc` restarts the current Python program with tcmalloc preloaded when the
-library is installed (Debian: ``apt-get install libtcmalloc-minimal4``, which ``make install`` does where
-apt is available). Every command-line script does so (:func:`use_fast_allocator`, called by
-:func:`moekit.cli.run_script`) unless ``MOEKIT_ALLOCATOR=system``; the run record names the allocator.
+CPU: ~100 ms for the 100 M expert parameters of 256 fine-grained experts). Two remedies, the first that applies:
+
+* tcmalloc, which keeps freed memory for reuse (PyTorch's CPU performance guide recommends it, or jemalloc,
+  for training). It must be preloaded when the process starts: :func:`reexec_with_tcmalloc` restarts the
+  current Python program with it when the library is installed (Debian: ``apt-get install
+  libtcmalloc-minimal4``, which ``make install`` does where apt is available). Every command-line script does
+  so (:func:`use_fast_allocator`, called by :func:`moekit.cli.run_script`).
+* glibc's malloc told to keep large freed blocks too (:func:`tune_glibc_malloc`: no ``mmap`` for large
+  blocks, no trimming of the heap's top), which works in a running process: importing :mod:`moekit.moe` does
+  it where tcmalloc is not loaded (a notebook, a user's own script, a machine without tcmalloc).
+
+``MOEKIT_ALLOCATOR`` chooses: ``tcmalloc`` (the default: the above), ``glibc`` (tune glibc's malloc in the
+process, never restart) or ``system`` (glibc's defaults, untouched). The run record names the allocator
+(:func:`active_allocator`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -23,13 +33,21 @@ __all__ = [
     "find_tcmalloc",
     "reexec_with_tcmalloc",
     "active_allocator",
+    "tune_glibc_malloc",
+    "tune_by_default",
     "use_fast_allocator",
     "add_allocator_argument",
     "apply_allocator",
 ]
 
 ALLOCATOR_ENV = "MOEKIT_ALLOCATOR"
-"""``tcmalloc`` (default) or ``system``: the allocator the command-line scripts run with."""
+"""``tcmalloc`` (default), ``glibc`` or ``system``: the allocator moekit's processes run with."""
+CHOICES = ("tcmalloc", "glibc", "system")
+TUNED = "glibc malloc, tuned"  # what active_allocator() says after tune_glibc_malloc()
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_tuned = False
 
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -50,8 +68,52 @@ def find_tcmalloc() -> str | None:
 
 
 def active_allocator() -> str:
-    """``"tcmalloc"`` when it is preloaded into this process, else ``"system malloc"``."""
-    return "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "system malloc"
+    """``"tcmalloc"`` when it is preloaded into this process, ``"glibc malloc, tuned"`` after
+    :func:`tune_glibc_malloc`, else ``"system malloc"``."""
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        return "tcmalloc"
+    return TUNED if _tuned else "system malloc"
+
+
+def _choice() -> str:
+    choice = os.environ.get(ALLOCATOR_ENV, "tcmalloc")
+    if choice not in CHOICES:
+        raise SystemExit(
+            f"{ALLOCATOR_ENV}={choice!r} must be 'tcmalloc' (the default), 'glibc' (tune glibc's malloc in the "
+            "process) or 'system' (glibc's defaults)"
+        )
+    return choice
+
+
+def tune_glibc_malloc() -> bool:
+    """Make glibc's malloc keep the large blocks a training step frees, for the next step to reuse.
+
+    By default glibc serves each allocation above its mmap threshold (at most 32 MB) with fresh pages and unmaps
+    them on free, and gives the heap's free top back to the system: every step's expert gradients then fault
+    their pages in again. Here large blocks come from the heap (``M_MMAP_MAX = 0``) and the heap keeps its top
+    (``M_TRIM_THRESHOLD`` 1 GiB), so the process holds its peak memory, as tcmalloc does. Affects the allocations
+    made from then on. Returns True once it has taken effect (also on later calls); False where the process does
+    not run glibc's malloc (tcmalloc or jemalloc preloaded, another C library).
+    """
+    global _tuned
+    if _tuned:
+        return True
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "tcmalloc" in preload or "jemalloc" in preload or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _tuned = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+    return _tuned
+
+
+def tune_by_default() -> None:
+    """What importing :mod:`moekit.moe` does: tune glibc's malloc unless ``MOEKIT_ALLOCATOR=system``
+    (an unknown value is left to the scripts, which stop on it)."""
+    if os.environ.get(ALLOCATOR_ENV, "tcmalloc") in ("tcmalloc", "glibc"):
+        tune_glibc_malloc()
 
 
 def reexec_with_tcmalloc() -> bool:
@@ -73,26 +135,33 @@ def reexec_with_tcmalloc() -> bool:
     return True  # unreachable
 
 
-def use_fast_allocator() -> None:
-    """What the scripts call first: restart with tcmalloc (when installed) unless ``MOEKIT_ALLOCATOR=system``."""
-    choice = os.environ.get(ALLOCATOR_ENV, "tcmalloc")
-    if choice not in ("tcmalloc", "system"):
-        raise SystemExit(f"{ALLOCATOR_ENV}={choice!r} must be 'tcmalloc' (the default) or 'system'")
+def use_fast_allocator(choice: str | None = None) -> None:
+    """What the scripts call first: by ``MOEKIT_ALLOCATOR`` (or ``choice``), restart with tcmalloc when it is
+    installed (``tcmalloc``), else tune glibc's malloc (``tcmalloc``, ``glibc``); ``system``: neither."""
+    choice = choice or _choice()
     if choice == "tcmalloc":
         reexec_with_tcmalloc()
+    if choice in ("tcmalloc", "glibc"):
+        tune_glibc_malloc()
 
 
 def add_allocator_argument(parser) -> None:
-    """Add ``--allocator {tcmalloc,system}`` to an ``argparse`` parser (benchmark scripts)."""
+    """Add ``--allocator {tcmalloc,glibc,system}`` to an ``argparse`` parser (benchmark scripts)."""
     parser.add_argument(
         "--allocator",
-        choices=["tcmalloc", "system"],
+        choices=CHOICES,
         default="tcmalloc",
-        help="tcmalloc (default, when installed: restarts the script with it preloaded) or the system malloc",
+        help="tcmalloc (default, when installed: restarts the script with it preloaded; else as glibc), glibc "
+        "(glibc's malloc tuned to keep large blocks, as in a notebook) or system (glibc's defaults: restarts the "
+        "script without the tuning that importing moekit.moe applies)",
     )
 
 
 def apply_allocator(args) -> None:
-    """Act on ``--allocator``: restart with tcmalloc unless ``system`` was asked for."""
-    if args.allocator == "tcmalloc":
-        reexec_with_tcmalloc()
+    """Act on ``--allocator``, as :func:`use_fast_allocator` does on ``MOEKIT_ALLOCATOR``. ``system`` restarts a
+    process whose malloc is already tuned (by the import of :mod:`moekit.moe`) with ``MOEKIT_ALLOCATOR=system``."""
+    if args.allocator == "system" and _tuned and not os.environ.get("MOEKIT_NO_REEXEC"):
+        env = {**os.environ, ALLOCATOR_ENV: "system", "MOEKIT_NO_REEXEC": "1"}
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    use_fast_allocator(args.allocator)
