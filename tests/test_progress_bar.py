@@ -56,15 +56,15 @@ def test_progress_lines_every_n_steps_and_after_each_validation(tmp_path, caplog
 def test_console_prints_each_message_once_without_advertisements_or_deprecations(tmp_path):
     """``scripts/train.py`` with its output sent to a pipe: Lightning's messages once each (not also as
     ``INFO: ...``), no tip advertising a cloud logger, no library deprecation warning, moekit's summary in place of
-    Lightning's, whose FLOPs read 0, and progress lines (no terminal: the rich bar draws nothing)."""
+    Lightning's, whose FLOPs read 0, and progress lines (no terminal: the rich bar draws nothing); no notice at each
+    step checkpoint."""
     from resume_helpers import finish, start, train_command
 
     overrides = ["experiment=soft_moe_vit", "debug=tiny", f"paths.output_dir={tmp_path}", "test=false"]
-    status, output = finish(
-        start(train_command(*overrides, "trainer.max_epochs=2", "callbacks.progress_log.every_n_steps=5"))
-    )
+    every_n = ["callbacks.progress_log.every_n_steps=5", "callbacks.last_checkpoint_steps.every_n_train_steps=7"]
+    status, output = finish(start(train_command(*overrides, "trainer.max_epochs=2", *every_n)))
     assert status == 0, output[-3000:]
     assert output.count("Seed set to 42") == 1 and "INFO: " not in output
-    assert "Tip:" not in output and "deprecated" not in output
+    assert "Tip:" not in output and "deprecated" not in output and "weights_only" not in output
     assert "FLOPs / image" in output and "Total FLOPs" not in output
     assert "step 5/20" in output and "step 20/20" in output and "validation: val/loss" in output
