@@ -8,8 +8,8 @@ CPU: ~100 ms for the 100 M expert parameters of 256 fine-grained experts). Two r
 * tcmalloc, which keeps freed memory for reuse (PyTorch's CPU performance guide recommends it, or jemalloc,
   for training). It must be preloaded when the process starts: :func:`reexec_with_tcmalloc` restarts the
   current Python program with it when the library is installed (Debian: ``apt-get install
-  libtcmalloc-minimal4``, which ``make install`` does where apt is available). Every command-line script does
-  so (:func:`use_fast_allocator`, called by :func:`moekit.cli.run_script`).
+  libtcmalloc-minimal4``, which ``make train`` (``make allocator``) does where apt is available). Every
+  command-line script does so (:func:`use_fast_allocator`, called by :func:`moekit.cli.run_script`).
 * glibc's malloc told to keep large freed blocks too (:func:`tune_glibc_malloc`: no ``mmap`` for large
   blocks, no trimming of the heap's top), which works in a running process: importing :mod:`moekit.moe` does
   it where tcmalloc is not loaded (a notebook, a user's own script, a machine without tcmalloc).
