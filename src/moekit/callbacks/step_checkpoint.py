@@ -48,7 +48,8 @@ class SafeStepSave(Checkpoint):
         return self.dirpath / f"{self.filename}.ckpt"
 
     def save(self, trainer: Trainer) -> None:
-        trainer.save_checkpoint(self.path, weights_only=False)  # a resumable checkpoint (said, else Lightning logs it)
+        # a full, resumable checkpoint; saying so keeps Lightning from logging, at every save, that it assumed it
+        trainer.save_checkpoint(self.path, weights_only=False)
 
     def save_after_step(self, trainer: Trainer) -> None:
         """Save now, or after the validation or epoch end that follows this step."""
