@@ -5,6 +5,7 @@ keep large freed blocks (``MOEKIT_ALLOCATOR=system`` keeps the system's defaults
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -81,6 +82,24 @@ def test_scripts_restart_with_tcmalloc_unless_told_otherwise(tmp_path):
     assert "allocator: system malloc" in system.stdout
     wrong = _run(tmp_path, MOEKIT_ALLOCATOR="jemalloc")
     assert wrong.returncode != 0 and "MOEKIT_ALLOCATOR='jemalloc'" in wrong.stderr and "'system'" in wrong.stderr
+
+
+def test_the_training_script_keeps_the_system_allocator_when_told(fake_fashion, tmp_path):
+    """``MOEKIT_ALLOCATOR=system python scripts/train.py``: the run record says the system malloc (the script once
+    restarted itself under tcmalloc before reading the variable)."""
+    from conftest import REPO, small_overrides
+
+    out = tmp_path / "run"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), *small_overrides(fake_fashion), "trainer.max_steps=1",
+         "test=false", f"paths.output_dir={out}"],
+        env=_clean_env(MOEKIT_ALLOCATOR="system", HYDRA_FULL_ERROR="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["machine"]["allocator"] == "system malloc"
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's malloc")

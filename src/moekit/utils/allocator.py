@@ -127,12 +127,15 @@ def reexec_with_tcmalloc() -> bool:
     library = find_tcmalloc()
     if library is None:
         return False
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
-    env["MOEKIT_NO_REEXEC"] = "1"  # never loop, even if the preload silently fails
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    preload = ":".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
+    _restart(LD_PRELOAD=preload)
     return True  # unreachable
+
+
+def _restart(**env: str) -> None:
+    """Replace this process by the same program with ``env`` added, never to restart again."""
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env, "MOEKIT_NO_REEXEC": "1"})
 
 
 def use_fast_allocator(choice: str | None = None) -> None:
@@ -161,7 +164,5 @@ def apply_allocator(args) -> None:
     """Act on ``--allocator``, as :func:`use_fast_allocator` does on ``MOEKIT_ALLOCATOR``. ``system`` restarts a
     process whose malloc is already tuned (by the import of :mod:`moekit.moe`) with ``MOEKIT_ALLOCATOR=system``."""
     if args.allocator == "system" and _tuned and not os.environ.get("MOEKIT_NO_REEXEC"):
-        env = {**os.environ, ALLOCATOR_ENV: "system", "MOEKIT_NO_REEXEC": "1"}
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        _restart(**{ALLOCATOR_ENV: "system"})
     use_fast_allocator(args.allocator)
