@@ -18,6 +18,7 @@ import pytest
 from conftest import CONFIGS
 from moekit.utils.allocator import TUNED, find_tcmalloc
 from moekit.utils.machine import machine_info, resolve_precision
+from moekit.utils.openmp import SPIN_ROUNDS
 
 pytestmark = pytest.mark.e2e  # starts processes
 
@@ -54,8 +55,36 @@ REUSE = textwrap.dedent(
 )
 
 
+# Torch's OpenMP team after a parallel region, imported after moekit or before it: prints the CPU seconds the team's
+# idle threads burn over 20 sleeps of 20 ms, each after a parallel op, and the spin setting moekit reports.
+SPIN = textwrap.dedent(
+    """
+    import resource, sys, time
+    if sys.argv[1] == "moekit":
+        import moekit, torch
+    else:
+        import torch, moekit
+    from moekit.utils.openmp import spin_setting
+
+    x = torch.ones(1 << 22)
+
+    def others():  # CPU seconds of the process's threads but this one: the team's
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime - time.thread_time()
+
+    idle = 0.0
+    for _ in range(20):
+        x.mul_(1.0)  # a parallel region
+        before = others()
+        time.sleep(0.02)
+        idle += others() - before
+    print(idle, spin_setting())
+    """
+)
+
+
 def _clean_env(**env: str) -> dict[str, str]:
-    drop = ("MOEKIT_NO_REEXEC", "LD_PRELOAD", "MOEKIT_ALLOCATOR")
+    drop = ("MOEKIT_NO_REEXEC", "LD_PRELOAD", "MOEKIT_ALLOCATOR", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **env}
 
 
@@ -121,6 +150,38 @@ def test_importing_the_layers_keeps_large_freed_blocks_for_reuse():
 
 def test_run_records_name_the_allocator():
     assert machine_info()["allocator"] in ("tcmalloc", TUNED, "system malloc")
+
+
+def _libgomp_team() -> bool:
+    import torch
+
+    maps = Path("/proc/self/maps")
+    return torch.get_num_threads() > 1 and maps.exists() and "libgomp" in maps.read_text()
+
+
+@pytest.mark.skipif(not _libgomp_team(), reason="torch's OpenMP team here is not libgomp's, or has one thread")
+def test_importing_moekit_first_stops_openmps_idle_threads_from_spinning():
+    """libgomp's idle threads spin for milliseconds after each parallel region, taking cores from the expert
+    threads (moekit.moe.cpu_threads); imported before torch, moekit shortens the spin to SPIN_ROUNDS."""
+    idle = {}
+    for first in ("moekit", "torch"):
+        run = subprocess.run(
+            [sys.executable, "-c", SPIN, first], env=_clean_env(), capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, run.stderr
+        seconds, setting = run.stdout.strip().split(" ", 1)
+        idle[setting] = float(seconds)
+    ours = f"GOMP_SPINCOUNT={SPIN_ROUNDS}"
+    assert set(idle) == {ours, "OpenMP's default"}, idle
+    assert idle[ours] < idle["OpenMP's default"] / 5, idle
+
+
+def test_a_users_openmp_wait_policy_is_left_alone():
+    code = "import os, moekit.utils.openmp as omp; print(os.environ.get('GOMP_SPINCOUNT'), omp.spin_setting())"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=_clean_env(OMP_WAIT_POLICY="ACTIVE"), capture_output=True, text=True
+    )
+    assert run.stdout.split() == ["None", "OMP_WAIT_POLICY=ACTIVE"], run.stderr
 
 
 @pytest.mark.parametrize(

@@ -416,8 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{where}, {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, forward + backward, "
-        f"batch x{args.batch_scale}, allocator: {active_allocator()}; matmul peak {args.peak / 1e9:.1f} GFLOP/s "
-        f"({peak_what})"
+        f"batch x{args.batch_scale}, allocator: {active_allocator()}, OpenMP {machine['openmp_spin']}; "
+        f"matmul peak {args.peak / 1e9:.1f} GFLOP/s ({peak_what})"
     )
     for name in args.tables:
         TABLES[name](args)

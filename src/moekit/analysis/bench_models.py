@@ -420,9 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     args.peak = {dtype: matmul_peak("cuda", dtype)[0] for dtype in dtypes} if args.device == "cuda" else None
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}; one training step "
-        f"(forward, backward, clip, AdamW step), median of {args.rounds} interleaved rounds x {args.steps} steps "
-        f"after {args.warmup} warm-up step(s) each"
+        f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}, "
+        f"OpenMP {machine['openmp_spin']}; one training step (forward, backward, clip, AdamW step), median of "
+        f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} warm-up step(s) each"
     )
     if args.peak:
         print(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moekit.utils.allocator import active_allocator
+from moekit.utils.openmp import spin_setting
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +137,8 @@ def resolve_precision(precision: Any, accelerator: Any = "auto", flags: set[str]
 
 def machine_info() -> dict[str, Any]:
     """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
-    threads, torch / Python versions, the OS, the memory allocator, and the GPU's name (None without CUDA)."""
+    threads, torch / Python versions, the OS, the memory allocator, OpenMP's idle spin, and the GPU's name (None
+    without CUDA)."""
     import torch
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -149,6 +151,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "allocator": active_allocator(),
+        "openmp_spin": spin_setting(),
         "cpu_amx": "amx_bf16" in cpu_flags(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,

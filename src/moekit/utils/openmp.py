@@ -1,0 +1,56 @@
+"""How long OpenMP's idle threads spin before they sleep.
+
+After each parallel region (an elementwise op, a large matmul) the threads of torch's OpenMP team busy-wait for the
+next one before they sleep: libgomp, which torch's Linux wheels use, spins 300,000 rounds by default, several
+milliseconds of a core. Most of torch never notices. moekit's expert products do: a ragged top-k layer runs its
+per-expert matmuls on worker threads of its own (:mod:`moekit.moe.cpu_threads`), one per core, and every team thread
+still spinning from the op before takes a core's share away from them. On a 2-core AMD EPYC (float32, 256 experts of
+hidden 256, top-2, 4096 tokens) one worker then finished its share up to 2x later than the other, and the layer's
+expert products took 244-278 ms a step against 204-218 ms with the team asleep (``OMP_WAIT_POLICY=PASSIVE``).
+
+Putting the threads to sleep at once slows other ops that follow one another quickly (transformers' Mixtral block:
+1.23x slower with ``PASSIVE``); a short spin keeps those fast and frees the cores for the expert workers within a
+fraction of a millisecond. :data:`SPIN_ROUNDS` was chosen by measuring (docs/performance.md#openmps-idle-threads).
+
+OpenMP reads its settings once, when torch loads it, so :func:`limit_spin` only helps a process that imports moekit
+before torch; the command-line scripts all do. In a notebook, ``import moekit`` first, or set ``GOMP_SPINCOUNT`` in
+the environment. An ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user is left as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["SPIN_ROUNDS", "limit_spin", "spin_setting"]
+
+SPIN_ROUNDS = 10_000
+"""libgomp's ``GOMP_SPINCOUNT`` that moekit sets: rounds of a pause instruction, 0.1-0.5 ms on x86 CPUs."""
+_USER_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+_applied = False
+
+
+def _openmp_loaded() -> bool:
+    """Whether an OpenMP runtime is already in this process (its settings then fixed)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line or "libiomp" in line for line in maps)
+    except OSError:  # not Linux: torch's import is what loads it
+        return "torch" in sys.modules
+
+
+def limit_spin() -> bool:
+    """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_ROUNDS` for the OpenMP runtime torch will load, unless the user set
+    its waiting policy or it is loaded already. Returns True when moekit's setting is the one in force."""
+    global _applied
+    if not _applied and not any(key in os.environ for key in _USER_KEYS) and not _openmp_loaded():
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
+        _applied = True
+    return _applied
+
+
+def spin_setting() -> str:
+    """For run records and benchmark headers: ``"GOMP_SPINCOUNT=10000"``, the user's setting, or
+    ``"OpenMP's default"`` (moekit was imported after torch)."""
+    user = [f"{key}={os.environ[key]}" for key in _USER_KEYS if key in os.environ]
+    return ", ".join(user) if user else "OpenMP's default"
