@@ -12,6 +12,10 @@ of 32 to 128 rows each, 1.01-1.20x the speed of the plain loop (1.10-1.20x at 25
 layer's shape); with 4 to 16 experts 0.92-1.06x, as the plain loop's products split well over the BLAS's own
 threads. Hence :data:`MIN_EXPERTS_PER_THREAD`.
 
+The workers share the cores with torch's own OpenMP team, whose idle threads spin for milliseconds after each parallel
+region before they sleep (libgomp's default): one worker then ran at half speed, up to 2x longer than the other.
+Importing moekit before torch shortens that spin (:mod:`moekit.utils.openmp`).
+
 The work runs in the calling thread, one expert after another, where threads cannot help or would hide the work: a
 device other than the CPU, one intra-op thread, fewer than ``MIN_EXPERTS_PER_THREAD`` non-empty experts per thread, or
 a ``TorchDispatchMode`` active (the FLOP counter's, which sees only the calling thread's operators).
