@@ -9,6 +9,7 @@ function (``_LoopGroupedLinear``, ``_LoopGroupedLinearBackward``) that waits for
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ def top_operators(
     if steps < 1 or rows < 1:
         raise ValueError(f"top_operators: steps={steps} and rows={rows} must be positive")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cpu":  # a CUDA build of torch without a GPU: kineto's "ERROR: gpuGetDeviceCount failed"
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     step()
     device_sync(device)
     with warnings.catch_warnings():
