@@ -14,7 +14,9 @@ fraction of a millisecond. :data:`SPIN_ROUNDS` was chosen by measuring (docs/per
 
 OpenMP reads its settings once, when torch loads it, so :func:`limit_spin` only helps a process that imports moekit
 before torch; the command-line scripts all do. In a notebook, ``import moekit`` first, or set ``GOMP_SPINCOUNT`` in
-the environment. An ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user is left as it is.
+the environment. An ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user is left as it is. A torch built with
+Intel's OpenMP (``libiomp5``) reads ``KMP_BLOCKTIME`` instead (200 ms by default; ``torch.backends.xeon.run_cpu`` sets
+1 ms); moekit leaves that to the user, as it has not been measured here.
 """
 
 from __future__ import annotations
