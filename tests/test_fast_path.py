@@ -177,6 +177,34 @@ def test_importing_moekit_first_stops_openmps_idle_threads_from_spinning():
     assert idle[ours] < idle["OpenMP's default"] / 5, idle
 
 
+@pytest.mark.skipif(not _libgomp_team(), reason="torch's OpenMP team here is not libgomp's, or has one thread")
+def test_the_expert_threads_say_when_openmps_default_spin_slows_them():
+    """A process that imported torch first is told, once, when a layer first starts its expert threads; one that
+    imported moekit first, or set GOMP_SPINCOUNT itself, is not."""
+    code = textwrap.dedent(
+        """
+        import sys
+        if sys.argv[1] == "torch":
+            import torch
+        import moekit.moe, torch
+        layer = moekit.moe.TopKMoE(32, 32, num_experts=64, top_k=2)  # 64 experts: over both cores' threads
+        for _ in range(2):
+            layer(torch.randn(1, 1024, 32)).sum().backward()
+        """
+    )
+
+    def warnings_of(first: str, **env: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", code, first], env=_clean_env(**env), capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, run.stderr
+        return run.stderr.count("torch was imported before moekit")
+
+    assert warnings_of("torch") == 1
+    assert warnings_of("moekit") == 0
+    assert warnings_of("torch", GOMP_SPINCOUNT="300000") == 0
+
+
 def test_a_users_openmp_wait_policy_is_left_alone():
     code = "import os, moekit.utils.openmp as omp; print(os.environ.get('GOMP_SPINCOUNT'), omp.spin_setting())"
     run = subprocess.run(

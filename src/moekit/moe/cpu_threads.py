@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moekit.utils.openmp import warn_if_spinning
+
 __all__ = ["for_each_expert", "shares", "MIN_EXPERTS_PER_THREAD"]
 
 MIN_EXPERTS_PER_THREAD = 16
@@ -39,6 +41,7 @@ class _Workers:
     """``n`` threads, each with one intra-op thread (``usable`` False if a thread did not take that setting)."""
 
     def __init__(self, n: int) -> None:
+        warn_if_spinning()
         self.n = n
         self.pool = ThreadPoolExecutor(n, thread_name_prefix="moekit-experts")
         ready = threading.Barrier(n + 1)

@@ -24,32 +24,35 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
-__all__ = ["SPIN_ROUNDS", "limit_spin", "spin_setting"]
+__all__ = ["SPIN_ROUNDS", "limit_spin", "spin_setting", "warn_if_spinning"]
 
 SPIN_ROUNDS = 10_000
 """libgomp's ``GOMP_SPINCOUNT`` that moekit sets: rounds of a pause instruction, about 0.3 ms of a core after each
 parallel region on a 2-core AMD EPYC, against 9.4 ms for libgomp's default of 300,000."""
 _USER_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
-_applied = False
+_applied = _warned = False
 
 
-def _openmp_loaded() -> bool:
-    """Whether an OpenMP runtime is already in this process (its settings then fixed)."""
+def _loaded_runtimes() -> set[str] | None:
+    """The OpenMP runtimes in this process (``"libgomp"``, ``"libiomp"``), or None where that cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
-            return any("libgomp" in line or "libiomp" in line for line in maps)
-    except OSError:  # not Linux: torch's import is what loads it
-        return "torch" in sys.modules
+            return {name for line in maps for name in ("libgomp", "libiomp") if name in line}
+    except OSError:  # not Linux
+        return None
 
 
 def limit_spin() -> bool:
     """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_ROUNDS` for the OpenMP runtime torch will load, unless the user set
     its waiting policy or it is loaded already. Returns True when moekit's setting is the one in force."""
     global _applied
-    if not _applied and not any(key in os.environ for key in _USER_KEYS) and not _openmp_loaded():
-        os.environ["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
-        _applied = True
+    if not _applied and not any(key in os.environ for key in _USER_KEYS):
+        loaded = _loaded_runtimes()
+        if not (loaded if loaded is not None else "torch" in sys.modules):  # torch's import is what loads it
+            os.environ["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
+            _applied = True
     return _applied
 
 
@@ -58,3 +61,20 @@ def spin_setting() -> str:
     ``"OpenMP's default"`` (moekit was imported after torch)."""
     user = [f"{key}={os.environ[key]}" for key in _USER_KEYS if key in os.environ]
     return ", ".join(user) if user else "OpenMP's default"
+
+
+def warn_if_spinning() -> None:
+    """Warn once per process, when the expert threads first start, that libgomp's default spin is in force: torch
+    was imported before moekit and no waiting policy was set. Setting ``GOMP_SPINCOUNT`` to any value silences it."""
+    global _warned
+    user_set = any(key in os.environ for key in _USER_KEYS)
+    if _warned or _applied or user_set or "libgomp" not in (_loaded_runtimes() or ()):
+        return
+    _warned = True
+    warnings.warn(
+        "torch was imported before moekit, so OpenMP's idle threads spin for milliseconds after every op and take "
+        "cores from the expert threads (a top-2 layer of 256 experts ran 1.13x slower on 2 cores); import moekit "
+        f"before torch, or start Python with GOMP_SPINCOUNT={SPIN_ROUNDS} (docs/performance.md#openmps-idle-threads)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
