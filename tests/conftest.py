@@ -2,6 +2,7 @@
 (per token / per slot loops: slow, obviously right), and helpers that compose the training configs
 and run the scripts."""
 
+import moekit  # noqa: F401, I001 - before torch, as the scripts do: it sets OpenMP's idle spin (moekit/utils/openmp.py)
 import importlib.util
 import os
 import subprocess
