@@ -4,8 +4,6 @@ routing statistics and auxiliary losses it records.
     python scripts/demo_moe.py
 """
 
-from __future__ import annotations
-
 import moekit  # noqa: F401, I001 - before torch: it shortens OpenMP's idle spin (moekit/utils/openmp.py)
 import torch
 from timm.models.vision_transformer import Block
