@@ -1,6 +1,7 @@
 """The machine's fast path by default: every command-line entry restarts itself with tcmalloc preloaded when it is
 installed, and any process that imports ``moekit.moe`` without it (a notebook, a user's script) has glibc's malloc
-keep large freed blocks (``MOEKIT_ALLOCATOR=system`` keeps the system's defaults; run records name the allocator); and
+keep large freed blocks (``MOEKIT_ALLOCATOR=system`` keeps the system's defaults; run records name the allocator);
+importing moekit before torch shortens OpenMP's idle spin (a warning where torch came first); and
 ``trainer.precision=auto``, the experiments' setting, trains in bf16 only where that is fast (GPUs, CPUs with AMX)."""
 
 from __future__ import annotations
