@@ -31,8 +31,12 @@ __all__ = ["SPIN_ROUNDS", "limit_spin", "spin_setting", "warn_if_spinning"]
 SPIN_ROUNDS = 10_000
 """libgomp's ``GOMP_SPINCOUNT`` that moekit sets: rounds of a pause instruction, about 0.3 ms of a core after each
 parallel region on a 2-core AMD EPYC, against 9.4 ms for libgomp's default of 300,000."""
-_USER_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
-_applied = _warned = False
+_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # libgomp's waiting policy, set by the user or by limit_spin
+_warned = False
+
+
+def _policy_set() -> bool:
+    return any(key in os.environ for key in _KEYS)
 
 
 def _loaded_runtimes() -> set[str] | None:
@@ -44,31 +48,27 @@ def _loaded_runtimes() -> set[str] | None:
         return None
 
 
-def limit_spin() -> bool:
-    """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_ROUNDS` for the OpenMP runtime torch will load, unless the user set
-    its waiting policy or it is loaded already. Returns True when moekit's setting is the one in force."""
-    global _applied
-    if not _applied and not any(key in os.environ for key in _USER_KEYS):
+def limit_spin() -> None:
+    """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_ROUNDS` for the OpenMP runtime torch will load, unless a waiting policy
+    is set already or the runtime is loaded already."""
+    if not _policy_set():
         loaded = _loaded_runtimes()
         if not (loaded if loaded is not None else "torch" in sys.modules):  # torch's import is what loads it
             os.environ["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
-            _applied = True
-    return _applied
 
 
 def spin_setting() -> str:
     """For run records and benchmark headers: ``"GOMP_SPINCOUNT=10000"``, the user's setting, or
     ``"OpenMP's default"`` (moekit was imported after torch)."""
-    user = [f"{key}={os.environ[key]}" for key in _USER_KEYS if key in os.environ]
-    return ", ".join(user) if user else "OpenMP's default"
+    settings = [f"{key}={os.environ[key]}" for key in _KEYS if key in os.environ]
+    return ", ".join(settings) if settings else "OpenMP's default"
 
 
 def warn_if_spinning() -> None:
     """Warn once per process, when the expert threads first start, that libgomp's default spin is in force: torch
     was imported before moekit and no waiting policy was set. Setting ``GOMP_SPINCOUNT`` to any value silences it."""
     global _warned
-    user_set = any(key in os.environ for key in _USER_KEYS)
-    if _warned or _applied or user_set or "libgomp" not in (_loaded_runtimes() or ()):
+    if _warned or _policy_set() or "libgomp" not in (_loaded_runtimes() or ()):
         return
     _warned = True
     warnings.warn(
