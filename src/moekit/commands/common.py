@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,9 +71,11 @@ def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
 def where(trainer: Trainer) -> str:
     lines = [f"outputs: {trainer.default_root_dir}"]
     for logger in trainer.loggers:
-        lines.append(f"{type(logger).__name__}: {logger.log_dir}")
-    if trainer.checkpoint_callback is not None and getattr(trainer.checkpoint_callback, "dirpath", None):
-        lines.append(f"checkpoints: {trainer.checkpoint_callback.dirpath}")
+        if logger.log_dir is not None:  # fast_dev_run's DummyLogger writes nothing
+            lines.append(f"{type(logger).__name__}: {logger.log_dir}")
+    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+    if dirpath and Path(dirpath).is_dir():  # fast_dev_run writes no checkpoint
+        lines.append(f"checkpoints: {dirpath}")
         best = getattr(trainer.checkpoint_callback, "best_model_path", "")
         if best:
             lines.append(f"best checkpoint: {best}")
