@@ -8,17 +8,21 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import timm
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from omegaconf import OmegaConf
 from PIL import Image
 
 import moekit.models  # noqa: F401  (registers the models with timm)
 from conftest import CONFIGS, REPO, compose_config, run_script, small_overrides
 from moekit.checkpoint import CheckpointError, load_task
+from moekit.commands.common import where
 from moekit.commands.evaluate import evaluate
 from moekit.commands.export import export
 from moekit.commands.predict import predict
@@ -135,6 +139,20 @@ def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
     assert metrics["train/loss_step"] == pytest.approx(metrics["train/ce_step"] + total, rel=1e-5, abs=1e-6), (
         "the training loss is the cross-entropy plus the auxiliary losses"
     )
+
+
+def test_the_end_of_run_summary_names_only_what_the_run_wrote(tmp_path):
+    checkpoints = SimpleNamespace(dirpath=str(tmp_path / "checkpoints"), best_model_path="")
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), loggers=[DummyLogger()], checkpoint_callback=checkpoints)
+    assert where(trainer) == f"outputs: {tmp_path}", "fast_dev_run: no logger folder, no checkpoint written"
+    (tmp_path / "checkpoints").mkdir()
+    logger = CSVLogger(tmp_path)
+    trainer.loggers, checkpoints.best_model_path = [logger], "best.ckpt"
+    assert where(trainer).splitlines()[1:] == [
+        f"  CSVLogger: {logger.log_dir}",
+        f"  checkpoints: {tmp_path / 'checkpoints'}",
+        "  best checkpoint: best.ckpt",
+    ]
 
 
 @pytest.mark.e2e
