@@ -1,5 +1,5 @@
 """Generate text from a language-model checkpoint:
-``python scripts/sample.py ckpt_path=<ckpt> prompt="def " [max_new_tokens=200] [temperature=0.8] [top_p=0.95]``."""
+``python scripts/sample.py ckpt_path=<ckpt> 'prompt="def "' [max_new_tokens=200] [temperature=0.8] [top_p=0.95]``."""
 
 from pathlib import Path
 

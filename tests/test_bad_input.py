@@ -212,6 +212,12 @@ CASES = [
         ["recipe 'experts_choice'", "would see the future", "use a per-token router: moe=mixtral"],
     ),
     Case(
+        "expert_parallel_lory",
+        "train.py",
+        ["experiment=moe_transformer_lm", "moe=lory", "trainer=ddp", "trainer.strategy.expert_parallel_size=2"],
+        ["recipe 'lory' merges all of a layer's experts", "set trainer.strategy.expert_parallel_size=1"],
+    ),
+    Case(
         "mod_in_the_lstm_lm",
         "train.py",
         ["experiment=moe_lstm_lm", "mod=interleaved"],

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import spawn
-from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE
+from moekit.moe import ExpertsChoiceMoE, LoryMoE, SoftMoE, TopKMoE
 from moekit.parallel import new_expert_parallel_groups, shard_experts, sharded_expert_banks
 
 pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
@@ -123,6 +123,14 @@ def _data_parallel_step(rank: int, world: int, expert_parallel_size: int) -> Non
 
 def test_data_parallel_with_expert_groups_matches_full_model():
     spawn(_data_parallel_step, 4, 2)  # 2 expert groups of 2 ranks: experts replicated twice
+
+
+def test_merged_experts_are_refused_before_any_bank_is_sharded():
+    """Lory merges every expert into one for each token: no rank could compute a token with a block of them."""
+    model = torch.nn.Sequential(TopKMoE(DIM, HIDDEN, num_experts=EXPERTS), LoryMoE(DIM, HIDDEN, num_experts=EXPERTS))
+    with pytest.raises(ValueError, match=r"^1 \(LoryMoE\) merge .*use expert_parallel_size=1"):
+        shard_experts(model, groups=None)  # refused before the groups are used
+    assert not sharded_expert_banks(model), "nothing may be sharded when the model is refused"
 
 
 def test_fsdp_strategy_refuses_bad_settings_with_the_fix():

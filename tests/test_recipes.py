@@ -17,7 +17,16 @@ from conftest import CONFIGS, compose_config
 from moekit.models import lm_summary, model_summary
 from moekit.moe import ExpertsChoiceMoE, HierarchicalMoE, MoELayer, SoftMoE, TokensChoiceMoE, get_moe_layer, moe_layers
 from moekit.moe.capacity import experts_choice_capacity, soft_moe_slots
-from moekit.recipes import _FOLDER, check_fits, list_recipes, load_recipe, mixes_tokens, recipe_citation, resolve_recipe
+from moekit.recipes import (
+    _FOLDER,
+    check_expert_parallel,
+    check_fits,
+    list_recipes,
+    load_recipe,
+    mixes_tokens,
+    recipe_citation,
+    resolve_recipe,
+)
 
 RECIPES = list_recipes()
 LOSSES = ("switch", "importance", "load", "z")
@@ -100,6 +109,18 @@ def test_token_mixing_follows_the_built_layer(name):
         )
         layer = get_moe_layer(spec["layer"])(8, 16, **settings, **extra)
         assert mixes_tokens(spec) == (not layer.causal_safe), spec
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_expert_parallel_rule_follows_the_layer(name):
+    """The torch-free refusal of expert parallelism agrees with the layer's own ``merges_experts``."""
+    recipe = load_recipe(name)
+    check_expert_parallel(recipe, 1)  # data parallel serves every recipe
+    if get_moe_layer(recipe["layer"]).merges_experts:
+        with pytest.raises(ValueError, match="expert_parallel_size=2 cannot split them"):
+            check_expert_parallel(recipe, 2)
+    else:
+        check_expert_parallel(recipe, 2)
 
 
 @pytest.mark.parametrize("name", RECIPES)

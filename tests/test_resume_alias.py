@@ -1,5 +1,6 @@
 """ckpt_path=last / auto: the newest checkpoint that loads, in this run's folder or the newest earlier run of the
-task; corrupt checkpoints are skipped and named; errors name the checkpoints that do exist."""
+task (a sweep's job: its own folder only); corrupt checkpoints are skipped and named; errors name the checkpoints
+that do exist."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import read_write
 
 from conftest import compose_config, small_overrides
 from moekit.checkpoint import CheckpointError, _read_training_checkpoint, check_ckpt_path, find_resume_checkpoint
-from moekit.commands.train import train
+from moekit.commands.train import _resolve_resume_alias, train
 
 
 def write(path: Path, *, good: bool, age: float = 0.0) -> Path:
@@ -53,6 +57,32 @@ def test_auto_starts_afresh_and_last_refuses_without_any_checkpoint(tmp_path):
     assert find_resume_checkpoint("auto", runs / "now", runs) == (None, [])
     with pytest.raises(CheckpointError, match="ckpt_path=last: no run of this task has a checkpoint.*ckpt_path=auto"):
         find_resume_checkpoint("last", runs / "now", runs)
+
+
+def test_a_sweep_job_resumes_only_from_its_own_folder(runs, tmp_path):
+    """A sweep's job (``runs_dir=None``) never resumes another setting's run, however new; its own checkpoint, yes."""
+    job = tmp_path / "multiruns" / "2026-01-05_10-00-00" / "3"
+    assert find_resume_checkpoint("auto", job, None) == (None, [])
+    with pytest.raises(CheckpointError, match=f"no run of this task has a checkpoint \\({job}/checkpoints"):
+        find_resume_checkpoint("last", job, None)
+    write(job / "checkpoints" / "last.ckpt", good=True)
+    assert find_resume_checkpoint("auto", job, None)[0] == job / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("mode", [RunMode.RUN, RunMode.MULTIRUN])
+def test_train_looks_at_other_runs_only_outside_a_sweep(mode, fake_fashion, tmp_path):
+    logs = tmp_path / "logs"
+    earlier = write(logs / "train" / "runs" / "2026-01-01_10-00-00" / "checkpoints" / "last.ckpt", good=True)
+    job = logs / "train" / "multiruns" / "2026-01-02_10-00-00" / "0"
+    cfg = compose_config("train", [*small_overrides(fake_fashion, 1), f"paths.log_dir={logs}", "ckpt_path=auto"], job)
+    with read_write(cfg.hydra):
+        cfg.hydra.mode = mode
+    HydraConfig.instance().set_config(cfg)
+    try:
+        _resolve_resume_alias(cfg, job)
+    finally:
+        HydraConfig.instance().cfg = None  # no sweep mode left behind for the tests after this one
+    assert cfg.ckpt_path == (str(earlier) if mode == RunMode.RUN else None)
 
 
 def test_a_folder_of_corrupt_checkpoints_is_named(tmp_path):

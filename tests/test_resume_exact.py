@@ -232,3 +232,43 @@ def test_sigterm_during_the_test_phase_exits_143_and_names_the_rerun(fake_fashio
     assert "during the test phase, which did not finish" in caplog.text
     assert "test it with python scripts/eval.py ckpt_path=" in caplog.text
     assert not (tmp_path / "results.json").exists(), "no run record of an unfinished run"
+
+
+class _SignalAtStep(Callback):
+    def __init__(self, signum: int, batch: int):
+        self.signum, self.batch = signum, batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("launcher_exits", [True, False])
+def test_a_launchers_handler_gets_the_signal_after_the_checkpoint(launcher_exits, fake_fashion, tmp_path, monkeypatch):
+    """Under Hydra's submitit launcher SIGUSR2 announces the end: the run writes last.ckpt, then submitit's handler
+    (installed before training) requeues the job and exits; a handler that returns leaves the exit to the callback."""
+    calls = []
+
+    def launcher_handler(signum, frame):  # stands in for submitit's checkpoint_and_try_requeue
+        last = tmp_path / "checkpoints" / "last.ckpt"
+        calls.append((signum, torch.load(last, weights_only=False)["global_step"] if last.exists() else None))
+        if launcher_exits:
+            sys.exit(-1)
+
+    cfg = compose_config("train", small_overrides(fake_fashion, 1), tmp_path)
+    real_instantiate_group = train_module.instantiate_group
+
+    def with_signal(group, name):
+        found = real_instantiate_group(group, name)
+        return [*found, _SignalAtStep(signal.SIGUSR2, batch=1)] if name == "callbacks" else found
+
+    monkeypatch.setattr(train_module, "instantiate_group", with_signal)
+    previous = signal.signal(signal.SIGUSR2, launcher_handler)
+    try:
+        with pytest.raises(SystemExit) as info:
+            train(cfg)
+        assert signal.getsignal(signal.SIGUSR2) is launcher_handler, "the launcher's handler is put back"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert calls == [(signal.SIGUSR2, 2)], "handed on once, after last.ckpt of the step in progress was written"
+    assert info.value.code == (-1 if launcher_exits else 128 + signal.SIGUSR2)

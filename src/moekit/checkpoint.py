@@ -295,16 +295,18 @@ def _read_training_checkpoint(ckpt_path: str | Path) -> dict:
     return checkpoint
 
 
-def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path) -> tuple[Path | None, list[Path]]:
+def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) -> tuple[Path | None, list[Path]]:
     """What ``ckpt_path=last`` / ``auto`` means: the newest ``.ckpt`` that loads in this run's own
     ``checkpoints/`` folder if it has any, else in the newest run folder of ``runs_dir`` that has one
-    (run folders are named by their start time). Returns ``(checkpoint, newer ones that did not load)``;
+    (run folders are named by their start time; ``runs_dir=None``: the own folder only, as for a sweep's job, which
+    resumes itself and never another setting's run). Returns ``(checkpoint, newer ones that did not load)``;
     ``(None, [])`` for ``auto`` when no run has a checkpoint (start afresh). A :class:`CheckpointError` for
     ``last`` without any checkpoint, and when none of that folder's checkpoints loads (naming them)."""
     if alias not in RESUME_ALIASES:
         raise ValueError(f"ckpt_path={alias!r} is not one of {RESUME_ALIASES}")
     own = output_dir.resolve()
-    earlier = sorted((p for p in runs_dir.glob("*") if p.is_dir() and p.resolve() != own), reverse=True)
+    runs = runs_dir.glob("*") if runs_dir is not None else ()
+    earlier = sorted((p for p in runs if p.is_dir() and p.resolve() != own), reverse=True)
     for folder in [output_dir / "checkpoints", *(run / "checkpoints" for run in earlier)]:
         files = _checkpoint_files(folder)
         for i, path in enumerate(files):
@@ -320,8 +322,9 @@ def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path) -> tupl
                 "or drop ckpt_path to start afresh"
             )
     if alias == "last":
+        where = f"{runs_dir}/*/checkpoints/*.ckpt" if runs_dir is not None else f"{output_dir}/checkpoints/*.ckpt"
         raise CheckpointError(
-            f"ckpt_path=last: no run of this task has a checkpoint ({runs_dir}/*/checkpoints/*.ckpt); drop ckpt_path "
+            f"ckpt_path=last: no run of this task has a checkpoint ({where}); drop ckpt_path "
             "to start afresh, or use ckpt_path=auto (resumes when a checkpoint exists, else starts afresh)"
         )
     return None, []

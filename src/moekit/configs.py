@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from moekit.config_checks import check_settings
-from moekit.recipes import check_fits, resolve_recipe
+from moekit.recipes import check_expert_parallel, check_fits, resolve_recipe
 from moekit.recipes.depth import resolve_depth
 
 __all__ = [
@@ -117,6 +117,7 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
     spec = resolve_recipe(settings.get("moe"))
     if spec is not None:
         check_fits(spec, model=what, causal=causal, token_ids=token_ids, positions=positions)
+        check_expert_parallel(spec, OmegaConf.select(cfg, "trainer.strategy.expert_parallel_size", default=1))
     group = cfg.get("mod")
     depth = resolve_depth(settings["mod"] if "mod" in settings else OmegaConf.to_container(group) if group else None)
     if depth is not None and "mod" not in settings:

@@ -312,8 +312,9 @@ def table_scaling(args) -> None:
     x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
     print(f"\n### Scaling experts, batch {batch} x {tokens} tokens, d={dim}, expert mlp {hidden}\n")
     print(
-        "Soft MoE: 128 slots in total; tokens-choice top-1 and experts-choice: capacity factor 1.0 "
-        "(total expert work fixed). Times are fwd+bwd ms; ratios are against the dense Mlp of the same run.\n"
+        "Soft MoE: 128 slots in total (one slot each at 256 experts); tokens-choice top-1 and experts-choice: "
+        "capacity factor 1.0 (total expert work fixed). Times are fwd+bwd ms; ratios are against the dense Mlp "
+        "of the same run.\n"
     )
     print("| experts | dense Mlp | SoftMoE | TopKMoE top-1 cf1 | ExpertsChoice cf1 |")
     print("|---:|---:|---:|---:|---:|")

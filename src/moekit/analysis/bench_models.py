@@ -15,11 +15,11 @@ also shows the step's parameter update alone (clipping, optimizer step, balancin
 which grows with a model's total parameters where the forward and backward grow with the active ones.
 
     python scripts/bench_models.py                          # both groups (ViTs at width 128, LMs)
-    python scripts/bench_models.py --groups vit --vit-width 64 96 128
     python scripts/bench_models.py --groups vit --override moe.num_experts=32
     python scripts/bench_models.py --device cuda            # adds achieved TFLOP/s and model FLOPs utilisation
     python scripts/bench_models.py --device cuda --groups s16 --profile   # S/16 vs ViT-S/16, where time goes
-    python scripts/bench_models.py --groups vit --models soft_moe --sweep moe.slots_per_expert=1,2,4
+    python scripts/bench_models.py --groups vit --models soft_moe --sweep moe.slots_per_expert=1,2,4 \
+        --override moe.capacity_factor=null
     python scripts/bench_models.py --groups scaling --sweep moe.num_experts=8,16,32,64,128,256
     python scripts/bench_models.py --groups vit --vit-width 64 96 128 --json logs/bench_models/pareto.json
     python scripts/bench_models.py --quick                  # tiny shapes, a smoke run

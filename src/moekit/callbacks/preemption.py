@@ -1,7 +1,9 @@
-"""Pre-emption and Ctrl-C: on SIGTERM, SIGUSR1 or SIGINT, write ``last.ckpt`` at the next step boundary and exit.
+"""Pre-emption and Ctrl-C: on SIGTERM, SIGUSR1, SIGUSR2 or SIGINT, write ``last.ckpt`` at the next step boundary
+and exit.
 
 Clusters announce the end of a job with a signal (SLURM: SIGTERM at the time limit or on pre-emption,
-SIGUSR1 ahead of it with ``--signal=USR1@<seconds>``). :class:`PreemptionCheckpoint` catches them while
+SIGUSR1 ahead of it with ``--signal=USR1@<seconds>``; a job of Hydra's submitit launcher: SIGUSR2
+``signal_delay_s`` ahead of it). :class:`PreemptionCheckpoint` catches them while
 ``fit`` trains: the step in progress finishes, the callback writes ``<dirpath>/last.ckpt`` (atomically,
 through the trainer's ``AtomicCheckpointIO``; after the validation or epoch end that follows the step, if one
 does: :class:`~moekit.callbacks.step_checkpoint.SafeStepSave`) and raises :class:`Preempted`, a ``SystemExit`` with
@@ -14,11 +16,14 @@ once, without a checkpoint (Lightning's interrupt handling, exit status 1).
 The handlers are installed in ``on_train_start`` and the previous ones are put back when training ends
 or fails. While training they replace the previous handlers rather than chain to them: Lightning's own
 SIGTERM handler would otherwise stop the run at the next epoch or validation boundary without writing
-a checkpoint. A signal that arrives during validation takes effect after the next training step (one
-after the last step is ignored: the run is finishing anyway). With Lightning's SLURM auto-requeue
-(SIGUSR1), leave SIGUSR1 out of ``signals``. With several processes (DDP, FSDP) the ranks agree after
-every step (one all-reduce of the caught signal number, a host sync): a signal reaching any rank makes
-all of them save the checkpoint together and exit.
+a checkpoint. Once the checkpoint is written, the signal goes on to the handler the process's launcher
+installed before training, if any (a Python function other than Lightning's or Python's Ctrl-C handler):
+submitit's, for SIGUSR2, then requeues the job and exits, and the requeued job, run with ``ckpt_path=auto``,
+resumes from the checkpoint; a handler that returns leaves the exit to this callback. A signal that arrives
+during validation takes effect after the next training step (one after the last step is ignored: the run is
+finishing anyway). With Lightning's SLURM auto-requeue (SIGUSR1), leave SIGUSR1 out of ``signals``. With
+several processes (DDP, FSDP) the ranks agree after every step (one all-reduce of the caught signal number, a
+host sync): a signal reaching any rank makes all of them save the checkpoint together and exit.
 """
 
 from __future__ import annotations
@@ -63,13 +68,26 @@ def resume_command(checkpoint: Path) -> str:
     return " ".join(["python", shlex.quote(sys.argv[0]), *map(shlex.quote, overrides), resume])
 
 
+def _is_launcher_handler(handler: Any) -> bool:
+    """A handler installed before training that should see the signal after the checkpoint (submitit's): a Python
+    callable, but not Python's Ctrl-C handler nor Lightning's (which would end the run at the next boundary)."""
+    if not callable(handler) or handler is signal.default_int_handler:
+        return False
+    return not str(getattr(handler, "__module__", "")).startswith(("lightning", "pytorch_lightning"))
+
+
+def _handler_name(handler: Any) -> str:
+    name = getattr(handler, "__qualname__", type(handler).__qualname__)
+    return f"{getattr(handler, '__module__', '?')}.{name}"
+
+
 class PreemptionCheckpoint(SafeStepSave):
     """On one of ``signals``, save ``<dirpath>/<filename>.ckpt`` after the current training step and exit.
 
     Args:
         dirpath: the checkpoint folder (Hydra: ``${paths.output_dir}/checkpoints``).
         filename: file name without ``.ckpt``; ``last`` overwrites the periodic ``last.ckpt``.
-        signals: signal names, e.g. ``["SIGTERM", "SIGUSR1", "SIGINT"]``.
+        signals: signal names, e.g. ``["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]``.
     """
 
     def __init__(self, dirpath: str, filename: str = "last", signals: tuple[str, ...] | list[str] = ("SIGTERM",)):
@@ -136,7 +154,11 @@ class PreemptionCheckpoint(SafeStepSave):
             trainer.global_step,
             resume_command(self.path),
         )
+        launcher_handler = self._previous.get(signum)
         self._restore()
+        if _is_launcher_handler(launcher_handler):
+            log.warning("handing %s on to %s", signal.Signals(signum).name, _handler_name(launcher_handler))
+            launcher_handler(signum, None)  # submitit's requeues the job and exits
         raise Preempted(signum, self.path)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning import Callback, LightningDataModule, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
@@ -110,14 +111,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def _resolve_resume_alias(cfg: DictConfig, output_dir: Path) -> None:
     """Replace ``ckpt_path=last`` / ``auto`` with the checkpoint it means (:func:`find_resume_checkpoint`, over
-    this task's runs in ``<paths.log_dir>/<task_name>/runs``), and say which; ``auto`` without one: None."""
+    this task's runs in ``<paths.log_dir>/<task_name>/runs``; a sweep's job: its own folder only), and say which;
+    ``auto`` without one: None."""
     alias = cfg.ckpt_path
-    runs_dir = Path(cfg.paths.log_dir) / str(cfg.task_name) / "runs"
+    in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    runs_dir = None if in_sweep else Path(cfg.paths.log_dir) / str(cfg.task_name) / "runs"
     found, skipped = find_resume_checkpoint(alias, output_dir, runs_dir)
     for path in skipped:
         log.warning("ckpt_path=%s: skipped %s, which does not load", alias, path)
     if found is None:
-        log.info("ckpt_path=auto: no checkpoint under %s; starting afresh", runs_dir)
+        log.info("ckpt_path=auto: no checkpoint under %s; starting afresh", runs_dir or output_dir)
     else:
         log.info("ckpt_path=%s: resuming from %s", alias, found)
     with open_dict(cfg):

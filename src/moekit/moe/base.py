@@ -241,6 +241,8 @@ class MoELayer(RoutingModule):
     defaults: ClassVar[dict[str, Any]] = {}
     """Settings of this layer that differ from its configs' field defaults."""
     registry_name: ClassVar[str]
+    merges_experts: ClassVar[bool] = False
+    """Every token goes through all experts merged into one (Lory): expert parallelism cannot split the bank."""
 
     def __init__(
         self,

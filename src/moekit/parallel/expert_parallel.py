@@ -96,6 +96,12 @@ def _routed_banks(model: nn.Module) -> Iterable[ExpertBank]:
 def shard_experts(model: nn.Module, groups: ExpertParallelGroups) -> int:
     """Shard the routed experts of every MoE layer of ``model`` over ``groups.expert_group``; returns
     the number of banks sharded. Build the optimizer afterwards."""
+    merging = [f"{name} ({type(layer).__name__})" for name, layer in moe_layers(model) if layer.merges_experts]
+    if merging:
+        raise ValueError(
+            f"{', '.join(merging)} merge all of a layer's experts into one for every token, so expert parallelism "
+            "cannot split them over ranks; use expert_parallel_size=1 (data parallel) with this recipe"
+        )
     banks = list(_routed_banks(model))
     for bank in banks:
         bank.shard_(groups.expert_group)

@@ -32,6 +32,7 @@ __all__ = [
     "mixes_tokens",
     "routes_by_position",
     "check_fits",
+    "check_expert_parallel",
 ]
 
 _FOLDER = resources.files(__name__) / "moe"
@@ -47,6 +48,8 @@ _BALANCE_SCOPE_LAYERS = frozenset({"strictly_balanced"})
 _TOKEN_ID_LAYERS = frozenset({"hash"})
 # Layers that route by position in the sequence (a model must pass positions and a decoding state).
 _POSITION_LAYERS = frozenset({"lory"})
+# Layers that merge all their experts into one for every token (the layers' ``merges_experts``).
+_MERGING_LAYERS = frozenset({"lory"})
 
 
 def list_recipes() -> list[str]:
@@ -180,4 +183,15 @@ def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: 
             f"{what} counts capacity per group of a sequence's tokens (capacity_scope=group), which a cached decode "
             f"must carry from token to token; {model} does not (the Transformer LM does). Set "
             "moe.capacity_scope=position"
+        )
+
+
+def check_expert_parallel(spec: Mapping[str, Any], size: int) -> None:
+    """Refuse expert parallelism over ``size`` > 1 ranks for a recipe whose layer merges all of its experts into
+    one for every token (Lory): no rank could compute a token without every expert."""
+    if isinstance(size, int) and size > 1 and spec["layer"] in _MERGING_LAYERS:
+        raise ValueError(
+            f"{_label(spec)} merges all of a layer's experts into one for every token, so "
+            f"trainer.strategy.expert_parallel_size={size} cannot split them over ranks; set "
+            "trainer.strategy.expert_parallel_size=1 (data parallel), or use another recipe, e.g. moe=mixtral"
         )
