@@ -63,7 +63,7 @@ def test_a_sweep_job_resumes_only_from_its_own_folder(runs, tmp_path):
     """A sweep's job (``runs_dir=None``) never resumes another setting's run, however new; its own checkpoint, yes."""
     job = tmp_path / "multiruns" / "2026-01-05_10-00-00" / "3"
     assert find_resume_checkpoint("auto", job, None) == (None, [])
-    with pytest.raises(CheckpointError, match=f"no run of this task has a checkpoint \\({job}/checkpoints"):
+    with pytest.raises(CheckpointError, match=f"this sweep job has no checkpoint \\({job}/checkpoints"):
         find_resume_checkpoint("last", job, None)
     write(job / "checkpoints" / "last.ckpt", good=True)
     assert find_resume_checkpoint("auto", job, None)[0] == job / "checkpoints" / "last.ckpt"

@@ -322,10 +322,14 @@ def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) 
                 "or drop ckpt_path to start afresh"
             )
     if alias == "last":
-        where = f"{runs_dir}/*/checkpoints/*.ckpt" if runs_dir is not None else f"{output_dir}/checkpoints/*.ckpt"
+        none = (
+            f"no run of this task has a checkpoint ({runs_dir}/*/checkpoints/*.ckpt)"
+            if runs_dir is not None
+            else f"this sweep job has no checkpoint ({output_dir}/checkpoints/*.ckpt)"
+        )
         raise CheckpointError(
-            f"ckpt_path=last: no run of this task has a checkpoint ({where}); drop ckpt_path "
-            "to start afresh, or use ckpt_path=auto (resumes when a checkpoint exists, else starts afresh)"
+            f"ckpt_path=last: {none}; drop ckpt_path to start afresh, or use ckpt_path=auto (resumes when a "
+            "checkpoint exists, else starts afresh)"
         )
     return None, []
 

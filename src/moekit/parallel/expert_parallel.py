@@ -99,8 +99,8 @@ def shard_experts(model: nn.Module, groups: ExpertParallelGroups) -> int:
     merging = [f"{name} ({type(layer).__name__})" for name, layer in moe_layers(model) if layer.merges_experts]
     if merging:
         raise ValueError(
-            f"{', '.join(merging)} merge all of a layer's experts into one for every token, so expert parallelism "
-            "cannot split them over ranks; use expert_parallel_size=1 (data parallel) with this recipe"
+            f"expert parallelism cannot split {', '.join(merging)}: a layer that merges all of its experts into one "
+            "for every token needs every expert on every rank; use expert_parallel_size=1 (data parallel) with it"
         )
     banks = list(_routed_banks(model))
     for bank in banks:
