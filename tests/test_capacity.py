@@ -96,9 +96,11 @@ def test_group_capacity_equals_the_per_group_loop_and_decodes_in_pieces(group_si
     capacity = tokens_choice_capacity(size, 2, 4, 1.0)
     assert torch.equal(plan.keep, per_group_keep(routing.expert_ids, 3, tokens, size, capacity, 4))
     assert not plan.keep.all(), "some assignments are dropped"
-    if group_size is None:
-        return
     layer.eval()
+    if group_size is None:  # each call would be a group of its own: a decode in pieces is refused
+        with pytest.raises(ValueError, match="group_size=None counts the tokens of each call as one group"):
+            layer(x[:, :3], start=0, state=layer.init_state(3, x))
+        return
     with torch.no_grad():  # a decode: 3 tokens, then one at a time, carrying the group counts
         state = layer.init_state(3, x)
         pieces = [layer(x[:, :3], start=0, state=state)]

@@ -197,6 +197,7 @@ def test_expert_bank_init_modes():
         (Mlp(6, 10, 5), False),
         (SwiGLU(6, 10, 5), True),
         (GluMlp(6, 20, 5, act_layer=nn.SiLU), True),  # timm GluMlp halves hidden: 20 -> 10
+        (GluMlp(6, 20, 5, act_layer=nn.SiLU, gate_last=False), True),  # the gate in the first half
     ],
 )
 def test_load_dense_mlp_makes_every_expert_the_dense_mlp(dense, gated):

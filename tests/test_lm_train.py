@@ -324,15 +324,18 @@ def test_unpacked_documents_train_with_the_padding_mask(tmp_path):
     corpus.mkdir()
     for index, repeats in enumerate((3, 9, 1, 14, 5)):  # documents of different lengths
         (corpus / f"doc{index}.txt").write_text(PHRASE * repeats)
-    cfg = compose_config(
-        "train", lm_overrides("moe_transformer_lm", corpus, "data.pack=false", "trainer.max_epochs=1"), tmp_path
-    )
+    # evaluation one sequence at a time over larger splits: batches of different padding, weighed by real targets
+    extra = ["data.pack=false", "trainer.max_epochs=1", "data.eval_batch_size=1"]
+    extra += ["data.val_fraction=0.3", "data.test_fraction=0.3"]
+    cfg = compose_config("train", lm_overrides("moe_transformer_lm", corpus, *extra), tmp_path)
     datamodule = instantiate(cfg.data)
     inputs, targets, mask = next(iter(datamodule.train_dataloader()))
     assert bool((~mask).any()) and torch.equal(mask, targets != -100)
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss_step"]) and math.isfinite(metrics["test/ppl"])
     assert metrics["test/bpb"] == pytest.approx(math.log2(metrics["test/ppl"]), rel=1e-5)
+    for split in ("val", "test"):  # ce and ppl both weigh batches by real targets
+        assert metrics[f"{split}/ppl"] == pytest.approx(math.exp(metrics[f"{split}/ce"]), rel=1e-5)
 
 
 def test_init_mode_upcycle_starts_the_moe_lm_from_its_dense_twin(tmp_path):

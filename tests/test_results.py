@@ -71,6 +71,17 @@ def test_the_record_names_the_run_and_its_network(image_run):
     assert not [p for p in out.iterdir() if p.name.startswith(f".{RESULTS_FILE}")], "no temporary file left"
 
 
+def test_the_record_holds_each_layers_routing_settings_bpr_included():
+    import timm
+
+    from moekit.analysis.records import _moe_layer_settings
+
+    net = timm.create_model("vit_tiny_patch4_28", moe={"recipe": "top2", "batch_priority": True}, moe_blocks="last_2")
+    expected = {"layer": "top_k", "top_k": 2, "capacity_factor": 1.25, "eval_capacity_factor": 2.0}
+    for entry in _moe_layer_settings(net):
+        assert entry["batch_priority"] is True and expected.items() <= entry.items(), entry
+
+
 @pytest.mark.e2e
 def test_the_record_holds_the_model_summary_of_the_network(image_run):
     cfg, _, record, _, _ = image_run

@@ -272,3 +272,23 @@ def test_a_launchers_handler_gets_the_signal_after_the_checkpoint(launcher_exits
         signal.signal(signal.SIGUSR2, previous)
     assert calls == [(signal.SIGUSR2, 2)], "handed on once, after last.ckpt of the step in progress was written"
     assert info.value.code == (-1 if launcher_exits else 128 + signal.SIGUSR2)
+
+
+def test_under_gradient_accumulation_the_checkpoint_waits_for_the_optimizer_step(fake_fashion, tmp_path, monkeypatch):
+    """A signal during the first of two micro-batches: last.ckpt holds the finished optimizer step 1, not the
+    half-accumulated step 0 (whose gradients a checkpoint does not keep)."""
+    cfg = compose_config("train", [*small_overrides(fake_fashion, 1), "trainer.accumulate_grad_batches=2"], tmp_path)
+    real_instantiate_group = train_module.instantiate_group
+
+    def with_signal(group, name):
+        found = real_instantiate_group(group, name)
+        return [*found, _SignalAtStep(signal.SIGTERM, batch=0)] if name == "callbacks" else found
+
+    monkeypatch.setattr(train_module, "instantiate_group", with_signal)
+    with pytest.raises(SystemExit) as info:
+        train(cfg)
+    assert info.value.code == 128 + signal.SIGTERM
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 1
+    batches = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
+    assert batches == 2, "saved after the step's second micro-batch"

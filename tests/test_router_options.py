@@ -134,6 +134,17 @@ def test_a_dropped_expert_gets_no_gate_and_the_softmax_is_renormalised():
         TopKMoE(8, 16, overpower_margin=-1)
 
 
+def test_a_dropped_expert_is_not_chosen_whatever_its_balancing_bias():
+    torch.manual_seed(0)
+    layer = TopKMoE(8, 16, num_experts=4, top_k=1, score_func="sigmoid", bias_update_rate=1e-3, overpower_margin=0.5)
+    with torch.no_grad():
+        layer.router.overpowering.gate_mass_total.copy_(torch.tensor([3.0, 0.0, 0.0, 1.0]))  # mean 1: drop 0
+        layer.router.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))  # the bias alone would pick expert 0
+    routing = layer.train().router(torch.randn(30, 8))
+    assert not (routing.expert_ids == 0).any()
+    assert (layer.eval().router(torch.randn(30, 8)).expert_ids == 0).all(), "at inference nothing is dropped"
+
+
 def test_two_layer_gate_of_the_dense_mixture():
     torch.manual_seed(0)
     layer = DenseMoE(8, 16, num_experts=3, gate_hidden=5)

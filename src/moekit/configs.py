@@ -8,8 +8,8 @@ The checks refuse what Hydra accepts but the run would ignore or fail on much la
   :func:`moekit.config_checks.check_settings`), a callbacks or logger entry that is not a ``_target_`` config
   (``+callbacks.foo=1``: :func:`check_group_entries`),
   a ``+key=value`` override that nothing reads (``+foo=1``,
-  ``+paths.x=1``: only the settings of the model, MoE recipe, data, task, trainer, callbacks and loggers are
-  read, and each of those refuses unknown keys itself), an MoE recipe its model cannot serve (hash routing
+  ``+paths.x=1``: only the settings of the model, MoE recipe, Mixture-of-Depths, data, task, trainer, callbacks and
+  loggers are read, and each of those refuses unknown keys itself), an MoE recipe its model cannot serve (hash routing
   in a ViT; a recipe that mixes tokens in a causal language model), with the reason and the alternative
   (:func:`moekit.recipes.check_fits`), and Mixture-of-Depths settings out of range or given to a model
   without Transformer blocks (:func:`moekit.recipes.depth.resolve_depth`);

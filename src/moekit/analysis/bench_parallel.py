@@ -7,7 +7,7 @@ Two arms, the same layer, tokens and weights on every rank:
   every gradient, the experts' included, after backward.
 * ``expert-parallel`` - the experts are split over the ``W`` ranks (:class:`~moekit.parallel.MoEDDPStrategy`
   with ``expert_parallel_size=W``): tokens travel to their expert's rank and back by all-to-all, DDP
-  all-reduces only the router's gradient.
+  all-reduces only the gradients outside the experts (router, norms).
 
 A step is forward + backward + gradient sync of ``--layers`` stacked layers (``x + moe(norm(x))``)
 on ``--tokens`` tokens per rank; the first ``--warmup`` steps are left out. Bytes are counted where

@@ -75,7 +75,11 @@ def _moe_layer_settings(net: nn.Module) -> list[dict[str, Any]]:
             "layer": getattr(layer, "registry_name", type(layer).__name__),
             "num_experts": layer.experts.num_experts,
         }
-        entry.update({key: getattr(layer, key) for key in _LAYER_SETTINGS if hasattr(layer, key)})
+        owners = (layer, getattr(layer, "capacity", None))  # tokens-choice keeps BPR with its capacity settings
+        for key in _LAYER_SETTINGS:
+            owner = next((o for o in owners if o is not None and hasattr(o, key)), None)
+            if owner is not None:
+                entry[key] = getattr(owner, key)
         layers.append(entry)
     return layers
 

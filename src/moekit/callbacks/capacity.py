@@ -5,7 +5,8 @@
 :class:`~moekit.moe.HierarchicalMoE` - and :class:`~moekit.moe.ExpertsChoiceMoE`), one factor per
 layer: deeper layers route differently and need different capacities.
 
-Each training step it reads ``layer.stats["dropped_fraction"]`` of every such layer - for tokens-choice
+Each training batch (a "step" below; a micro-batch under gradient accumulation) it reads
+``layer.stats["dropped_fraction"]`` of every such layer - for tokens-choice
 the fraction of token -> expert assignments dropped by capacity, for experts-choice the fraction of
 tokens no expert picked - into a ring buffer on the layer's device (no host synchronisation). Every
 ``update_every`` steps it reads the buffer once and decides, per layer, on the smoothed drop rate ``d``

@@ -14,8 +14,8 @@ steps since the previous log:
   (``moe/blocks.<i>.depth_router/...``) ``processed_fraction``, ``mean_gate`` and, in causal models,
   ``topc_agreement`` - each auxiliary loss (``moe/<layer>/aux/<name>``,
   weighted as in the training loss), and two figures of the interval's mean load:
-  ``interval_load_cv`` and ``interval_unused_experts`` (experts that got no token in the whole
-  interval, on any rank);
+  ``interval_load_cv`` and ``interval_unused_experts`` (the fraction of experts that got no token in the
+  whole interval, on any rank);
 * to TensorBoard loggers, a histogram of the fraction of tokens per expert
   (``moe/<layer>/expert_load``: bucket ``e`` centred on expert ``e``) and one image for all layers,
   ``moe/expert_load_heatmap`` (see :func:`load_heatmap`).

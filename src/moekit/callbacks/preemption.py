@@ -3,14 +3,14 @@ and exit.
 
 Clusters announce the end of a job with a signal (SLURM: SIGTERM at the time limit or on pre-emption,
 SIGUSR1 ahead of it with ``--signal=USR1@<seconds>``; a job of Hydra's submitit launcher: SIGUSR2
-``signal_delay_s`` ahead of it). :class:`PreemptionCheckpoint` catches them while
-``fit`` trains: the step in progress finishes, the callback writes ``<dirpath>/last.ckpt`` (atomically,
-through the trainer's ``AtomicCheckpointIO``; after the validation or epoch end that follows the step, if one
-does: :class:`~moekit.callbacks.step_checkpoint.SafeStepSave`) and raises :class:`Preempted`, a ``SystemExit`` with
-status ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1), the shell's convention for "ended by
-a signal", so a job script can tell a pre-empted run from a finished one. Resubmitting with
-``ckpt_path=<dirpath>/last.ckpt`` continues exactly where it stopped (see ``moekit.data.resumable``); the log
-line gives the whole command. Ctrl-C (SIGINT, 130) does the same; a second Ctrl-C before the step ends stops at
+``signal_delay_s`` ahead of it). :class:`PreemptionCheckpoint` catches them while ``fit`` trains: the optimizer step
+in progress finishes (under gradient accumulation, its last micro-batch), the callback writes ``<dirpath>/last.ckpt``
+(atomically, through the trainer's ``AtomicCheckpointIO``; after the validation or epoch end that follows the step, if
+one does: :class:`~moekit.callbacks.step_checkpoint.SafeStepSave`) and raises :class:`Preempted`, a ``SystemExit``
+with status ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1), the shell's convention for "ended by a
+signal", so a job script can tell a pre-empted run from a finished one. Resubmitting with
+``ckpt_path=<dirpath>/last.ckpt`` continues exactly where it stopped (see ``moekit.data.resumable``); the log line
+gives the whole command. Ctrl-C (SIGINT, 130) does the same; a second Ctrl-C before the step ends stops at
 once, without a checkpoint (Lightning's interrupt handling, exit status 1).
 
 The handlers are installed in ``on_train_start`` and the previous ones are put back when training ends
@@ -22,7 +22,7 @@ submitit's, for SIGUSR2, then requeues the job and exits, and the requeued job, 
 resumes from the checkpoint; a handler that returns leaves the exit to this callback. A signal that arrives
 during validation takes effect after the next training step (one after the last step is ignored: the run is
 finishing anyway). With Lightning's SLURM auto-requeue (SIGUSR1), leave SIGUSR1 out of ``signals``. With
-several processes (DDP, FSDP) the ranks agree after every step (one all-reduce of the caught signal number, a
+several processes (DDP, FSDP) the ranks agree after every optimizer step (one all-reduce of the caught signal number, a
 host sync): a signal reaching any rank makes all of them save the checkpoint together and exit.
 """
 
@@ -102,6 +102,7 @@ class PreemptionCheckpoint(SafeStepSave):
         self.signals = [getattr(signal, name) for name in names]
         self.received: int | None = None  # the signal number caught, if any
         self._previous: dict[int, Any] = {}
+        self._step_seen = -1  # the optimizer step at the last batch end: a new one marks a step boundary
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received is not None:  # a second Ctrl-C: stop at once
@@ -132,9 +133,13 @@ class PreemptionCheckpoint(SafeStepSave):
 
     # ------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._step_seen = trainer.global_step
         self._install()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._step_seen:  # mid gradient accumulation: wait for the optimizer step
+            return
+        self._step_seen = trainer.global_step
         signum = self.received
         if trainer.world_size > 1:  # every rank takes part in saving: agree on the signal first
             caught = torch.tensor(float(signum or 0), device=pl_module.device)

@@ -1,4 +1,5 @@
-"""A routing report at the end of every run: how each MoE layer used its experts on the test split.
+"""A routing report after the test phase of a run whose model has MoE layers: how each layer used its experts on
+the test split.
 
 :class:`RoutingReport` gathers, over the test phase, what every MoE layer records per forward (the
 :class:`~moekit.callbacks.moe_stats.RoutingStatsSums` of the expert-load monitor, reduced over ranks) and writes
@@ -8,7 +9,7 @@ the same figures in ``results.json`` (``routing``). Per layer:
 
 - ``unused experts``: experts that received no token of the whole test split;
 - ``load CV`` and ``max / mean``: the coefficient of variation of the experts' shares and the busiest expert's
-  share over the uniform one (1 and 1 for a perfectly even load);
+  share over the uniform one (0 and 1 for a perfectly even load);
 - ``effective experts``: ``exp(entropy of the shares)``, the number of equally busy experts with the same spread;
 - ``dropped``: the fraction of routed assignments capacity dropped; ``router entropy``: the mean entropy of the
   per-token router distribution (tokens-choice layers), or of the slots' dispatch weights (Soft MoE).

@@ -3,7 +3,8 @@
 ``ImageClassificationDataModule`` is the Lightning entry point for images (Hydra configs: ``configs/data/``);
 its loaders yield ``(images [B, C, S, S] float32 normalised, labels [B] int64)``. ``TextDataModule``
 is the one for language modelling (``configs/data/pydoc_text.yaml`` ...); its loaders yield
-``(inputs [B, seq_len] int64, targets [B, seq_len] int64)``, targets = inputs shifted by one token.
+``(inputs [B, seq_len] int64, targets [B, seq_len] int64)``, targets = inputs shifted by one token (with
+``pack=False`` also ``padding_mask [B, seq_len]`` bool).
 """
 
 from .corpora import load_corpus

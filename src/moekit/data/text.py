@@ -136,7 +136,8 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
         seed: seeds the training shuffle (Hydra: ``${oc.select:seed,0}``).
 
     After ``setup()``: ``tokens`` (the whole stream ``[N]`` int64), ``split_tokens`` (name -> ``[n]``
-    int64), ``train_set`` / ``val_set`` / ``test_set`` (:class:`TokenWindows`) and ``bytes_per_token``
+    int64), ``train_set`` / ``val_set`` / ``test_set`` (:class:`TokenWindows`; with ``pack=False``
+    :class:`DocumentWindows`) and ``bytes_per_token``
     (split name -> UTF-8 bytes of the split's decoded text / its tokens; 1.0 for the byte tokenizer;
     non-empty splits only). Bits per byte = mean next-token loss in nats / ln 2 / ``bytes_per_token``.
     ``tokenizer``, ``vocab_size`` and ``seq_len`` are set by ``__init__``.

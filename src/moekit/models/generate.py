@@ -1,4 +1,4 @@
-"""Autoregressive sampling from the language models of :mod:`moekit.models.lm`.
+"""Autoregressive sampling from the language models of :mod:`moekit.models` (Transformer and LSTM).
 
 :func:`sample_next_token` turns next-token logits into tokens (greedy, temperature, top-k, nucleus);
 :func:`generate` extends prompts token by token, with the model's cache (a KV cache for

@@ -1,10 +1,10 @@
 """Export a :class:`~moekit.models.TransformerLM` to a transformers model folder (``config.json`` +
 ``model.safetensors``) that ``AutoModelForCausalLM.from_pretrained(folder)`` loads offline.
 
-The layout (:mod:`moekit.models.hf_layout`) is Mixtral's when every block is MoE with renormalised top-k gates and no
-shared experts, Qwen2-MoE's otherwise. A model neither can express (LayerNorm, learned positions, biases, another
-router, capacity limits at inference, Mixture-of-Depths, ...) is refused with every reason and its fix. Writing needs
-no transformers.
+The layout (:mod:`moekit.models.hf_layout`) is Mixtral's when every block is MoE with renormalised top-k gates, no
+shared experts and no query/key/value biases, Qwen2-MoE's otherwise. A model neither can express (LayerNorm, learned
+positions, biases, another router, capacity limits at inference, Mixture-of-Depths, ...) is refused with every reason
+and its fix. Writing needs no transformers.
 
 Two exact rewrites make a moekit model a Qwen2-MoE one: shared experts without a gate get a zero gate weight
 (``sigmoid(0) = 1/2``) and their down projection doubled (exact in floating point); a model without shared experts

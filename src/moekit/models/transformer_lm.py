@@ -6,11 +6,11 @@ It maps ``input_ids: [batch, tokens]`` (long) to logits ``[batch, tokens, vocab_
 cache (:meth:`TransformerLM.init_cache`) that the forward extends in place, so
 ``model(ids[:, :t], cache); model(ids[:, t:], cache)`` computes the logits of ``model(ids)`` in two pieces.
 It refuses, at construction, MoE recipes whose routing of a token looks at other tokens
-(:func:`moekit.recipes.check_fits`, :func:`moekit.moe.require_causal`): Soft MoE, experts-choice, BASE, and
-tokens-choice capacity over the whole batch. Tokens-choice layers with a capacity are causal with
+(:func:`moekit.recipes.check_fits`, :func:`moekit.moe.require_causal`): Soft MoE, experts-choice, BASE, tokens-choice
+capacity and strictly balanced gating over the whole batch. Tokens-choice layers with a capacity are causal with
 ``capacity_scope="position"`` (each position's tokens compete among themselves only) or ``"group"`` (a sequence's
-tokens served in order; the cache carries the counts), and cached decoding drops exactly what the full forward
-drops. Lory (``moe=lory``), the causal soft MoE, routes each segment by the previous one; the cache carries the
+tokens served in order; the cache carries the counts), and cached decoding drops exactly what the full forward drops.
+Lory (``moe=lory``), the causal soft MoE, routes each segment by the previous one; the cache carries the
 segment too.
 """
 
@@ -230,7 +230,8 @@ class TransformerLM(nn.Module):
     Initialisation (GPT-2): linear and embedding weights ``N(0, 0.02)``, zero biases; the projections
     into the residual stream (attention ``proj``, the MLPs' ``fc2``) ``N(0, 0.02 / sqrt(2 * depth))``.
     Experts are drawn the same way as the dense MLP they replace (``fc1`` ``N(0, 0.02)``, ``fc2``
-    ``N(0, 0.02 / sqrt(2 * depth))``). Routers keep their layer's own initialisation.
+    ``N(0, 0.02 / sqrt(2 * depth))``). The MoE and depth routers' weights keep their layer's own initialisation;
+    the Mixture-of-Depths predictor and the shared-expert gate are linear layers, drawn as above.
 
     Attributes:
         vocab_size, max_seq_len: as given.

@@ -75,8 +75,9 @@ def create_moe_vit(
     Returns:
         The ``VisionTransformer``, mapping images ``[B, in_chans, H, W]`` to logits ``[B, num_classes]``,
         with ``moe_block_indices`` and ``mod_block_indices``: the sorted indices of its MoE and
-        Mixture-of-Depths blocks. Experts start from the truncated
-        normal of :data:`EXPERT_INIT_STD`, as timm's MLPs (``fix_init`` rescales their fc2 as timm's). Its
+        Mixture-of-Depths blocks. Experts start from a normal of std
+        :data:`EXPERT_INIT_STD` cut at two std (timm's MLPs: the same std, cut at +-2, far out: in effect uncut;
+        ``fix_init`` rescales their fc2 as timm's). Its
         dropout layers draw their CPU masks as :mod:`moekit.moe.dropout` does.
 
     Raises:

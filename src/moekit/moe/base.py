@@ -395,7 +395,8 @@ def require_causal(model: nn.Module) -> None:
                 f"MoE layer '{name}' ({type(layer).__name__}) is not causal: its routing of a token depends on "
                 "other tokens of the batch, including later ones. In a causal model use a per-token router: "
                 "TopKMoE or HierarchicalMoE either dropless (capacity_factor=None) or with "
-                "capacity_scope='position', HashMoE, DenseMoE."
+                "capacity_scope='position' (or 'group' without batch_priority), HashMoE, DenseMoE, LoryMoE, "
+                "StrictlyBalancedMoE with balance_scope='position'."
             )
 
 

@@ -92,8 +92,8 @@ class Capacity:
             drops); ``"group"``: a capacity over each group of ``group_size`` consecutive tokens of a sequence
             (V-MoE's and Switch's groups), served in token order - each token's choices before the next token's -
             so that a token's drops depend on earlier tokens only (causal; a decoding cache carries the counts).
-        group_size: tokens per group of the ``"group"`` scope; None = the whole sequence (each image of a ViT; in
-            the Transformer LM, ``max_seq_len`` tokens).
+        group_size: tokens per group of the ``"group"`` scope; None = the tokens of each call, one whole sequence
+            (each image of a ViT), and refused with a decoding state (the Transformer LM sets ``max_seq_len``).
         batch_priority: Batch Prioritized Routing (Riquelme et al. 2021): when capacity binds, the tokens with
             the highest top router score are served first instead of the earliest ones.
     """

@@ -164,8 +164,8 @@ class ExpertBank(nn.Module):
     @torch.no_grad()
     def init_normal_(self, std: float, out_std: float | None = None, *, truncate: bool = False) -> None:
         """Redraw the weights from ``N(0, std)`` (fc2 from ``N(0, out_std)``, default ``std``), zero the
-        biases, keep the ``init`` mode. ``truncate`` cuts the normal at two std (timm's ViT initialisation);
-        without it this is GPT-2's."""
+        biases, keep the ``init`` mode. ``truncate`` cuts the normal at two std (timm's ViT initialisation has the
+        same std but cuts at +-2, which at std 0.02 leaves it uncut); without it this is GPT-2's."""
         for (weight, bias), s in zip(self._pairs(), (std, std if out_std is None else out_std)):
             if truncate:
                 nn.init.trunc_normal_(weight, std=s, a=-2 * s, b=2 * s)
@@ -188,10 +188,10 @@ class ExpertBank(nn.Module):
                 w_in = torch.cat([mlp.fc1_g.weight, mlp.fc1_x.weight], dim=0)
                 b_in = torch.cat([mlp.fc1_g.bias, mlp.fc1_x.bias], dim=0) if mlp.fc1_g.bias is not None else None
             elif hasattr(mlp, "fc1") and mlp.fc1.weight.shape[0] == 2 * self.hidden_features:
-                # timm GluMlp chunks fc1's output as (x, gate): reorder to our (gate, up) layout.
-                up, gate = mlp.fc1.weight.chunk(2, dim=0)
-                w_in = torch.cat([gate, up], dim=0)
-                b_in = torch.cat(mlp.fc1.bias.chunk(2)[::-1]) if mlp.fc1.bias is not None else None
+                # timm GluMlp chunks fc1's output as (x, gate) (gate_last, its default) or (gate, x): to (gate, up).
+                order = slice(None, None, -1) if getattr(mlp, "gate_last", True) else slice(None)
+                w_in = torch.cat(mlp.fc1.weight.chunk(2, dim=0)[order], dim=0)
+                b_in = torch.cat(mlp.fc1.bias.chunk(2)[order]) if mlp.fc1.bias is not None else None
             else:
                 raise ValueError(
                     f"load_dense_mlp: {type(mlp).__name__} is not a gated MLP; gated experts need timm SwiGLU "

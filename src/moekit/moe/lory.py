@@ -76,7 +76,7 @@ class LoryMoE(MoELayer):
     configs = (Config, ExpertsConfig)
     defaults = {"num_experts": 8}
     needs_positions = True
-    """Its MoE block passes each token's position and the decoding state (:func:`moekit.models.lm_common`)."""
+    """Its MoE block passes each token's position and the decoding state (:mod:`moekit.models.lm_common`)."""
     merges_experts = True
 
     def build(self, mlp: MlpSpec, config: Config, experts: ExpertsConfig, *, device=None, dtype=None) -> None:

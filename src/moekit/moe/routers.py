@@ -234,11 +234,14 @@ class TopKRouter(Router):
             scores_NE = torch.sigmoid(logits_NE)
             probs_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
         losses = self._score_losses(scores_NE, mask)
-        if self.overpowering is not None:  # Eigen et al.: leave out the experts that ran ahead
-            scores_NE = scores_NE * self.overpowering.keep_E()
+        keep_E = None if self.overpowering is None else self.overpowering.keep_E()
+        if keep_E is not None:  # Eigen et al.: leave out the experts that ran ahead
+            scores_NE = scores_NE * keep_E
             if cfg.score_func == "softmax":
                 scores_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
         choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias
+        if keep_E is not None:  # a dropped expert is not chosen, whatever its balancing bias
+            choice_NE = choice_NE.masked_fill(keep_E == 0, -torch.inf)
         expert_ids_NK = choice_NE.topk(self.top_k, dim=-1).indices
         gates_NK = scores_NE.gather(1, expert_ids_NK)
         if cfg.normalize_gates:

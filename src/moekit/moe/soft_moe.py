@@ -11,7 +11,7 @@ For one sequence ``X: [m, d]`` with ``n`` experts of ``p`` slots each (``S = n *
 
 Every token reaches every slot with a non-zero weight: nothing is dropped, and the layer is
 equivariant to permutations of the tokens. Logits and both softmaxes run in float32 under autocast;
-the three matmuls over tokens run in the compute dtype.
+the dispatch and combine products (``D^T X``, ``C Y_slots``) and the experts run in the compute dtype.
 
 Shapes: ``B`` batch, ``M`` tokens per sequence, ``S`` slots, ``D`` width, ``O`` output width.
 """

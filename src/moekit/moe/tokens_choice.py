@@ -223,6 +223,12 @@ class TokensChoiceMoE(MoELayer):
             raise ValueError(
                 f"{type(self).__name__}: start={start} without a state; a call without one is a whole sequence"
             )
+        if state is not None and self.capacity.group_size is None:
+            raise ValueError(
+                f"{type(self).__name__}: capacity_scope='group' with group_size=None counts the tokens of each call as "
+                "one group, so a sequence decoded in pieces would get fresh capacity at every call; set group_size "
+                "(the sequence length, as the Transformer LM does with max_seq_len)"
+            )
         size = self.capacity.group_size or tokens
         factor = self._factor()
         first = start // size

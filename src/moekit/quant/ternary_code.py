@@ -3,11 +3,11 @@
 QMoE (Frantar & Alistarh 2023) stores ternary expert weights with a dictionary of fixed-length codewords,
 each standing for a run of ternary symbols: ternary weights of large MoEs are mostly zeros, so a codeword
 covers many of them, and fixed-length codewords can be decoded in parallel. We build the dictionary as a
-Tunstall code (Tunstall 1967), the optimal variable-to-fixed code of a memoryless source: starting from the
-three one-symbol words, repeatedly replace the most probable word ``w`` by ``w0, w1, w2`` until the
-``2^bits`` codewords are used. The dictionary follows from the three symbol counts alone, so a file stores
-those counts, not the dictionary; every reader rebuilds the same dictionary (float64 products, ties broken by
-creation order).
+Tunstall code (Tunstall 1967), the optimal variable-to-fixed code of a memoryless source: starting from the three
+one-symbol words, repeatedly replace the most probable word ``w`` by ``w0, w1, w2`` while the words fit in ``2^bits``
+codewords (each expansion adds two: ``2^bits - 1`` words, 255 or 65535). The dictionary follows from the three symbol
+counts alone, so a file stores those counts, not the dictionary; every reader rebuilds the same dictionary (float64
+products, ties broken by creation order).
 
 Layout. A weight's symbols (one expert's ``[in, out]`` codes, row-major) are cut into chunks of
 :data:`CHUNK` symbols (the last of each expert may be shorter) that are encoded independently: the encoder
@@ -17,7 +17,7 @@ chunks one after the other, ``chunk_offsets [chunks + 1]`` where each starts. A 
 codeword up in a padded table of the words and keeps each word's length of its row: two gathers and a mask.
 
 Codewords are 8 or 16 bits, whichever makes the weight smaller counting the decoding table a reader holds
-in memory (:func:`choose_code`): small weights do better with 256 codewords.
+in memory (:func:`choose_code`): small weights do better with 8-bit codewords.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class TunstallCode:
 
 
 def build_code(counts: tuple[int, int, int] | Tensor, bits: int) -> TunstallCode:
-    """The Tunstall code of ``2^bits`` codewords for symbol counts ``counts`` (add-one smoothed)."""
+    """The Tunstall code of ``2^bits - 1`` codewords (all that fit in ``bits``) for symbol counts ``counts``
+    (add-one smoothed)."""
     if bits not in (8, 16):
         raise ValueError(f"codeword bits={bits} must be 8 or 16")
     counts = tuple(int(c) for c in (counts.tolist() if isinstance(counts, Tensor) else counts))

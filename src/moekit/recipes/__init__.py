@@ -7,8 +7,8 @@ replaces divided by it (fine-grained experts, DeepSeekMoE; 1 by default). Sizes 
 (the MLP's hidden size, Soft MoE's tokens per sequence, hash routing's vocabulary) are filled in by the model
 the recipe lands in. The first comment line of each file cites the paper's settings.
 
-The files are the one source of the recipes: the training template's config group ``moe=<name>`` is this
-folder (``configs/train.yaml`` adds ``pkg://moekit.recipes`` to Hydra's search path), and the models of
+The files are the one source of the recipes: the training template's config group ``moe=<name>`` is this folder (the
+``hydra_plugins/moekit_recipes`` plugin adds ``pkg://moekit.recipes`` to Hydra's search path), and the models of
 :mod:`moekit.models` take ``moe="<name>"``. ``moe/none.yaml`` is the template's "no MoE" choice.
 
 This module imports no torch, so that the template refuses a recipe its model cannot use (:func:`check_fits`)
@@ -125,8 +125,7 @@ def mixes_tokens(spec: Mapping[str, Any]) -> bool:
     """Whether the recipe's routing of a token depends on other tokens of the forward (then a causal language
     model would let a token see the future): Soft MoE, experts-choice, BASE, tokens-choice capacity over the whole
     batch (``capacity_scope: position`` keeps it per token; ``group`` serves a sequence's tokens in order) and
-    strictly balanced gating over the whole batch
-    (``balance_scope: position``)."""
+    strictly balanced gating over the whole batch (``balance_scope: position`` keeps it per position)."""
     layer = spec["layer"]
     if layer in _TOKEN_MIXING_LAYERS:
         return True

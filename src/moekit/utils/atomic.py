@@ -1,7 +1,8 @@
 """Atomic file writes: a reader (or a resumed run) sees the old file or the whole new one, never a part.
 
-Every file moekit writes for keeps — checkpoints, ``results.json``, ``metrics.csv``, exported weights,
-downloaded data — goes through :func:`atomic_write`: a temporary file in the target's folder, flushed and
+Every file moekit writes for keeps — checkpoints, ``results.json``, ``metrics.csv``, exported weights, the
+Fashion-MNIST download — goes through :func:`atomic_write` (figures and torchvision's CIFAR download are written
+directly): a temporary file in the target's folder, flushed and
 ``fsync``-ed, renamed onto the target with ``os.replace`` (atomic on POSIX within one file system), then the
 folder is ``fsync``-ed so the rename survives a power cut. The file gets the permissions a plain
 ``open(path, "w")`` would give it (``mkstemp`` alone would make it 0600).
