@@ -228,7 +228,8 @@ class MoELayer(RoutingModule):
 
     ``Layer(in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, norm_layer=None,
     bias=True, drop=0., use_conv=False, *, compute_stats=True, device=None, dtype=None, **settings)``:
-    the timm ``Mlp`` keywords size the experts (``hidden_features`` is each expert's hidden size), and the
+    the timm ``Mlp`` keywords size the experts (``hidden_features`` is each expert's hidden size; None: ``4 *
+    in_features``, where timm's ``Mlp`` takes ``in_features``; ``norm_layer`` and ``use_conv`` must stay off), and the
     settings fill the layer's :attr:`configs` (see each layer's docstring), over its :attr:`defaults`.
     Subclasses implement :meth:`build` (make the router and experts from the configs) and
     ``forward(x: [batch, tokens, dim], ..., padding_mask=None) -> [batch, tokens, out_dim]``, which calls
