@@ -210,6 +210,17 @@ def test_sampler_resumes_mid_epoch_with_the_same_indices_and_random_draws():
     assert torch.equal(torch.get_rng_state(), rng["torch"])
 
 
+def _add_callback(monkeypatch, callback: Callback) -> None:
+    """``train`` runs with ``callback`` after the configured ones."""
+    real_instantiate_group = train_module.instantiate_group
+
+    def with_callback(group, name):
+        found = real_instantiate_group(group, name)
+        return [*found, callback] if name == "callbacks" else found
+
+    monkeypatch.setattr(train_module, "instantiate_group", with_callback)
+
+
 class _SigtermAtTest(Callback):
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if batch_idx == 0:  # not the last batch: Lightning stops the loop after it
@@ -219,13 +230,7 @@ class _SigtermAtTest(Callback):
 def test_sigterm_during_the_test_phase_exits_143_and_names_the_rerun(fake_fashion, tmp_path, monkeypatch, caplog):
     """Lightning ends a test loop on SIGTERM with SystemExit(None), status 0: a scheduler would see success."""
     cfg = compose_config("train", small_overrides(fake_fashion, 1), tmp_path)
-    real_instantiate_group = train_module.instantiate_group
-
-    def with_sigterm(group, name):
-        found = real_instantiate_group(group, name)
-        return [*found, _SigtermAtTest()] if name == "callbacks" else found
-
-    monkeypatch.setattr(train_module, "instantiate_group", with_sigterm)
+    _add_callback(monkeypatch, _SigtermAtTest())
     with pytest.raises(SystemExit) as info:
         train(cfg)
     assert info.value.code == 128 + signal.SIGTERM
@@ -256,13 +261,7 @@ def test_a_launchers_handler_gets_the_signal_after_the_checkpoint(launcher_exits
             sys.exit(-1)
 
     cfg = compose_config("train", small_overrides(fake_fashion, 1), tmp_path)
-    real_instantiate_group = train_module.instantiate_group
-
-    def with_signal(group, name):
-        found = real_instantiate_group(group, name)
-        return [*found, _SignalAtStep(signal.SIGUSR2, batch=1)] if name == "callbacks" else found
-
-    monkeypatch.setattr(train_module, "instantiate_group", with_signal)
+    _add_callback(monkeypatch, _SignalAtStep(signal.SIGUSR2, batch=1))
     previous = signal.signal(signal.SIGUSR2, launcher_handler)
     try:
         with pytest.raises(SystemExit) as info:
@@ -278,13 +277,7 @@ def test_under_gradient_accumulation_the_checkpoint_waits_for_the_optimizer_step
     """A signal during the first of two micro-batches: last.ckpt holds the finished optimizer step 1, not the
     half-accumulated step 0 (whose gradients a checkpoint does not keep)."""
     cfg = compose_config("train", [*small_overrides(fake_fashion, 1), "trainer.accumulate_grad_batches=2"], tmp_path)
-    real_instantiate_group = train_module.instantiate_group
-
-    def with_signal(group, name):
-        found = real_instantiate_group(group, name)
-        return [*found, _SignalAtStep(signal.SIGTERM, batch=0)] if name == "callbacks" else found
-
-    monkeypatch.setattr(train_module, "instantiate_group", with_signal)
+    _add_callback(monkeypatch, _SignalAtStep(signal.SIGTERM, batch=0))
     with pytest.raises(SystemExit) as info:
         train(cfg)
     assert info.value.code == 128 + signal.SIGTERM
