@@ -118,8 +118,11 @@ def test_a_layer_that_never_trained_routes_batchwise_and_a_loaded_one_by_its_thr
     trained(torch.randn(2, 16, 8))
     fresh = StrictlyBalancedMoE(8, 16, num_experts=4, top_k=2).eval()
     x = torch.randn(1, 12, 8)
-    fresh(x)
-    assert fresh.stats["mean_experts_per_token"] == 2.0 and not fresh.has_thresholds()
+    y = fresh(x)
+    assert not fresh.has_thresholds()
+    scores = torch.softmax(x.reshape(12, 8) @ fresh.router_weight.t(), -1)
+    torch.testing.assert_close(y, paper_loop(fresh, x, batchwise_mask_loop(scores, 6)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fresh.stats["expert_load"], torch.full((4,), 0.25))  # balanced, as a batch
     fresh.load_state_dict(trained.state_dict())
     assert fresh.has_thresholds()
     trained.eval()

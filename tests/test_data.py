@@ -187,10 +187,13 @@ def test_random_crop_is_a_shift_of_the_padded_image():
     cropped = random_crop(images, padding)
     assert cropped.shape == images.shape
     padded = torch.nn.functional.pad(images, (padding,) * 4)
+    shifts = set()
     for original, crop in zip(padded, cropped, strict=True):
         offsets = [(dy, dx) for dy in range(2 * padding + 1) for dx in range(2 * padding + 1)
                    if torch.equal(original[:, dy : dy + 6, dx : dx + 5], crop)]  # fmt: skip
         assert len(offsets) == 1
+        shifts.add(offsets[0])
+    assert len(shifts) > 1, "each image draws its own shift"
 
 
 def test_random_hflip_mirrors_some_images():

@@ -23,6 +23,7 @@ from moekit.models import TransformerLM, export_safetensors
 from moekit.moe import HashMoE
 from moekit.quant import expert_memory
 from moekit.tasks import LanguageModel
+from resume_helpers import metrics_rows
 
 LM_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_lm.yaml"))
 PHRASE = "the quick brown fox jumps over the lazy dog. "
@@ -206,22 +207,27 @@ def test_mode_lm_learns_logs_its_routing_and_samples_the_same_with_the_cache(rep
 
 
 @pytest.mark.e2e
-def test_frequency_hash_tables_are_fitted_on_the_training_split(repeated_corpus, tmp_path):
-    overrides = lm_overrides(
-        "moe_transformer_lm", repeated_corpus, "moe=hash", "moe.num_experts=4", "moe.hash_method=frequency"
-    )
+def test_frequency_hash_tables_are_fitted_on_the_training_split(tmp_path):
+    corpus = tmp_path / "corpus.txt"  # the held-out tail (val, test: the last 10%) is made of other bytes
+    corpus.write_text(PHRASE * 360 + "QXZ" * (len(PHRASE) * 20))
+    overrides = lm_overrides("moe_transformer_lm", corpus, "moe=hash", "moe.num_experts=4", "moe.hash_method=frequency")
     cfg = compose_config("train", [*overrides, "trainer.max_epochs=1"], tmp_path)
     train(cfg)
     task = load_task(tmp_path / "checkpoints" / "last.ckpt")
     datamodule = instantiate(cfg.data)
     datamodule.setup()
-    counts = torch.bincount(datamodule.split_tokens["train"], minlength=task.net.vocab_size)
+
+    def fitted(tokens):
+        router = HashMoE(8, 16, num_experts=4, vocab_size=task.net.vocab_size, hash_method="frequency").router
+        router.fit_frequency(torch.bincount(tokens, minlength=task.net.vocab_size))
+        return router.expert_of_token
+
+    expected = fitted(datamodule.split_tokens["train"])
+    assert not torch.equal(expected, fitted(datamodule.tokens)), "a fit on the whole corpus must differ"
     routers = [m.router for m in task.net.modules() if isinstance(m, HashMoE)]
     assert routers
     for router in routers:
-        expected = HashMoE(8, 16, num_experts=4, vocab_size=task.net.vocab_size, hash_method="frequency").router
-        expected.fit_frequency(counts)
-        assert not router.needs_fit and torch.equal(router.expert_of_token, expected.expert_of_token)
+        assert not router.needs_fit and torch.equal(router.expert_of_token, expected)
 
 
 @pytest.mark.e2e
@@ -248,6 +254,8 @@ def test_lm_checkpoint_resumes_at_the_saved_step(trained_lm, repeated_corpus, tm
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert resumed["epoch"] == saved["epoch"] + 1
     assert resumed["global_step"] > saved["global_step"]
+    logged = {int(float(row["epoch"])) for row in metrics_rows(tmp_path) if "epoch" in row}
+    assert logged == {saved["epoch"] + 1}, "a resumed run trains the one epoch left, not all of them from the start"
 
 
 @pytest.mark.e2e

@@ -132,6 +132,7 @@ def test_create_moe_vit_without_moe_is_timms_vit():
     torch.manual_seed(0)
     timms = VisionTransformer(**TINY)
     assert ours.moe_block_indices == () and moe_block_indices(ours) == ()
+    assert ours.state_dict().keys() == timms.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), timms.state_dict().values()))
 
 

@@ -19,6 +19,7 @@ def test_experts_choice_exact_loads_and_reference_output():
     x = torch.randn(2, 10, 8)
     flat = x.reshape(-1, 8)
     token_idx, gates, probs, _ = layer.route(flat)
+    torch.testing.assert_close(probs, torch.softmax(flat @ layer.router_weight.t(), -1))  # over the experts
     assert token_idx.shape == (4, 8)  # C = round(20 * 1.5 / 4) = 7.5 -> 8
     for e in range(4):
         assert len(set(token_idx[e].tolist())) == 8, "an expert takes C distinct tokens"

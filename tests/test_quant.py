@@ -199,7 +199,8 @@ def test_quantize_experts_replaces_every_bank_and_stores_fewer_bytes():
     after = expert_memory(model)
     assert after.weights == before.weights
     assert before.bits_per_weight == 32 and 8 < after.bits_per_weight < 8.25  # scales and zeros: 24 bits per 128
-    torch.testing.assert_close(model(x), float_out, rtol=0.05, atol=0.05)
+    # int8 moves the logits by ~3e-4 (zeroed or swapped experts: ~5e-2)
+    torch.testing.assert_close(model(x), float_out, rtol=0, atol=2e-3)
 
 
 def test_gptq_calibration_uses_the_tokens_routed_to_each_expert_and_falls_back_when_too_few():
@@ -207,10 +208,20 @@ def test_gptq_calibration_uses_the_tokens_routed_to_each_expert_and_falls_back_w
     inputs = [torch.randn(2, 1, 28, 28)]  # 2 images x 49 tokens x top-2: ~25 rows per expert of 8
     with pytest.raises(CalibrationError, match="fewer than the"):
         quantize_experts(copy.deepcopy(model), QuantSpec(QuantFormat("int4"), "gptq"), lambda: inputs)
+    first = next(m for m in model.modules() if isinstance(m, ExpertBank))
+    seen = []
+    hook = first.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+    with torch.no_grad():
+        model(inputs[0])
+    hook.remove()
+    counts = seen[0]  # the first bank's rows per expert (later banks see the rounded weights before them)
+    assert int(counts.sum()) == 2 * 49 * 2, "dropless at evaluation: every token's two choices"
     reports = quantize_experts(model, QuantSpec(QuantFormat("int4"), "gptq", min_rows=20), lambda: inputs)
-    for report in reports:
-        assert report.rows_min is not None and report.rows_max <= 2 * 49 * 2
-        assert sum(report.rtn_fallback.values()) <= 2 * report.experts
+    assert (reports[0].rows_min, reports[0].rows_max) == (int(counts.min()), int(counts.max()))
+    for report in reports:  # experts under 20 rows round to nearest, in fc1 and fc2 alike
+        assert bool(report.rtn_fallback) == (report.rows_min < 20)
+        assert len(set(report.rtn_fallback.values())) <= 1
+    assert any(report.rtn_fallback for report in reports), "some expert got too few rows here"
 
 
 def test_a_dense_model_has_nothing_to_quantize():

@@ -218,7 +218,7 @@ def test_every_recipe_with_every_family(name, family, tmp_path):
         assert layers[0].num_slots == spec["num_experts"] * soft_moe_slots(tokens, spec["num_experts"], 0.653)
     if isinstance(layers[0], ExpertsChoiceMoE):
         assert layers[0].tokens_per_expert(2 * tokens) == experts_choice_capacity(2 * tokens, spec["num_experts"], 2.0)
-    for layer_summary, layer in zip(summary.moe_layers, layers):
+    for layer_summary, layer in zip(summary.moe_layers, layers, strict=True):
         active = layer_summary.active_params_per_token
         assert active == pytest.approx(ratio * dense_params, rel=0.10), (name, family, active, dense_params)
         expert_flops = layer_summary.flops_per_image / layer_summary.tokens - _routing_flops(layer, tokens)

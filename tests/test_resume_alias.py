@@ -16,6 +16,7 @@ from omegaconf import read_write
 from conftest import compose_config, small_overrides
 from moekit.checkpoint import CheckpointError, _read_training_checkpoint, check_ckpt_path, find_resume_checkpoint
 from moekit.commands.train import _resolve_resume_alias, train
+from resume_helpers import metrics_rows
 
 
 def write(path: Path, *, good: bool, age: float = 0.0) -> Path:
@@ -114,3 +115,5 @@ def test_train_resumes_with_ckpt_path_last(fake_fashion, tmp_path):
     assert cfg.ckpt_path == str(first / "checkpoints" / "last.ckpt"), "the run record names the checkpoint"
     resumed = torch.load(second / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert resumed["global_step"] == 2 * saved["global_step"], "one more epoch on top of the saved one"
+    logged = {int(float(row["epoch"])) for row in metrics_rows(second) if "epoch" in row}
+    assert logged == {1}, "the resumed run trains epoch 1 only: a fresh run would log epoch 0 too"

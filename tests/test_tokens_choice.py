@@ -130,6 +130,16 @@ def test_forward_equals_per_token_reference(kw):
     layer = TopKMoE(8, 16, num_experts=5, **kw).eval()
     x = torch.randn(2, 7, 8)
     routing, plan = _routing_and_plan(layer, x)
+    if "capacity_factor" in kw:  # the drops, queued one assignment at a time (first choices before second ones)
+        scores = torch.softmax(x.reshape(14, 8) @ layer.router.weight.t(), -1)
+        order = sorted(range(14), key=lambda n: -scores[n].max().item()) if kw.get("batch_priority") else range(14)
+        capacity = tokens_choice_capacity(14, kw["top_k"], 5, kw["capacity_factor"])
+        keep, taken = torch.zeros_like(plan.keep), [0] * 5
+        for j in range(kw["top_k"]):
+            for n in order:
+                e = int(routing.expert_ids[n, j])
+                keep[n, j], taken[e] = taken[e] < capacity, taken[e] + 1
+        assert torch.equal(plan.keep, keep) and not keep.all()
     ref = reference_tokens_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
 

@@ -34,6 +34,7 @@ from moekit.moe import MoELayer, TopKMoE
 from moekit.recipes import resolve_recipe
 from moekit.tasks import ImageClassifier
 from moekit.tasks.fewshot import fewshot_linear_probe, fit_ridge_probe
+from resume_helpers import metrics_rows
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml") if not p.stem.endswith("_lm"))
 SMALL_EXPERIMENTS = [e for e in EXPERIMENTS if "imagenet" not in e]
@@ -226,6 +227,8 @@ def test_resume_continues_from_the_saved_step(trained_run, fake_fashion, tmp_pat
     key = next(iter(first_state))
     assert int(resumed_state[key]["step"]) == int(first_state[key]["step"]) + steps_per_epoch
     assert resumed["lr_schedulers"][0]["last_epoch"] == 3 * steps_per_epoch
+    logged = {int(float(row["epoch"])) for row in metrics_rows(tmp_path) if "epoch" in row}
+    assert logged == {2}, "a resumed run trains the one epoch left, not all three from the start"
 
 
 @pytest.mark.e2e
