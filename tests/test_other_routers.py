@@ -226,6 +226,17 @@ def test_hierarchical_routing_structure_and_output():
     for row in groups.tolist():
         assert len(set(row)) == 2 and sorted(row).count(row[0]) == 2, "2 experts in each of 2 groups"
     torch.testing.assert_close(routing.gates.sum(-1), torch.ones(12))  # product of two softmaxes over top-k
+    router = layer.router  # Shazeer's appendix B, token by token: softmax(KeepTopK) over groups, then inside each
+    primary, secondary = flat @ router.primary_weight.t(), (flat @ router.secondary_weight.t()).view(12, 3, 4)
+    for n in range(12):
+        top_groups = primary[n].topk(2)
+        expected = {}
+        for g, g_gate in zip(top_groups.indices.tolist(), torch.softmax(top_groups.values, -1).tolist()):
+            top = secondary[n, g].topk(2)
+            for e, e_gate in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()):
+                expected[4 * g + e] = g_gate * e_gate
+        got = dict(zip(routing.expert_ids[n].tolist(), routing.gates[n].tolist()))
+        assert got.keys() == expected.keys() and all(got[e] == pytest.approx(expected[e], rel=1e-5) for e in got)
     plan = layer.plan(routing, x.shape[0], x.shape[1])
     ref = reference_tokens_choice(layer, x, routing.expert_ids, routing.gates, plan.keep)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)

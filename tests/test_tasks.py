@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import TINY_NET
-from moekit.moe import SoftMoE, TopKMoE, collect_moe_outputs
+from moekit.moe import SoftMoE, TopKMoE, collect_moe_outputs, moe_layers
 from moekit.tasks import ImageClassifier
 from moekit.tasks.optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
 
@@ -81,7 +81,9 @@ def test_training_loss_is_cross_entropy_plus_the_aux_losses():
     moe = collect_moe_outputs(task.net)
     assert set(moe.aux_losses) == {"switch", "z"}
     ce = nn.functional.cross_entropy(task(images), labels)
-    torch.testing.assert_close(loss, ce + collect_moe_outputs(task.net).aux_loss)
+    layers = [layer for _, layer in moe_layers(task.net)]
+    assert layers and all(set(layer.aux_losses) == {"switch", "z"} for layer in layers)
+    torch.testing.assert_close(loss, ce + sum(sum(layer.aux_losses.values()) for layer in layers))
 
 
 def test_mixup_trains_on_soft_targets():
