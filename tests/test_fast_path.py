@@ -114,6 +114,18 @@ def test_scripts_restart_with_tcmalloc_unless_told_otherwise(tmp_path):
     assert wrong.returncode != 0 and "MOEKIT_ALLOCATOR='jemalloc'" in wrong.stderr and "'system'" in wrong.stderr
 
 
+def test_a_preload_the_loader_could_not_find_is_not_reported_as_tcmalloc():
+    code = "from moekit.utils.allocator import active_allocator; print(active_allocator())"
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_clean_env(LD_PRELOAD="/nonexistent/libtcmalloc_minimal.so.4", MOEKIT_NO_REEXEC="1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "system malloc", run.stdout + run.stderr
+
+
 def test_the_training_script_keeps_the_system_allocator_when_told(fake_fashion, tmp_path):
     """``MOEKIT_ALLOCATOR=system python scripts/train.py``: the run record says the system malloc (the script once
     restarted itself under tcmalloc before reading the variable)."""

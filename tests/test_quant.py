@@ -73,6 +73,9 @@ def test_int8_error_is_at_most_one_step_everywhere():
     err = (w - q.dequantize()).abs()
     assert bool((err <= scale).all()), "half a step, and half a step of the integer zero point at the ends"
     assert float(err.max()) < 0.01 * float(w.abs().max())
+    groups = w.view(4, 2, 32, 16)  # 255 steps over each group's range (zero included): 8 bits, not fewer
+    span = groups.amax(2).clamp_min(0) - groups.amin(2).clamp_max(0)
+    assert bool((q.scale.float() <= span / 255 * 1.01).all())  # the scale is stored in 16 bits
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

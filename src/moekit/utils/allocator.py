@@ -68,9 +68,15 @@ def find_tcmalloc() -> str | None:
 
 
 def active_allocator() -> str:
-    """``"tcmalloc"`` when it is preloaded into this process, ``"glibc malloc, tuned"`` after
+    """``"tcmalloc"`` when it is loaded into this process (``/proc/self/maps``: a preload the loader could not find
+    does not count; elsewhere ``LD_PRELOAD`` is taken at its word), ``"glibc malloc, tuned"`` after
     :func:`tune_glibc_malloc`, else ``"system malloc"``."""
-    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = "tcmalloc" in maps.read()
+    except OSError:
+        loaded = "tcmalloc" in os.environ.get("LD_PRELOAD", "")
+    if loaded:
         return "tcmalloc"
     return TUNED if _tuned else "system malloc"
 
