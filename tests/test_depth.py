@@ -19,6 +19,7 @@ from moekit.analysis.records import model_family
 from moekit.commands.train import train
 from moekit.models import TransformerLM, create_model, lm_summary, model_summary
 from moekit.models.rotary import RotaryEmbedding
+from moekit.models.summary import flop_counter
 from moekit.moe import DepthRouter, MixtureOfDepths, collect_moe_outputs, top_c_routing
 from moekit.moe.capacity import soft_moe_slots
 from moekit.moe.depth import capacity_tokens
@@ -186,8 +187,13 @@ def test_the_causal_decision_agrees_with_top_c_after_training(causal_router):
         router.aux_losses["mod_bce"].backward()
         optimizer.step()
     router.eval()
-    processed, gates = router.decide(torch.randn(64, 64, 16))
-    agreement = router.stats["topc_agreement"].item()
+    x = torch.randn(64, 64, 16)
+    processed, gates = router.decide(x)
+    with torch.no_grad():  # each sequence's top C = 8 of its router logits, recomputed
+        logits = (x @ router.weight.t()).squeeze(-1) + router.bias
+    top_c = torch.zeros_like(processed).scatter_(1, logits.topk(8, dim=1).indices, True)
+    agreement = (processed == top_c).float().mean().item()
+    assert agreement == pytest.approx(router.stats["topc_agreement"].item(), abs=1e-6)
     assert agreement > 0.93 and agreement > before + 0.05, (before, agreement)
     assert processed.float().mean().item() == pytest.approx(0.125, abs=0.03), "about C tokens processed"
     assert torch.equal(gates == 0, ~processed)
@@ -263,11 +269,22 @@ def test_lm_summary_counts_the_tokens_a_routed_block_processes():
 
 
 def test_model_summary_of_a_mod_vit_counts_fewer_flops():
-    dense = model_summary(create_model("vit_tiny_patch4_28", num_classes=10, in_chans=1, img_size=28), (1, 28, 28))
+    dense_net = create_model("vit_tiny_patch4_28", num_classes=10, in_chans=1, img_size=28).eval()
+    dense = model_summary(dense_net, (1, 28, 28))
     model = create_model("vit_tiny_patch4_28", num_classes=10, in_chans=1, img_size=28, mod=dict(capacity=0.125))
     routed = model_summary(model, (1, 28, 28))
-    assert routed.flops_per_image < 0.7 * dense.flops_per_image, "3 of 6 blocks on 7 of 49 tokens"
     assert [b.tokens for b in routed.mod_blocks] == [49, 49, 49]
+    assert all(b.processed_fraction == 7 / 49 for b in routed.mod_blocks), "ceil(0.125 * 49) = 7 tokens"
+
+    def block_flops(tokens: int) -> int:
+        with flop_counter() as counter, torch.no_grad():
+            dense_net.blocks[0](torch.randn(1, tokens, dense_net.embed_dim))
+        return counter.get_total_flops()
+
+    # 3 of 6 blocks on 7 of 49 tokens, each with its router's one score per token (2 * width multiply-adds)
+    router = 2 * 49 * dense_net.embed_dim
+    expected = dense.flops_per_image - 3 * (block_flops(49) - block_flops(7) - router)
+    assert routed.flops_per_image == expected
 
 
 # ------------------------------------------------------------------------------------------------
