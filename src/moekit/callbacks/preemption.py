@@ -102,7 +102,6 @@ class PreemptionCheckpoint(SafeStepSave):
         self.signals = [getattr(signal, name) for name in names]
         self.received: int | None = None  # the signal number caught, if any
         self._previous: dict[int, Any] = {}
-        self._step_seen = -1  # the optimizer step at the last batch end: a new one marks a step boundary
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received is not None:  # a second Ctrl-C: stop at once
@@ -133,13 +132,12 @@ class PreemptionCheckpoint(SafeStepSave):
 
     # ------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._step_seen = trainer.global_step
+        super().on_train_start(trainer, pl_module)
         self._install()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self._step_seen:  # mid gradient accumulation: wait for the optimizer step
+        if not self.optimizer_step_ended(trainer):  # mid gradient accumulation: wait for the optimizer step
             return
-        self._step_seen = trainer.global_step
         signum = self.received
         if trainer.world_size > 1:  # every rank takes part in saving: agree on the signal first
             caught = torch.tensor(float(signum or 0), device=pl_module.device)

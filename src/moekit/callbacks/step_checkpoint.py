@@ -42,6 +42,16 @@ class SafeStepSave(Checkpoint):
         self.dirpath = Path(dirpath)
         self.filename = filename
         self._deferred = False
+        self._step_seen = -1  # the optimizer step at the last training batch's end
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._step_seen = trainer.global_step  # a resumed run starts at the saved step
+
+    def optimizer_step_ended(self, trainer: Trainer) -> bool:
+        """Whether the training batch that just ended finished an optimizer step (asked once per batch, in
+        ``on_train_batch_end``): False between the micro-batches of gradient accumulation."""
+        ended, self._step_seen = trainer.global_step != self._step_seen, trainer.global_step
+        return ended
 
     @property
     def path(self) -> Path:
@@ -88,12 +98,9 @@ class StepCheckpoint(SafeStepSave):
             )
         super().__init__(dirpath, filename)
         self.every_n_train_steps = every_n_train_steps
-        self._last_step = -1
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        step = trainer.global_step
-        if not self.every_n_train_steps or trainer.fast_dev_run or step in (0, self._last_step):
+        if not self.optimizer_step_ended(trainer) or not self.every_n_train_steps or trainer.fast_dev_run:
             return
-        if step % self.every_n_train_steps == 0:
-            self._last_step = step  # one checkpoint per optimizer step under gradient accumulation
+        if trainer.global_step % self.every_n_train_steps == 0:
             self.save_after_step(trainer)
