@@ -458,7 +458,14 @@ CASES = [
         "resume_checkpoint_of_another_model",
         "train.py",
         [*FAST, "data.root={fm}", "model.embed_dim=48", "ckpt_path={ckpt}"],
-        ["{ckpt}", "shape mismatch", "configuration the checkpoint was trained with"],
+        ["{ckpt}", "model.embed_dim=48 (the checkpoint's: 32)", "Drop these overrides to resume", "task.init_from="],
+        cli=False,
+    ),
+    Case(  # the same shapes, another model: refused as well, not trained on silently
+        "resume_with_another_router_setting",
+        "train.py",
+        [*FAST, "data.root={fm}", "+moe.noise_std=0.5", "ckpt_path={ckpt}"],
+        ["whose model was built with other settings", "moe.noise_std=0.5 (the checkpoint's: None)", "task.init_from="],
         cli=False,
     ),
     Case(

@@ -72,9 +72,12 @@ def test_a_sweep_job_resumes_only_from_its_own_folder(runs, tmp_path):
 
 @pytest.mark.parametrize("mode", [RunMode.RUN, RunMode.MULTIRUN])
 def test_train_looks_at_other_runs_only_outside_a_sweep(mode, fake_fashion, tmp_path):
+    """A run resumes the newest of the runs beside it: a ``debug=`` run (``debug=tiny`` here) the debug runs, never
+    a full run (newer here); a sweep's job none."""
     logs = tmp_path / "logs"
-    earlier = write(logs / "train" / "runs" / "2026-01-01_10-00-00" / "checkpoints" / "last.ckpt", good=True)
-    job = logs / "train" / "multiruns" / "2026-01-02_10-00-00" / "0"
+    earlier = write(logs / "debug" / "train" / "runs" / "2026-01-01_10-00-00" / "checkpoints" / "last.ckpt", good=True)
+    write(logs / "train" / "runs" / "2026-01-01_11-00-00" / "checkpoints" / "last.ckpt", good=True)
+    job = logs / ("debug/train/runs/2026-01-02_10-00-00" if mode == RunMode.RUN else "train/multiruns/2026-01-02/0")
     cfg = compose_config("train", [*small_overrides(fake_fashion, 1), f"paths.log_dir={logs}", "ckpt_path=auto"], job)
     with read_write(cfg.hydra):
         cfg.hydra.mode = mode

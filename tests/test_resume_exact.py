@@ -33,6 +33,7 @@ from resume_helpers import (
     finish,
     kill,
     load_checkpoint,
+    metrics_rows,
     printed_test_metrics,
     start,
     train_command,
@@ -121,6 +122,27 @@ def test_ctrl_c_saves_last_ckpt_and_its_printed_command_resumes_exactly(fake_fas
     assert status == 0, output[-3000:]
     _assert_same_training_state(load_checkpoint(out / "checkpoints" / "last.ckpt"), ref_ckpt)
     assert printed_test_metrics(output) == ref_metrics
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_max_steps_inside_an_epoch_resumes_inside_it(fake_fashion, tmp_path):
+    """Stopped by ``max_steps=6`` in its first epoch (``last.ckpt`` written at that cut-short epoch's end), then
+    resumed without the limit: the same weights, optimizer state, test metrics and logged rows as the run that never
+    stopped. (A constant schedule, so that the first run's steps do not depend on its ``max_steps``.) Lightning
+    counted the cut epoch as done: the resumed run skipped its last two batches and ended an epoch early."""
+    constant = ("task.scheduler.name=constant", "task.scheduler.warmup_steps=0")
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    last = out / "checkpoints" / "last.ckpt"
+    status, ref_output = finish(start(_args(fake_fashion, reference, *constant)))
+    assert status == 0, ref_output[-3000:]
+    status, output = finish(start(_args(fake_fashion, out, *constant, "trainer.max_steps=6")))
+    assert status == 0, output[-3000:]
+    assert load_checkpoint(last)["global_step"] == 6
+    status, output = finish(start(_args(fake_fashion, out, *constant, f"ckpt_path={last}")))
+    assert status == 0, output[-3000:]
+    _assert_same_training_state(load_checkpoint(last), load_checkpoint(reference / "checkpoints" / "last.ckpt"))
+    assert printed_test_metrics(output) == printed_test_metrics(ref_output)
+    assert metrics_rows(out) == metrics_rows(reference)
 
 
 def test_a_second_ctrl_c_stops_at_once():

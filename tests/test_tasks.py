@@ -39,6 +39,36 @@ def test_rsqrt_schedule_with_cooldown():
         lr_lambda(ScheduleConfig(name="linear"), 10)
 
 
+def test_a_resumed_run_takes_its_first_step_at_its_own_schedules_rate():
+    """Resumed at step 5 with a longer run (a new cosine): the optimizer's restored rate is the old schedule's, and
+    the task sets the new one's before the first step; a fresh run keeps the scheduler's own rate."""
+    from types import SimpleNamespace
+
+    old, new = (lr_lambda(ScheduleConfig(name="cosine", warmup_steps=0), total) for total in (6, 60))
+    param = nn.Parameter(torch.zeros(2))
+    first = torch.optim.AdamW([param], lr=0.1)
+    first_schedule = torch.optim.lr_scheduler.LambdaLR(first, old)
+    for _ in range(5):
+        first.step()
+        first_schedule.step()
+    resumed = torch.optim.AdamW([param], lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(resumed, new)
+    resumed.load_state_dict(first.state_dict())
+    schedule.load_state_dict(first_schedule.state_dict())
+    assert resumed.param_groups[0]["lr"] == pytest.approx(0.1 * old(5))
+    task = SimpleNamespace(trainer=SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=schedule)]))
+    ImageClassifier.on_train_start(task)
+    assert resumed.param_groups[0]["lr"] == 0.1 * new(5) != pytest.approx(0.1 * old(5))
+    assert schedule.get_last_lr() == [0.1 * new(5)]
+
+    fresh = torch.optim.AdamW([param], lr=0.1)
+    fresh_schedule = torch.optim.lr_scheduler.LambdaLR(fresh, lr_lambda(ScheduleConfig(name="cosine"), 60))
+    before = fresh.param_groups[0]["lr"]
+    task.trainer.lr_scheduler_configs = [SimpleNamespace(scheduler=fresh_schedule)]
+    ImageClassifier.on_train_start(task)
+    assert fresh.param_groups[0]["lr"] == before
+
+
 def test_param_groups_skip_norms_biases_and_the_soft_moe_scale():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), SoftMoE(4, 8, num_experts=2))
     decay, no_decay = param_groups(model, weight_decay=0.1)

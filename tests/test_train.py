@@ -352,9 +352,17 @@ def test_corrupt_checkpoint_is_a_clear_error_and_stays_untouched(tmp_path):
 # The command-line bad-input cases (unknown experiment, missing checkpoint, ...) are in test_bad_input.py.
 
 
-def sweep_experts(data_root: Path, log_dir: Path, values: str):
+def job_folder(sweep: Path, override: str) -> Path:
+    """The folder of the sweep job whose overrides include ``override`` (named by its overrides)."""
+    (job,) = [
+        p.parent.parent for p in sweep.glob("**/.hydra/overrides.yaml") if override in p.parent.parent.name.split(",")
+    ]
+    return job
+
+
+def sweep_experts(data_root: Path, log_dir: Path, values: str, *extra: str):
     """``scripts/train.py -m moe.num_experts=<values>``, one fast_dev_run per value."""
-    overrides = [f"data.root={data_root}", "data.val_size=64", "debug=tiny", "trainer.fast_dev_run=true"]
+    overrides = [f"data.root={data_root}", "data.val_size=64", "debug=tiny", "trainer.fast_dev_run=true", *extra]
     return run_script("train.py", "-m", f"moe.num_experts={values}", *overrides, f"paths.log_dir={log_dir}", cwd=REPO)
 
 
@@ -362,9 +370,11 @@ def sweep_experts(data_root: Path, log_dir: Path, values: str):
 def test_cli_multirun_sweeps_the_number_of_experts(fake_fashion, tmp_path):
     result = sweep_experts(fake_fashion, tmp_path, "2,4")
     assert result.returncode == 0, result.stderr[-2000:]
-    jobs = sorted(tmp_path.glob("train/multiruns/*/[0-9]/.hydra/overrides.yaml"))
-    assert len(jobs) == 2
-    assert "moe.num_experts=2" in jobs[0].read_text() and "moe.num_experts=4" in jobs[1].read_text()
+    (sweep,) = tmp_path.glob("train/multiruns/*")
+    for value in (2, 4):  # each job in a folder named by its setting (data.root and paths.log_dir left out)
+        job = job_folder(sweep, f"moe.num_experts={value}")
+        assert job.name == f"data.val_size=64,debug=tiny,moe.num_experts={value},trainer.fast_dev_run=True"
+        assert f"moe.num_experts={value}" in (job / ".hydra" / "overrides.yaml").read_text()
 
 
 @pytest.mark.e2e
@@ -372,12 +382,20 @@ def test_a_sweep_runs_every_job_past_a_failure_and_exits_1_with_a_summary(fake_f
     result = sweep_experts(fake_fashion, tmp_path, "2,0,4")
     assert result.returncode == 1, result.stderr[-2000:]
     (sweep,) = tmp_path.glob("train/multiruns/*")
-    assert (sweep / "0" / "results.json").is_file() and (sweep / "2" / "results.json").is_file(), "the 4 job ran"
+    assert all((job_folder(sweep, f"moe.num_experts={n}") / "results.json").is_file() for n in (2, 4)), "the 4 job ran"
     summary = json.loads((sweep / "sweep_summary.json").read_text())
     assert summary["jobs"] == 3 and summary["succeeded"] == 2
     (failed,) = summary["failed"]
-    assert failed["job"] == "1" and "moe.num_experts=0" in failed["overrides"] and "num_experts" in failed["error"]
+    assert failed["job"] == job_folder(sweep, "moe.num_experts=0").name
+    assert "moe.num_experts=0" in failed["overrides"] and "num_experts" in failed["error"]
     assert "sweep: 1 of 3 jobs failed" in result.stderr + result.stdout
+
+    # Rerun into its folder without the failing value, the others in another order: both found and skipped, and the
+    # earlier failure, not part of this sweep, is not reported again.
+    rerun = sweep_experts(fake_fashion, tmp_path, "4,2", f"hydra.sweep.dir={sweep}")
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert summary["jobs"] == 2 and summary["failed"] == [] and len(summary["skipped"]) == 2
 
 
 @pytest.mark.e2e
@@ -462,7 +480,7 @@ def test_optuna_search_reports_the_best_trials_validation_accuracy(fake_fashion,
     trials = ["hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.n_startup_trials=3"]
     result = _tiny_sweep(fake_fashion, tmp_path, "hparams_search=soft_moe_optuna", *trials)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("[0-9]/results.json"))]
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/results.json"))]
     assert len(records) == 3
     for record in records:
         moe_cfg = record["config"]["moe"]
@@ -485,7 +503,7 @@ def test_a_search_space_over_a_missing_key_stops_before_any_trial(fake_fashion, 
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert "moe.num_expertz is not a setting of this config" in output and "did you mean moe.num_experts" in output
-    assert not list((tmp_path / "sweep").glob("[0-9]")), "no trial ran"
+    assert not list((tmp_path / "sweep").glob("**/.hydra")), "no trial ran"
 
 
 @pytest.mark.e2e
@@ -504,18 +522,19 @@ def test_a_sweep_rerun_into_its_folder_skips_the_finished_settings(fake_fashion,
     ``skip_finished=false`` reruns both."""
     sweep = ["trainer.fast_dev_run=true", "moe.num_experts=2,4"]
     assert _tiny_sweep(fake_fashion, tmp_path, *sweep).returncode == 0
-    (tmp_path / "1" / "finished.json").unlink()  # as if job 1 had been killed
-    records = {job: (tmp_path / job / "results.json").stat().st_mtime_ns for job in ("0", "1")}
+    done, killed = job_folder(tmp_path, "moe.num_experts=2"), job_folder(tmp_path, "moe.num_experts=4")
+    (killed / "finished.json").unlink()  # as if that job had been killed
+    records = {job: (job / "results.json").stat().st_mtime_ns for job in (done, killed)}
 
     result = _tiny_sweep(fake_fashion, tmp_path, *sweep)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads((tmp_path / "sweep_summary.json").read_text())["skipped"] == ["0"]
-    assert (tmp_path / "0" / "results.json").stat().st_mtime_ns == records["0"], "the finished job did not run"
-    assert (tmp_path / "1" / "results.json").stat().st_mtime_ns > records["1"], "the unfinished job ran again"
+    assert json.loads((tmp_path / "sweep_summary.json").read_text())["skipped"] == [done.name]
+    assert (done / "results.json").stat().st_mtime_ns == records[done], "the finished job did not run"
+    assert (killed / "results.json").stat().st_mtime_ns > records[killed], "the unfinished job ran again"
 
     assert _tiny_sweep(fake_fashion, tmp_path, *sweep, "skip_finished=false").returncode == 0
     assert json.loads((tmp_path / "sweep_summary.json").read_text())["skipped"] == []
-    assert (tmp_path / "0" / "results.json").stat().st_mtime_ns > records["0"]
+    assert (done / "results.json").stat().st_mtime_ns > records[done]
 
 
 @pytest.mark.e2e

@@ -219,8 +219,8 @@ def load_weights(
                 parts.append(f"{title}: {shown}")
         raise CheckpointError(
             f"checkpoint {source!r} does not fit this model ({type(net).__name__}) - " + "; ".join(parts) + ". "
-            "Build the model with the configuration the checkpoint was trained with, or fine-tune with a new head "
-            "(the head is then skipped)."
+            "Build the model with the configuration the checkpoint was trained with (its run's results.json names "
+            "it), or, for an image classifier of other classes, fine-tune with a new head (the head is then skipped)."
         )
     net.load_state_dict({k: state[k] for k in wanted}, strict=False)
     return skipped
@@ -341,12 +341,12 @@ def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
     if is_sharded_checkpoint(ckpt_path):
         return
     checkpoint = _read_training_checkpoint(ckpt_path)
-    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
-    load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
     saved = (checkpoint.get("hyper_parameters") or {}).get("run_config")
     current = module.hparams.get("run_config")
     if isinstance(saved, Mapping) and isinstance(current, Mapping):
         _check_resume_overrides(ckpt_path, saved, current)
+    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+    load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
 
 
 # Settings a resumed run takes from the checkpoint whatever the config says, with the reason.
@@ -362,8 +362,31 @@ def _flatten(node: Any, prefix: str) -> dict[str, Any]:
     return {prefix: node}
 
 
+def _changed(saved: Any, current: Any, key: str) -> list[str]:
+    """``key=<new> (the checkpoint's: <old>)`` for every setting under ``key`` that differs; the model's copies of
+    the ``moe`` and ``mod`` groups under the names a command line gives them."""
+    old, new = _flatten(saved, key), _flatten(current, key)
+    return [
+        f"{k.removeprefix('model.') if k.startswith(('model.moe.', 'model.mod.')) else k}={new.get(k)!r} "
+        f"(the checkpoint's: {old.get(k)!r})"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k) != new.get(k)
+    ]
+
+
 def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse settings that differ from the checkpoint's run but that resuming would silently ignore."""
+    """Refuse a model that differs from the checkpoint's run (resuming continues that run: a changed router or norm
+    would train on silently as another model), and settings that resuming would silently ignore."""
+    fix = (
+        "train on from the checkpoint's weights with the new settings as a new run: "
+        f"task.init_from={ckpt_path} without ckpt_path"
+    )
+    model_changes = _changed(saved.get("model"), current.get("model"), "model") if "model" in saved else []
+    if model_changes:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path!r} continues its run, whose model was built with other settings: "
+            f"{', '.join(model_changes)}. Drop these overrides to resume, or {fix}"
+        )
     ignored = []
     for key, reason in _RESTORED_ON_RESUME.items():
         node_saved, node_current = saved, current
@@ -372,19 +395,14 @@ def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: M
             node_current = node_current.get(part) if isinstance(node_current, Mapping) else None
         if node_saved is None:
             continue
-        old, new = _flatten(node_saved, key), _flatten(node_current, key)
-        changed = [
-            f"{k}={new.get(k)!r} (the checkpoint's: {old.get(k)!r})"
-            for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k)
-        ]
+        changed = _changed(node_saved, node_current, key)
         if changed:
             ignored.append(f"{', '.join(changed)}: {reason}")
     if ignored:
         raise CheckpointError(
-            f"ckpt_path={ckpt_path!r} continues its run, which would ignore " + "; ".join(ignored) + ". Drop these "
-            "overrides to resume, or train on from the checkpoint's weights with the new settings as a new run: "
-            f"task.init_from={ckpt_path} without ckpt_path"
+            f"ckpt_path={ckpt_path!r} continues its run, which would ignore "
+            + "; ".join(ignored)
+            + f". Drop these overrides to resume, or {fix}"
         )
 
 

@@ -91,26 +91,31 @@ class RunDirCheck(Callback):
 
 
 class SweepSummary(Callback):
-    """Hydra callback (``configs/hydra/default.yaml``): at the end of a sweep, read which jobs failed
+    """Hydra callback (``configs/hydra/default.yaml``): at the end of a sweep, read which of its jobs failed
     (their ``failure.json``), write ``<sweep dir>/sweep_summary.json``, log one line per failed job and exit
-    with status 1 if any did."""
+    with status 1 if any did. The jobs of this sweep are the folders whose ``.hydra`` Hydra wrote since it started
+    (a value with a ``/`` nests its folder); those of an earlier sweep into the same folder are left out."""
 
     _start = float("inf")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._start = time.time()  # a job's finished.json older than this was written by an earlier run
+        # A job's files older than this were written by an earlier sweep (less 0.1 s: files are stamped by the
+        # kernel's coarse clock, a tick behind time.time())
+        self._start = time.time() - 0.1
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
-        jobs = sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml"))
+        written = (p for p in sweep_dir.glob("**/.hydra/overrides.yaml") if p.stat().st_mtime >= self._start)
+        jobs = sorted(p.parent.parent for p in written)
         failed, skipped = [], []
         for job in jobs:
+            name = job.relative_to(sweep_dir).as_posix()
             failure = job / FAILURE_FILE
             if failure.is_file():
-                failed.append({"job": job.name, **json.loads(failure.read_text())})
+                failed.append({"job": name, **json.loads(failure.read_text())})
             finished = job / FINISHED_FILE
             if finished.is_file() and finished.stat().st_mtime < self._start:
-                skipped.append(job.name)
+                skipped.append(name)
         summary = {"jobs": len(jobs), "succeeded": len(jobs) - len(failed), "failed": failed, "skipped": skipped}
         if skipped:
             log.info(
@@ -157,13 +162,15 @@ class SearchSpaceCheck(Callback):
 
 
 def _finished_job(job_dir: Path, overrides: list[str]) -> dict | None:
-    """The ``finished.json`` of a sweep job's folder when it records these ``overrides`` (else None)."""
+    """The ``finished.json`` of a sweep job's folder when it records these ``overrides``, in any order (else None)."""
     path = job_dir / FINISHED_FILE
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and record.get("overrides") == overrides else None
+    if not isinstance(record, dict) or not isinstance(record.get("overrides"), list):
+        return None
+    return record if sorted(record["overrides"]) == sorted(overrides) else None
 
 
 def _job_failed(err: Exception, user_error: bool) -> None:

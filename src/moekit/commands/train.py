@@ -111,11 +111,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def _resolve_resume_alias(cfg: DictConfig, output_dir: Path) -> None:
     """Replace ``ckpt_path=last`` / ``auto`` with the checkpoint it means (:func:`find_resume_checkpoint`, over
-    this task's runs in ``<paths.log_dir>/<task_name>/runs``; a sweep's job: its own folder only), and say which;
-    ``auto`` without one: None."""
+    the runs beside this one: ``<paths.log_dir>/<task_name>/runs``, with ``debug=``
+    ``<paths.log_dir>/debug/<task_name>/runs``; a sweep's job: its own folder only), and say which; ``auto``
+    without one: None."""
     alias = cfg.ckpt_path
     in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    runs_dir = None if in_sweep else Path(cfg.paths.log_dir) / str(cfg.task_name) / "runs"
+    runs_dir = None if in_sweep else output_dir.parent
     found, skipped = find_resume_checkpoint(alias, output_dir, runs_dir)
     for path in skipped:
         log.warning("ckpt_path=%s: skipped %s, which does not load", alias, path)

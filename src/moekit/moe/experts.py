@@ -199,14 +199,18 @@ class ExpertBank(nn.Module):
                 )
         else:
             if not hasattr(mlp, "fc1") or not hasattr(mlp, "fc2"):
-                raise ValueError(f"load_dense_mlp: {type(mlp).__name__} has no fc1/fc2 linear layers")
+                raise ValueError(
+                    f"load_dense_mlp: {type(mlp).__name__} has no fc1/fc2 linear layers (gated experts take a gated "
+                    "MLP such as timm's SwiGLU, plain experts a plain one: give both the same gating)"
+                )
             w_in, b_in = mlp.fc1.weight, mlp.fc1.bias
         w_out, b_out = mlp.fc2.weight, mlp.fc2.bias
         expected = (self.fc1_weight.shape[2], self.in_features)
         if tuple(w_in.shape) != expected or tuple(w_out.shape) != (self.out_features, self.hidden_features):
             raise ValueError(
                 f"load_dense_mlp: dense MLP sizes fc1 {tuple(w_in.shape)}, fc2 {tuple(w_out.shape)} do not match the "
-                f"experts' fc1 {expected}, fc2 {(self.out_features, self.hidden_features)}"
+                f"experts' fc1 {expected}, fc2 {(self.out_features, self.hidden_features)}: each expert must have the "
+                "dense MLP's hidden size (e.g. the same mlp_ratio) and gating (gated=)"
             )
         for target, source in (
             (self.fc1_weight, w_in.t()),

@@ -36,6 +36,25 @@ EPOCH_MEANS_KEY = "moekit_epoch_means"  # checkpoint entries: the training-epoch
 LOG_POSITIONS_KEY = "moekit_log_positions"  # and how far the logs went (moekit.loggers.log_positions)
 
 
+def _epoch_cut_short(trainer: Any) -> bool:
+    """A checkpoint is being written at the end of a training epoch that stopped before its last batch."""
+    fit_loop = trainer.fit_loop
+    epochs = fit_loop.epoch_progress.current
+    at_epoch_end = trainer.state.fn == TrainerFn.FITTING and epochs.processed == epochs.completed + 1
+    return at_epoch_end and not fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def _reopen_epoch(checkpoint: dict[str, Any]) -> None:
+    """Record the epoch being ended as not processed, the state of a checkpoint written inside an epoch (after a
+    validation), so that Lightning resumes at its next batch instead of counting it done. The data side is there
+    already: the sampler's state holds the batches consumed (:mod:`moekit.data.resumable`)."""
+    if "loops" not in checkpoint:  # a weights-only checkpoint
+        return
+    progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+    for counts in (progress["total"], progress["current"]):
+        counts["processed"] -= 1
+
+
 def plain(config: Any) -> Any:
     """DictConfig -> plain containers (resolved), so hyperparameters pickle and log cleanly."""
     if isinstance(config, DictConfig):
@@ -165,8 +184,25 @@ class MoETask(LightningModule):
         checkpoint[TASK_KEY] = f"{type(self).__module__}:{type(self).__qualname__}"
         checkpoint[EPOCH_MEANS_KEY] = self.epoch_means.state_dict()
         if self._trainer is not None:  # the logs up to this moment are on disk, and where they end is recorded
-            log_before_checkpoint(self.trainer)
+            if _epoch_cut_short(self.trainer):
+                # Training stopped inside the epoch (max_steps, max_time, an early stop): resume inside it, and
+                # leave the logs before this partial epoch's row, which the resumed run logs whole.
+                _reopen_epoch(checkpoint)
+            else:
+                log_before_checkpoint(self.trainer)
             checkpoint[LOG_POSITIONS_KEY] = log_positions(self.trainer)
+
+    def on_train_start(self) -> None:
+        """Set each learning rate from the schedule of this run at the step it starts from: a run resumed with a
+        longer ``max_steps`` (a new schedule) would otherwise take its first step at the old schedule's rate,
+        restored with the optimizer. The same value as the scheduler's own for a fresh run or an unchanged one."""
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                rates = zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas)
+                for group, base_lr, factor in rates:
+                    group["lr"] = base_lr * factor(scheduler.last_epoch)
+                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if EPOCH_MEANS_KEY in checkpoint:
