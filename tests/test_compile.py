@@ -12,6 +12,7 @@ import torch._dynamo as dynamo
 from torch._dynamo.utils import counters
 
 from conftest import TINY_NET, compose_config
+from moekit.checkpoint import load_task
 from moekit.commands.train import train
 from moekit.configs import instantiate
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
@@ -203,6 +204,10 @@ def test_a_training_run_with_task_compile_fits_evaluates_and_checkpoints_plain_k
     eager = instantiate(compose_config("train", overrides, tmp_path / "eager").model)
     net_state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
     eager.load_state_dict(net_state)  # strict: the same keys
+    counters.clear()
+    loaded = load_task(str(tmp_path / "run" / "checkpoints" / "last.ckpt"))  # as eval.py, sample.py, export.py
+    loaded(torch.randn(2, 1, 28, 28))
+    assert counters["frames"]["ok"] == 0, "a loaded checkpoint's network runs eagerly: no compile for one pass"
 
 
 @pytest.mark.e2e

@@ -541,9 +541,12 @@ def test_sequences_longer_than_max_seq_len_are_refused():
         model(torch.randint(VOCAB, (1, 5)), cache=cache)
     calls = []
     model.register_forward_pre_hook(lambda *args: calls.append(1))
-    with pytest.raises(ValueError, match="exceeds max_seq_len=24.*or pass slide=True"):
-        generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=5)
+    with pytest.raises(ValueError, match="length 25 exceeds max_seq_len=24.*or pass slide=True"):
+        generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=6)
     assert not calls, "refused before any forward"
+    assert generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=5).shape == (1, 25), (
+        "the last token is not run"
+    )
 
 
 @pytest.mark.parametrize(

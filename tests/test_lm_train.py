@@ -129,11 +129,11 @@ def test_sample_refuses_an_empty_prompt_and_slides_past_max_seq_len(trained_lm, 
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
     with pytest.raises(ValueError, match="encodes to no tokens"):
         sample(compose_config("sample", [f"ckpt_path={ckpt}", "prompt=''"], tmp_path))
-    too_long = [f"ckpt_path={ckpt}", "prompt='the quick '", "max_new_tokens=23", "temperature=0"]
-    with pytest.raises(ValueError, match="lower max_new_tokens to 22"):  # 10 prompt tokens, max_seq_len 32
+    too_long = [f"ckpt_path={ckpt}", "prompt='the quick '", "max_new_tokens=24", "temperature=0"]
+    with pytest.raises(ValueError, match="lower max_new_tokens to 23"):  # 10 prompt tokens + 22 run: max_seq_len 32
         sample(compose_config("sample", [*too_long, "slide=false"], tmp_path))
     (text,) = sample(compose_config("sample", too_long, tmp_path))  # the default slides past the limit
-    assert len(text) == 33 and text.startswith("the quick ")
+    assert len(text) == 34 and text.startswith("the quick ")
 
 
 @pytest.mark.parametrize(

@@ -438,8 +438,9 @@ def load_task(ckpt_path: str) -> MoETask:
     try:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         cls = task_class(checkpoint)
-        # The checkpoint holds the trained weights: do not read the run's initial weights file again.
-        module = cls(**{**checkpoint["hyper_parameters"], "init_from": None})
+        # The checkpoint holds the trained weights: do not read the run's initial weights file again. Its network
+        # runs eagerly in the commands that load it (a compiled training run's would compile again, for one pass).
+        module = cls(**{**checkpoint["hyper_parameters"], "init_from": None, "compile": False})
         module.load_state_dict(checkpoint["state_dict"])
         module.on_load_checkpoint(checkpoint)
     except Exception as err:

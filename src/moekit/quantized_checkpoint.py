@@ -58,7 +58,7 @@ def load_quantized_task(path: str) -> MoETask:
         )
     cls = task_class(metadata)
     with experts_on_meta():  # the stored codes replace the experts: never hold them in float
-        module = cls(**{**json.loads(metadata[HPARAMS_KEY]), "init_from": None})
+        module = cls(**{**json.loads(metadata[HPARAMS_KEY]), "init_from": None, "compile": False})
     tensors = load_file(path)
     load_quantized_banks(module.net, tensors, metadata[QUANT_METADATA_KEY])
     load_weights(module.net, tensors, path)

@@ -50,7 +50,7 @@ def export(cfg: DictConfig) -> Path:
         )
     else:
         target = module.hparams["net"]["_target_"]
-        how = f"{target}({args}).load_state_dict(safetensors.torch.load_file({str(path)!r}))"
+        how = f"model = {target}({args}); model.load_state_dict(safetensors.torch.load_file({str(path)!r}))"
     log.info("exported %s\n  load it with: %s", path, how)
     return path
 

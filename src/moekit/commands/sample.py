@@ -6,7 +6,7 @@ import torch
 from omegaconf import DictConfig
 
 from moekit.checkpoint import load_task
-from moekit.models.generate import generate
+from moekit.models.generate import generate, tokens_run
 from moekit.tasks import LanguageModel
 
 from .common import datamodule_for
@@ -31,10 +31,10 @@ def sample(cfg: DictConfig) -> list[str]:
     if cfg.num_samples < 1:
         raise ValueError(f"num_samples={cfg.num_samples} must be >= 1")
     max_seq_len = getattr(module.net, "max_seq_len", None)
-    if not cfg.slide and max_seq_len is not None and len(prompt_ids) + cfg.max_new_tokens > max_seq_len:
+    if not cfg.slide and max_seq_len is not None and tokens_run(len(prompt_ids), cfg.max_new_tokens) > max_seq_len:
         raise ValueError(
             f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceed the model's "
-            f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len - len(prompt_ids))}, "
+            f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len + 1 - len(prompt_ids))}, "
             "shorten the prompt, or set slide=true (a sliding window over the last max_seq_len tokens)"
         )
     device = torch.device(cfg.device)

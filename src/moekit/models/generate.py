@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .lm_common import check_seq_len
 
-__all__ = ["sample_next_token", "generate"]
+__all__ = ["sample_next_token", "generate", "tokens_run"]
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -79,6 +79,12 @@ def sample_next_token(
 
 
 @torch.no_grad()
+def tokens_run(prompt_len: int, max_new_tokens: int) -> int:
+    """The longest sequence :func:`generate` runs through the model: the prompt and every new token but the last,
+    after which nothing is sampled (what must fit ``max_seq_len`` without ``slide``)."""
+    return prompt_len + max(0, max_new_tokens - 1)
+
+
 def generate(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -105,7 +111,8 @@ def generate(
 
     Raises:
         ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids, or, without
-            ``slide``, ``T0 + max_new_tokens`` beyond the model's ``max_seq_len`` (checked before any work).
+            ``slide``, ``T0 + max_new_tokens - 1`` tokens to run beyond the model's ``max_seq_len`` (:func:`tokens_run`,
+            checked before any work).
     """
     _check_sampling(temperature, top_k, top_p)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -120,7 +127,7 @@ def generate(
     limit = getattr(model, "max_seq_len", None)
     if not slide:
         try:
-            check_seq_len(total, limit)
+            check_seq_len(tokens_run(prompt_len, max_new_tokens), limit)
         except ValueError as err:
             raise ValueError(f"{err}, or pass slide=True (a sliding window over the last max_seq_len tokens)") from None
 
