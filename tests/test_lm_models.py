@@ -540,13 +540,13 @@ def test_sequences_longer_than_max_seq_len_are_refused():
     with pytest.raises(ValueError, match=message):
         model(torch.randint(VOCAB, (1, 5)), cache=cache)
     calls = []
-    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    model.register_forward_pre_hook(lambda *args: calls.append(torch.is_grad_enabled()))
     with pytest.raises(ValueError, match="length 25 exceeds max_seq_len=24.*or pass slide=True"):
         generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=6)
     assert not calls, "refused before any forward"
-    assert generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=5).shape == (1, 25), (
-        "the last token is not run"
-    )
+    tokens = generate(model, torch.randint(VOCAB, (1, 20)), max_new_tokens=5)
+    assert tokens.shape == (1, 25), "the last token is not run: 24 tokens fit"
+    assert calls and not any(calls), "generation runs without autograd"
 
 
 @pytest.mark.parametrize(

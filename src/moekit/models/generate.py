@@ -78,13 +78,13 @@ def sample_next_token(
     return (probs / race).argmax(dim=-1)
 
 
-@torch.no_grad()
 def tokens_run(prompt_len: int, max_new_tokens: int) -> int:
     """The longest sequence :func:`generate` runs through the model: the prompt and every new token but the last,
     after which nothing is sampled (what must fit ``max_seq_len`` without ``slide``)."""
     return prompt_len + max(0, max_new_tokens - 1)
 
 
+@torch.no_grad()
 def generate(
     model: nn.Module,
     prompt_ids: Tensor,
