@@ -242,6 +242,7 @@ def test_lm_checkpoint_resumes_at_the_saved_step(trained_lm, repeated_corpus, tm
             repeated_corpus,
             "trainer.max_epochs=7",
             "task.optimizer.lr=1e-2",  # the trained run's: a resume takes the checkpoint's optimizer
+            "model.norm=rmsnorm",  # and its model
             f"ckpt_path={last}",
             "data.val_fraction=0.1",
             "data.test_fraction=0.1",

@@ -130,8 +130,9 @@ def test_killed_lm_run_resumes_to_the_same_weights_metrics_and_logs(corpus, refe
 # ---------------------------------------------------------------------------------------------
 def test_training_resumed_in_the_same_folder_keeps_the_earlier_rows(corpus, tmp_path):
     """Stop after 6 steps, resume to 12 in the same folder: metrics.csv has the train rows of steps
-    0-11 once each, the first run's rows up to its checkpoint unchanged, the validation columns that only the
-    second run logged added to the header; TensorBoard has each scalar of steps 0-11 once."""
+    0-11 once each, the first run's rows up to its checkpoint unchanged but its row of the cut-short epoch 0, which
+    the resumed run logs whole at the epoch's end, the validation columns that only the second run logged added to
+    the header; TensorBoard has each scalar of steps 0-11 once."""
     every_3 = "callbacks.last_checkpoint_steps.every_n_train_steps=3"
     first = lm_overrides(corpus, "trainer.max_steps=6", "test=false", every_3)
     train(compose_config("train", first, tmp_path))
@@ -144,8 +145,13 @@ def test_training_resumed_in_the_same_folder_keeps_the_earlier_rows(corpus, tmp_
     second = lm_overrides(corpus, "trainer.max_steps=12", "test=false", every_3, f"ckpt_path={last}")
     train(compose_config("train", second, tmp_path))
     rows = metrics_rows(tmp_path)
-    kept = [row for row in first_rows if int(row["step"]) < 6]  # the rows logged before its checkpoint
+    partial = [row for row in first_rows if "train/loss_epoch" in row]
+    assert [int(row["step"]) for row in partial] == [5], "the first run logged its 6 steps of epoch 0 at its stop"
+    kept = [row for row in first_rows if row not in partial]  # the rows logged before its checkpoint
     assert rows[: len(kept)] == kept
+    whole = [row for row in rows if "train/loss_epoch" in row]
+    # epoch 0's row once, at its 8th step; epoch 1's 4 steps at the second run's stop (a run that ends keeps it)
+    assert [(row["epoch"], row["step"]) for row in whole] == [("0", "7"), ("1", "11")]
     train_steps = [int(row["step"]) for row in rows if "train/loss_step" in row]
     assert train_steps == list(range(12))
     assert any("val/loss" in row for row in rows[len(first_rows) :]), "epoch 0 ended at step 8 with validation"
