@@ -377,15 +377,12 @@ def _changed(saved: Any, current: Any, key: str) -> list[str]:
 def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """Refuse a model that differs from the checkpoint's run (resuming continues that run: a changed router or norm
     would train on silently as another model), and settings that resuming would silently ignore."""
-    fix = (
-        "train on from the checkpoint's weights with the new settings as a new run: "
-        f"task.init_from={ckpt_path} without ckpt_path"
-    )
+    fix = f"train on from the checkpoint's weights with the new settings as a new run: task.init_from={ckpt_path}"
     model_changes = _changed(saved.get("model"), current.get("model"), "model") if "model" in saved else []
     if model_changes:
         raise CheckpointError(
             f"ckpt_path={ckpt_path!r} continues its run, whose model was built with other settings: "
-            f"{', '.join(model_changes)}. Drop these overrides to resume, or {fix}"
+            f"{', '.join(model_changes)}. Drop these overrides to resume, or {fix} without ckpt_path"
         )
     ignored = []
     for key, reason in _RESTORED_ON_RESUME.items():
@@ -399,11 +396,8 @@ def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: M
         if changed:
             ignored.append(f"{', '.join(changed)}: {reason}")
     if ignored:
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path!r} continues its run, which would ignore "
-            + "; ".join(ignored)
-            + f". Drop these overrides to resume, or {fix}"
-        )
+        message = f"ckpt_path={ckpt_path!r} continues its run, which would ignore {'; '.join(ignored)}"
+        raise CheckpointError(f"{message}. Drop these overrides to resume, or {fix} without ckpt_path")
 
 
 def task_class(checkpoint: dict) -> type[MoETask]:
