@@ -4,6 +4,7 @@ factor, refusal of models without a capacity limit."""
 
 from __future__ import annotations
 
+import csv
 import math
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from moekit.callbacks import CapacityTuner
+from moekit.callbacks import CapacityTuner, ExpertLoadMonitor
 from moekit.callbacks.capacity import capacity_limited_layers
 from moekit.moe import ExpertsChoiceMoE, MoELayer, SoftMoE, TopKMoE
 from moekit.moe.capacity import tokens_choice_capacity
@@ -265,12 +266,12 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8)
 
 
-def _trainer(tmp_path, epochs: int, tuner: CapacityTuner) -> L.Trainer:
+def _trainer(tmp_path, epochs: int, *callbacks: L.Callback) -> L.Trainer:
     return L.Trainer(
         max_epochs=epochs,
         accelerator="cpu",
         logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""),
-        callbacks=[tuner],
+        callbacks=list(callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=1,
@@ -301,3 +302,20 @@ def test_lightning_run_logs_factors_and_resumes_exactly(tmp_path):
     assert straight.factors["1"] > 0.5
     logged = (tmp_path / "a" / "metrics.csv").read_text()
     assert "capacity/1/factor" in logged and "capacity/1/drop_rate" in logged
+
+
+def _steps_of(metrics_csv, column: str) -> list[int]:
+    """The steps of the ``metrics.csv`` rows that hold ``column``."""
+    with open(metrics_csv, newline="") as file:
+        return [int(row["step"]) for row in csv.DictReader(file) if row.get(column)]
+
+
+@pytest.mark.e2e
+def test_capacity_metrics_share_the_step_axis_of_the_expert_load_metrics(tmp_path):
+    """Every decision's metrics are logged at the step the routing statistics of the same batch are logged at
+    (Lightning's own step axis), not one step later."""
+    L.seed_everything(0)
+    _trainer(tmp_path, 1, _tuner(), ExpertLoadMonitor(log_every_n_steps=2)).fit(TinyMoEModule(), _loader())
+    capacity = _steps_of(tmp_path / "metrics.csv", "capacity/1/factor")
+    moe = _steps_of(tmp_path / "metrics.csv", "moe/1/dropped_fraction")
+    assert capacity == moe == [1, 3, 5, 7]  # 8 batches, a decision and a log every 2

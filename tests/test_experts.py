@@ -242,6 +242,36 @@ def test_a_bank_larger_than_the_memory_left_is_refused_with_the_size(monkeypatch
     ExpertBank(4, 64, 256)  # 512 KiB fits
 
 
+def test_a_layer_whose_weights_cannot_fit_is_refused_before_any_is_allocated(monkeypatch):
+    """The layer is measured on the meta device first: the refusal names the whole layer (Soft MoE's slot
+    parameters grow with the experts too) and comes before the slots or the bank take memory."""
+    import moekit.utils.machine as machine
+    from moekit.moe import SoftMoE
+
+    left = {"cpu": 2**20}  # 1 MiB; the meta device's memory is unknown (None), as in available_memory
+    monkeypatch.setattr(machine, "available_memory", lambda device: left.get(torch.device(device or "cpu").type))
+    allocated = []
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda *a, **k: allocated.append(a[0].device))
+    weights = 64 * (64 * 256 + 256 * 64) + 64 * 256 + 64 * 64 + 64 * 64 + 1  # experts, their biases, Phi, scale
+    with pytest.raises(ValueError, match=rf"SoftMoE\(num_experts=64, .*\) with {weights:,} weights need 8\.[0-9] MiB"):
+        SoftMoE(64, 256, num_experts=64)
+    assert all(device.type == "meta" for device in allocated)  # only the measuring build drew anything
+
+
+def test_measuring_a_layer_first_leaves_its_random_draws_alone(monkeypatch):
+    from moekit.moe import MoELayer, build_moe_layer
+
+    def build():
+        torch.manual_seed(0)
+        layer = build_moe_layer("vmoe", in_features=16, hidden_features=32)
+        return [*layer.state_dict().values(), torch.randn(4)]
+
+    measured = build()
+    monkeypatch.setattr(MoELayer, "_refuse_what_cannot_fit", lambda *args: None)
+    for a, b in zip(measured, build(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
 def test_auto_leaves_grouped_mm_for_the_loop_where_it_would_fail(monkeypatch):
     """On CUDA, ragged groups take grouped_mm in bf16 and float32, but not in float32 under ``torch.compile`` (whose

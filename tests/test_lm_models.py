@@ -158,7 +158,7 @@ def test_the_causality_check_catches_a_capacity_over_the_batch():
         ("experts_choice", "use a per-token router"),
         ("base", "use a per-token router"),
         ("switch", "set moe.capacity_scope=position"),
-        (dict(recipe="mixtral", eval_capacity_factor=2.0), "set moe.capacity_scope=position"),
+        (dict(recipe="mixtral", eval_capacity_factor=2.0), "set +moe.capacity_scope=position"),  # not in its file
         ("strictly_balanced", "set moe.balance_scope=position"),
         (dict(recipe="top2", capacity_scope="group", batch_priority=True), "set moe.capacity_scope=position"),
     ],

@@ -140,7 +140,7 @@ def test_sample_refuses_an_empty_prompt_and_slides_past_max_seq_len(trained_lm, 
     "overrides, match",
     [
         (["moe=soft_moe"], "so the Transformer LM \\(causal\\) would see the future; use a per-token router"),
-        (["+moe.capacity_factor=1.0"], "set moe.capacity_scope=position"),
+        (["+moe.capacity_factor=1.0"], r"set \+moe\.capacity_scope=position"),
         (["model.max_seq_len=16"], "max_seq_len"),
         (["data.paths=[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
         (["data.vocab_size=300"], "vocab_size"),

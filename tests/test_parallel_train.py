@@ -3,12 +3,17 @@ a small MoE ViT and a small MoE LM; a checkpoint written by 2 processes resumes 
 and takes the optimizer step the 2 processes took (the same weights to a thousandth of the step).
 Resuming in as many processes as saved is test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly's."""
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import run_script
+from conftest import REPO, run_script
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 
 pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
@@ -69,6 +74,56 @@ def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model
     assert shapes and all(shape[0] == experts for shape in shapes.values()), shapes  # full, not one rank's
     metrics = (out / "csv").rglob("metrics.csv")
     assert any("test/loss" in path.read_text() for path in metrics)
+
+
+def _train_or_kill(out: Path, seconds: float, *overrides: str) -> None:
+    """``_train``, but a run still going after ``seconds`` (ranks stuck in a collective, deaf to SIGTERM) is
+    killed with all its processes and fails the test."""
+    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0")
+    args = [sys.executable, str(REPO / "scripts" / "train.py"), f"paths.output_dir={out}", *overrides]
+    proc = subprocess.Popen(
+        args,
+        cwd=out.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: rank 1 too
+        output, _ = proc.communicate()
+        raise AssertionError(f"the run hung: killed after {seconds} s\n{output[-3000:]}") from None
+    assert proc.returncode == 0, output[-3000:]
+
+
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("fsdp", {}), ("ddp", {"expert_parallel_size": 2})],
+    ids=["fsdp", "ddp_expert_parallel"],
+)
+def test_slot_pictures_under_sharded_strategies_are_logged_without_a_hang(tmp_path, tiny_fashion, strategy, options):
+    """The slot pictures' forward holds collectives (FSDP all-gathers, expert all-to-all): every rank runs it,
+    rank 0 logs the picture, at the step of the validation metrics."""
+    out = tmp_path / "run"
+    overrides = [
+        *VIT,
+        f"data.root={tiny_fashion}",
+        "data.val_size=32",
+        "data.batch_size=16",
+        "trainer.max_epochs=1",
+        "test=false",
+        "logger=tensorboard",
+        "callbacks=[default,slot_pictures]",
+        "callbacks.slot_pictures.num_images=2",
+    ]
+    _train_or_kill(out, 180, *overrides, *_distributed(2, strategy, **options))
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    pictures = events.Images("slots/dispatch")
+    assert [picture.step for picture in pictures] == [events.Scalars("val/loss")[-1].step]
 
 
 # Resume across world sizes. The training set has 8 images and the global batch is 8 (4 x 2 ranks,

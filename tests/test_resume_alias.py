@@ -1,21 +1,25 @@
-"""ckpt_path=last / auto: the newest checkpoint that loads, in this run's folder or the newest earlier run of the
-task (a sweep's job: its own folder only); corrupt checkpoints are skipped and named; errors name the checkpoints
-that do exist."""
+"""ckpt_path=last / auto: the newest checkpoint (file or sharded folder) that loads, in this run's folder or the newest
+earlier run of the task (a sweep's job: its own folder only); corrupt checkpoints are skipped and named; errors name
+the checkpoints that do exist, and a checkpoint of another task is refused naming both."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import read_write
+from omegaconf import OmegaConf, read_write
 
 from conftest import compose_config, small_overrides
-from moekit.checkpoint import CheckpointError, _read_training_checkpoint, check_ckpt_path, find_resume_checkpoint
+from moekit.checkpoint import SHARDED_METADATA, TASK_KEY, CheckpointError, check_ckpt_path, read_training_checkpoint
 from moekit.commands.train import _resolve_resume_alias, train
+from moekit.configs import instantiate
+from moekit.resume import check_resume_checkpoint, find_resume_checkpoint
 from resume_helpers import metrics_rows
 
 
@@ -29,6 +33,26 @@ def write(path: Path, *, good: bool, age: float = 0.0) -> Path:
     stamp = path.stat().st_mtime - age
     os.utime(path, (stamp, stamp))
     return path
+
+
+def write_sharded(folder: Path, *, age: float = 0.0, damage: str = "") -> Path:
+    """A sharded checkpoint folder laid out as FSDP's ``state_dict_type=sharded`` writes one (the shards and their
+    index by torch.distributed.checkpoint, then rank 0's metadata file), written ``age`` seconds ago; ``damage``:
+    ``shard`` cuts a shard short, ``metadata`` truncates the metadata file, ``no_metadata`` leaves it out."""
+    with warnings.catch_warnings():  # one process, no process group: torch says it saves as a single process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"state_dict": {"net.w": torch.ones(64, 64)}}, checkpoint_id=folder)
+    if damage == "shard":
+        shard = next(folder.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    if damage != "no_metadata":
+        torch.save({"epoch": 0, "global_step": 1}, folder / SHARDED_METADATA)
+    if damage == "metadata":
+        (folder / SHARDED_METADATA).write_bytes(b"PK\x03\x04 truncated")
+    stamp = folder.stat().st_mtime - age
+    for path in [folder, *folder.iterdir()]:
+        os.utime(path, (stamp, stamp))
+    return folder
 
 
 @pytest.fixture
@@ -89,6 +113,80 @@ def test_train_looks_at_other_runs_only_outside_a_sweep(mode, fake_fashion, tmp_
     assert cfg.ckpt_path == (str(earlier) if mode == RunMode.RUN else None)
 
 
+def test_sharded_checkpoint_folders_count_as_checkpoints(runs):
+    """A newer run whose checkpoints are sharded folders (trainer=fsdp) is resumed, not the older run's file; its
+    last.ckpt first, and ckpt_path=auto resumes a requeued job's own sharded checkpoint."""
+    newest = runs / "2026-01-03_10-00-00" / "checkpoints"
+    write_sharded(newest / "epoch_000.ckpt", age=5)
+    write_sharded(newest / "last.ckpt", age=5)
+    assert find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs) == (newest / "last.ckpt", [])
+    assert find_resume_checkpoint("auto", newest.parent, None) == (newest / "last.ckpt", [])
+
+
+@pytest.mark.parametrize("damage", ["shard", "metadata", "no_metadata"])
+def test_a_damaged_sharded_checkpoint_is_skipped_and_named(runs, damage):
+    newest = runs / "2026-01-03_10-00-00" / "checkpoints"
+    write_sharded(newest / "epoch_000.ckpt", age=5)
+    write_sharded(newest / "last.ckpt", damage=damage)
+    found, skipped = find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs)
+    assert (found, skipped) == (newest / "epoch_000.ckpt", [newest / "last.ckpt"])
+    with pytest.raises(CheckpointError, match="could not be read.*beside it: epoch_000.ckpt"):
+        read_training_checkpoint(newest / "last.ckpt")
+
+
+def test_an_unreadable_checkpoint_error_quotes_a_whole_sentence(tmp_path):
+    """torch's message goes on with advice of its own ("there is a high likelihood that your checkpoint file is
+    corrupted ..."): the error quotes its first sentence, whole, not the first 200 characters."""
+    path = tmp_path / "half.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(256)}, "optimizer_states": [], "epoch": 0}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as err:
+        read_training_checkpoint(path)
+    cause = "(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory). It is"
+    assert cause in str(err.value) and "likelihood" not in str(err.value)
+
+
+def _module(experiment: str, tmp_path: Path):
+    """The task ``experiment=<experiment> debug=tiny`` builds, as scripts/train.py builds it."""
+    cfg = compose_config("train", [f"experiment={experiment}", "debug=tiny"], tmp_path / experiment)
+    run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    return instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
+
+
+@pytest.mark.parametrize(
+    "saved,resumed,expected",
+    [
+        (
+            "moe_transformer_lm",
+            "soft_moe_vit",
+            "a LanguageModel of a TransformerLM .task_name moe_transformer_lm., but this run builds an "
+            "ImageClassifier of a VisionTransformer: resume it with experiment=moe_transformer_lm",
+        ),
+        (
+            "soft_moe_vit",
+            "moe_transformer_lm",
+            "an ImageClassifier of a vit_tiny_patch4_28 .task_name soft_moe_vit., but this run builds a "
+            "LanguageModel of a TransformerLM: resume it with experiment=soft_moe_vit",
+        ),
+    ],
+)
+def test_a_checkpoint_of_another_task_is_refused_naming_both(saved, resumed, expected, tmp_path):
+    """Not a list of every model setting as an override (with task.init_from, which fails on it too)."""
+    writer = _module(saved, tmp_path)
+    checkpoint = {
+        "state_dict": {},
+        "optimizer_states": [],
+        "epoch": 0,
+        "hyper_parameters": {"run_config": writer.hparams["run_config"]},
+        TASK_KEY: f"{type(writer).__module__}:{type(writer).__qualname__}",
+    }
+    path = write(tmp_path / "last.ckpt", good=True)
+    torch.save(checkpoint, path)
+    with pytest.raises(CheckpointError, match=expected) as err:
+        check_resume_checkpoint(str(path), _module(resumed, tmp_path))
+    assert "task.init_from" not in str(err.value) and "model._target_" not in str(err.value)
+
+
 def test_a_folder_of_corrupt_checkpoints_is_named(tmp_path):
     runs = tmp_path / "runs"
     write(runs / "a" / "checkpoints" / "last.ckpt", good=False)
@@ -100,7 +198,7 @@ def test_a_corrupt_checkpoint_error_names_the_checkpoints_beside_it(runs):
     folder = runs / "2026-01-02_10-00-00" / "checkpoints"
     beside = "could not be read.*ckpt_path=last.*beside it: epoch_001.ckpt, epoch_000.ckpt"
     with pytest.raises(CheckpointError, match=beside):
-        _read_training_checkpoint(folder / "last.ckpt")
+        read_training_checkpoint(folder / "last.ckpt")
     with pytest.raises(CheckpointError, match="or ckpt_path=last for the newest checkpoint"):
         check_ckpt_path(str(folder / "missing.ckpt"))
 

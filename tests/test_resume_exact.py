@@ -310,3 +310,16 @@ def test_under_gradient_accumulation_the_checkpoint_waits_for_the_optimizer_step
     assert saved["global_step"] == 1
     batches = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
     assert batches == 2, "saved after the step's second micro-batch"
+
+
+def test_the_printed_resume_command_continues_in_the_runs_own_folder(tmp_path, monkeypatch):
+    """Run into a new folder, the resumed run would split the logs over two folders."""
+    from moekit.callbacks.preemption import resume_command
+
+    monkeypatch.setattr(sys, "argv", ["scripts/train.py"])
+    run, last = tmp_path / "run", tmp_path / "run" / "checkpoints" / "last.ckpt"
+    compose_config("train", ["debug=tiny", "seed=3"], run)
+    expected = ["python", "scripts/train.py", "debug=tiny", "seed=3", f"hydra.run.dir={run}", f"ckpt_path={last}"]
+    assert shlex.split(resume_command(last)) == expected
+    compose_config("train", ["debug=tiny", f"paths.output_dir={run}"], tmp_path / "hydra")  # the folder is given
+    assert shlex.split(resume_command(last))[2:] == ["debug=tiny", f"paths.output_dir={run}", f"ckpt_path={last}"]

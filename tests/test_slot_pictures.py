@@ -171,6 +171,7 @@ def test_pictures_from_a_trained_checkpoint_and_in_tensorboard(fake_fashion, tmp
     events.Reload()
     assert "slots/dispatch" in events.Tags()["images"]
     logged = events.Images("slots/dispatch")[-1]
+    assert logged.step == events.Scalars("val/loss")[-1].step  # the step axis of Lightning's metrics
     assert (logged.width, logged.height) == (5 * (28 * 4 + 2) + 2, 2 * (28 * 4 + 2) + 2)  # 2 rows, image + 4 slots
 
     out = tmp_path / "pictures" / "slots.png"

@@ -12,16 +12,17 @@
   safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
 * Quantized checkpoints (``scripts/quantize.py``; :mod:`moekit.quantized_checkpoint`): :func:`load_task`
   reads them too.
-* Reading training checkpoints (:func:`check_ckpt_path`, :func:`check_resume_checkpoint`, :func:`load_task`):
+* Reading training checkpoints (:func:`check_ckpt_path`, :func:`read_training_checkpoint`, :func:`load_task`):
   a missing, corrupt, sharded or foreign checkpoint is a :class:`CheckpointError` naming it, the checkpoints
-  beside it and the fix; :func:`find_resume_checkpoint` resolves ``ckpt_path=last`` / ``auto`` to the newest
-  checkpoint that loads.
+  beside it and the fix. Resuming from them (``ckpt_path=last`` / ``auto``, the checks against the run that
+  resumes) is :mod:`moekit.resume`'s.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,16 +54,11 @@ __all__ = [
     "head_prefixes",
     "is_sharded_checkpoint",
     "check_ckpt_path",
-    "check_resume_checkpoint",
-    "find_resume_checkpoint",
-    "RESUME_ALIASES",
+    "checkpoints_in",
+    "read_training_checkpoint",
     "load_task",
     "task_class",
 ]
-
-RESUME_ALIASES = ("last", "auto")
-"""``ckpt_path`` values that name no file: resume from the newest checkpoint that loads (``auto``: or start
-afresh when there is none); see :func:`find_resume_checkpoint`."""
 
 
 class CheckpointError(ValueError):
@@ -261,143 +257,73 @@ def check_ckpt_path(ckpt_path: str | None, sharded_ok: bool = False) -> None:
         )
 
 
-def _checkpoint_files(folder: Path) -> list[Path]:
-    """The ``.ckpt`` files of ``folder``, newest first (``last.ckpt`` first among equals)."""
+def checkpoints_in(folder: Path) -> list[Path]:
+    """The ``.ckpt`` files and sharded checkpoint folders of ``folder``, newest first (``last.ckpt`` first among
+    equals). A folder counts as written when its :data:`SHARDED_METADATA` was (rank 0 writes it last); a ``.ckpt``
+    folder without one is listed too, so that a resume names it as the damaged checkpoint it is."""
     if not folder.is_dir():
         return []
-    files = [p for p in folder.glob("*.ckpt") if p.is_file()]
-    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt"), reverse=True)
+    found = [p for p in folder.glob("*.ckpt") if p.is_file() or p.is_dir()]
+    return sorted(found, key=lambda p: (_written_at(p), p.name == "last.ckpt"), reverse=True)
 
 
-def _read_training_checkpoint(ckpt_path: str | Path) -> dict:
+def _written_at(path: Path) -> float:
+    """When a checkpoint was written: a file's modification time, a sharded folder's metadata file's (overwriting
+    a folder's files in place leaves the folder's own time as it was)."""
+    metadata = path / SHARDED_METADATA
+    return (metadata if metadata.is_file() else path).stat().st_mtime
+
+
+def read_training_checkpoint(ckpt_path: str | Path) -> dict:
     """A Lightning training checkpoint as a dict (tensors memory-mapped), or a :class:`CheckpointError` that
-    names the checkpoints beside it."""
-    beside = [p.name for p in _checkpoint_files(Path(ckpt_path).parent) if p.name != Path(ckpt_path).name]
+    names the checkpoints beside it. A sharded checkpoint folder reads as its :data:`SHARDED_METADATA` (all but the
+    weights and optimizer states), once its shards are checked against their index (:func:`_check_shards`)."""
+    path = Path(ckpt_path)
+    beside = [p.name for p in checkpoints_in(path.parent) if p.name != path.name]
     others = f"; the checkpoints beside it: {', '.join(beside)}" if beside else ""
     try:
-        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+        if path.is_dir():
+            _check_shards(path)
+            checkpoint = torch.load(path / SHARDED_METADATA, map_location="cpu", weights_only=False)
+        else:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:
         raise CheckpointError(
-            f"ckpt_path={str(ckpt_path)!r} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
-            "It is corrupt, truncated or not a PyTorch file; resume from another checkpoint (ckpt_path=last takes "
-            f"the newest that loads) or drop ckpt_path to start afresh{others}"
+            f"ckpt_path={str(path)!r} could not be read ({_first_sentence(err)}). It is corrupt, truncated or not a "
+            "PyTorch checkpoint; resume from another checkpoint (ckpt_path=last takes the newest that loads) or drop "
+            f"ckpt_path to start afresh{others}"
         ) from None
-    missing = [
-        key
-        for key in ("state_dict", "optimizer_states", "epoch")
-        if not isinstance(checkpoint, dict) or key not in checkpoint
-    ]
+    required = ("epoch",) if path.is_dir() else ("state_dict", "optimizer_states", "epoch")
+    missing = [key for key in required if not isinstance(checkpoint, dict) or key not in checkpoint]
     if missing:
         raise CheckpointError(
-            f"ckpt_path={str(ckpt_path)!r} is not a Lightning training checkpoint (no {', '.join(missing)}); resume "
+            f"ckpt_path={str(path)!r} is not a Lightning training checkpoint (no {', '.join(missing)}); resume "
             "from a .ckpt written by scripts/train.py, or load plain weights with task.init_from=<file> instead"
         )
     return checkpoint
 
 
-def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) -> tuple[Path | None, list[Path]]:
-    """What ``ckpt_path=last`` / ``auto`` means: the newest ``.ckpt`` that loads in this run's own
-    ``checkpoints/`` folder if it has any, else in the newest run folder of ``runs_dir`` that has one
-    (run folders are named by their start time; ``runs_dir=None``: the own folder only, as for a sweep's job, which
-    resumes itself and never another setting's run). Returns ``(checkpoint, newer ones that did not load)``;
-    ``(None, [])`` for ``auto`` when no run has a checkpoint (start afresh). A :class:`CheckpointError` for
-    ``last`` without any checkpoint, and when none of that folder's checkpoints loads (naming them)."""
-    if alias not in RESUME_ALIASES:
-        raise ValueError(f"ckpt_path={alias!r} is not one of {RESUME_ALIASES}")
-    own = output_dir.resolve()
-    runs = runs_dir.glob("*") if runs_dir is not None else ()
-    earlier = sorted((p for p in runs if p.is_dir() and p.resolve() != own), reverse=True)
-    for folder in [output_dir / "checkpoints", *(run / "checkpoints" for run in earlier)]:
-        files = _checkpoint_files(folder)
-        for i, path in enumerate(files):
-            try:
-                _read_training_checkpoint(path)
-            except CheckpointError:
-                continue
-            return path, files[:i]
-        if files:
-            raise CheckpointError(
-                f"ckpt_path={alias}: none of the checkpoints of {folder} loads ({', '.join(p.name for p in files)}: "
-                "corrupt, truncated or not training checkpoints); give an older run's checkpoint as ckpt_path=<file>, "
-                "or drop ckpt_path to start afresh"
-            )
-    if alias == "last":
-        none = (
-            f"no run of this task has a checkpoint ({runs_dir}/*/checkpoints/*.ckpt)"
-            if runs_dir is not None
-            else f"this sweep job has no checkpoint ({output_dir}/checkpoints/*.ckpt)"
-        )
-        raise CheckpointError(
-            f"ckpt_path=last: {none}; drop ckpt_path to start afresh, or use ckpt_path=auto (resumes when a "
-            "checkpoint exists, else starts afresh)"
-        )
-    return None, []
+def _check_shards(folder: Path) -> None:
+    """Raise unless every shard file that the folder's torch.distributed.checkpoint index names is there, and
+    long enough for the tensors it indexes in it (a kill mid-write leaves one short or missing)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ends: dict[str, int] = {}
+    for info in FileSystemReader(folder).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = folder / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < end:
+            raise ValueError(f"its shard {name} is {'missing' if size is None else f'cut at {size} of {end} bytes'}")
 
 
-def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
-    """A checkpoint to resume from must be a readable Lightning checkpoint of this very network: say
-    so in one line instead of failing inside ``trainer.fit`` with a traceback. (A sharded checkpoint
-    folder is checked by torch.distributed.checkpoint when it loads.)"""
-    if is_sharded_checkpoint(ckpt_path):
-        return
-    checkpoint = _read_training_checkpoint(ckpt_path)
-    saved = (checkpoint.get("hyper_parameters") or {}).get("run_config")
-    current = module.hparams.get("run_config")
-    if isinstance(saved, Mapping) and isinstance(current, Mapping):
-        _check_resume_overrides(ckpt_path, saved, current)
-    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
-    load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
-
-
-# Settings a resumed run takes from the checkpoint whatever the config says, with the reason.
-_RESTORED_ON_RESUME = {
-    "task.optimizer": "the optimizer's state and hyper-parameters (learning rate, betas, weight decay) are restored",
-    "seed": "the data order and random states are restored",
-}
-
-
-def _flatten(node: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(node, Mapping):
-        return {k: v for key, value in node.items() for k, v in _flatten(value, f"{prefix}.{key}").items()}
-    return {prefix: node}
-
-
-def _changed(saved: Any, current: Any, key: str) -> list[str]:
-    """``key=<new> (the checkpoint's: <old>)`` for every setting under ``key`` that differs; the model's copies of
-    the ``moe`` and ``mod`` groups under the names a command line gives them."""
-    old, new = _flatten(saved, key), _flatten(current, key)
-    return [
-        f"{k.removeprefix('model.') if k.startswith(('model.moe.', 'model.mod.')) else k}={new.get(k)!r} "
-        f"(the checkpoint's: {old.get(k)!r})"
-        for k in sorted(old.keys() | new.keys())
-        if old.get(k) != new.get(k)
-    ]
-
-
-def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse a model that differs from the checkpoint's run (resuming continues that run: a changed router or norm
-    would train on silently as another model), and settings that resuming would silently ignore."""
-    fix = f"train on from the checkpoint's weights with the new settings as a new run: task.init_from={ckpt_path}"
-    model_changes = _changed(saved.get("model"), current.get("model"), "model") if "model" in saved else []
-    if model_changes:
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path!r} continues its run, whose model was built with other settings: "
-            f"{', '.join(model_changes)}. Drop these overrides to resume, or {fix} without ckpt_path"
-        )
-    ignored = []
-    for key, reason in _RESTORED_ON_RESUME.items():
-        node_saved, node_current = saved, current
-        for part in key.split("."):
-            node_saved = node_saved.get(part) if isinstance(node_saved, Mapping) else None
-            node_current = node_current.get(part) if isinstance(node_current, Mapping) else None
-        if node_saved is None:
-            continue
-        changed = _changed(node_saved, node_current, key)
-        if changed:
-            ignored.append(f"{', '.join(changed)}: {reason}")
-    if ignored:
-        message = f"ckpt_path={ckpt_path!r} continues its run, which would ignore {'; '.join(ignored)}"
-        raise CheckpointError(f"{message}. Drop these overrides to resume, or {fix} without ckpt_path")
+def _first_sentence(err: Exception) -> str:
+    """``<error type>: <the first sentence of its message>``: the cause, whole, without the advice torch's load
+    errors go on with (which would contradict ours)."""
+    text = " ".join(str(err).split())
+    sentence = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
+    return f"{type(err).__name__}: {sentence}" if sentence else type(err).__name__
 
 
 def task_class(checkpoint: dict) -> type[MoETask]:

@@ -147,18 +147,58 @@ class SearchSpaceCheck(Callback):
             name = str(key).lstrip("+~")
             if str(key).startswith("+") or OmegaConf.select(job, name, default=missing) is not missing:
                 continue
-            parent, _, leaf = name.rpartition(".")
-            node = OmegaConf.select(job, parent, default=None) if parent else job
-            close = difflib.get_close_matches(leaf, list(node) if isinstance(node, DictConfig) else [], n=1)
-            hint = f"did you mean {'.'.join(filter(None, [parent, close[0]]))}?" if close else "check its spelling"
             logging.basicConfig(format="%(message)s")
             log.error(
                 "hydra.sweeper.params: %s is not a setting of this config, so no trial could set it; %s (a new key "
                 "needs a leading +)",
                 name,
-                hint,
+                _did_you_mean(job, name),
             )
             sys.exit(1)
+
+
+def _did_you_mean(config: DictConfig, key: str) -> str:
+    """``did you mean trainer.max_epochs?`` for a dotted ``key`` that ``config`` lacks (``check its spelling``
+    when no key beside it comes close)."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(config, parent, default=None) if parent else config
+    close = difflib.get_close_matches(leaf, list(node) if isinstance(node, DictConfig) else [], n=1)
+    return f"did you mean {'.'.join(filter(None, [parent, close[0]]))}?" if close else "check its spelling"
+
+
+def _check_override_keys(config_dir: Path, config_name: str, args: list[str]) -> None:
+    """A misspelt key of a single run (``trainer.max_epochz=1``): Hydra would advise adding it with ``+``, which
+    the run then refuses as a key nothing reads. Compose the config first (a fifth of a second) and, where a key
+    is not in it, stop with the setting that was meant. Anything else Hydra reports itself, as it would."""
+    if any(arg.startswith("-") for arg in args):  # -m sweeps, --cfg, --help: Hydra's own
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    def composed(overrides: list[str]) -> DictConfig:
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.3"):
+            return compose(config_name=config_name, overrides=overrides)
+
+    overrides = [arg for arg in args if "=" in arg]
+    try:
+        composed(overrides)
+        return
+    except ConfigCompositionException as err:
+        unknown = re.match(r"Could not override '([^']+)'", str(err))
+        if unknown is None or "not in struct" not in str(err.__cause__):
+            return
+        key = unknown.group(1)
+    try:
+        config = composed([o for o in overrides if o.partition("=")[0] != key])
+    except ConfigCompositionException:
+        return
+    logging.basicConfig(format="[%(name)s][%(levelname)s] - %(message)s")
+    log.error(
+        "%s is not a setting of this config; %s (a new key needs a leading +, and is refused when nothing reads it)",
+        key,
+        _did_you_mean(config, key),
+    )
+    sys.exit(1)
 
 
 def _finished_job(job_dir: Path, overrides: list[str]) -> dict | None:
@@ -258,5 +298,6 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
         return result
 
     _check_unquoted_non_ascii(sys.argv[1:])
+    _check_override_keys(config_dir, config_name, sys.argv[1:])
     use_fast_allocator()  # before anything heavy: may restart this process with tcmalloc preloaded
     main()

@@ -17,6 +17,9 @@ from typing import Any
 
 __all__ = ["check_settings"]
 
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "32", "bf16", "16", "64")
+"""``trainer.precision``'s values: Lightning's names (and its 16 / 32 / 64) and ``auto`` (the machine's best)."""
+
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -50,6 +53,24 @@ def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or check(value)
 
 
+def _seed(value: Any) -> bool:  # what numpy's and torch's generators take
+    return _whole(value) and value < 2**32
+
+
+def _epochs(value: Any) -> bool:  # Lightning's limits: -1 for none
+    return value is None or isinstance(value, int) and not isinstance(value, bool) and value >= -1
+
+
+def _devices(value: Any) -> bool:  # a count (-1: every device), "auto", a list of indices or "0,1"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value >= 1 or value == -1
+    return isinstance(value, (str, list, tuple))
+
+
+def _precision(value: Any) -> bool:  # Lightning's names, its 16 / 32 / 64, and moekit's auto
+    return value in PRECISIONS if isinstance(value, str) else value in (16, 32, 64) and not isinstance(value, bool)
+
+
 def _betas(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == 2 and all(_fraction(b) for b in value)
 
@@ -75,6 +96,29 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.scheduler.timescale": (_optional(_positive), "a number > 0 or null", "null uses the warm-up length"),
     "task.label_smoothing": (_fraction, "a number in [0, 1)", "e.g. 0.1, or 0 for none"),
     "trainer.accumulate_grad_batches": (_count, "a positive int", "1 steps after every batch"),
+    "seed": (_seed, "a whole number in [0, 2**32)", "e.g. seed=42"),
+    "trainer.max_epochs": (_epochs, "a whole number >= 0, -1 for no limit, or null", "e.g. trainer.max_epochs=10"),
+    "trainer.max_steps": (_epochs, "a whole number >= 0, or -1 for no limit", "e.g. trainer.max_steps=1000"),
+    "trainer.precision": (
+        _precision,
+        f"one of {', '.join(PRECISIONS)}",
+        "auto chooses bf16-mixed on GPUs and AMX CPUs, else 32-true",
+    ),
+    "trainer.devices": (_devices, "a positive count, -1 (all), auto, or a list of device indices", "e.g. 1"),
+    "data.num_workers": (_whole, "a whole number >= 0", "0 loads batches in the training process"),
+    "moe.num_experts": (_count, "a positive int", "e.g. moe.num_experts=8"),
+    "moe.top_k": (_count, "a positive int, at most moe.num_experts", "e.g. moe.top_k=2"),
+    "moe.capacity_factor": (
+        _optional(_positive),
+        "a number > 0 or null",
+        "null: no capacity limit (Soft MoE: moe.slots_per_expert sets the slots)",
+    ),
+    "moe.eval_capacity_factor": (
+        lambda v: v == "same" or _optional(_positive)(v),
+        "a number > 0, same or null",
+        "same: the training factor; null: no capacity limit in evaluation",
+    ),
+    "moe.slots_per_expert": (_optional(_count), "a positive int or null", "null: from moe.capacity_factor"),
     "data.batch_size": (_count, "a positive integer", "the images or sequences of one step, e.g. 128"),
     "data.eval_batch_size": (_optional(_count), "a positive integer or null", "null uses data.batch_size"),
     "callbacks.last_checkpoint_steps.every_n_train_steps": (
@@ -115,6 +159,13 @@ def check_settings(settings: Mapping[str, Any]) -> None:
         value = _get(settings, key)
         if value is not _MISSING and not valid(value):
             raise ValueError(f"{key}={value!r} must be {requirement}; {fix}")
+    moe = settings.get("moe")
+    if isinstance(moe, Mapping) and _count(moe.get("top_k")) and _count(moe.get("num_experts")):
+        if moe["top_k"] > moe["num_experts"]:
+            raise ValueError(
+                f"moe.top_k={moe['top_k']} is more than moe.num_experts={moe['num_experts']}: a token cannot choose "
+                f"more experts than there are; use moe.top_k <= {moe['num_experts']}, or more experts"
+            )
     model = settings.get("model")
     if not isinstance(model, Mapping):
         return

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
@@ -97,6 +98,13 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
                 f"{override!r} adds {key}, which nothing in the run reads; remove it, or set an existing key "
                 f"without '+' (the settings that are read live under {', '.join(sorted(_READ_NODES))})"
             )
+    _check_one_family(cfg)
+    strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
+    if isinstance(strategy, DictConfig) and "_target_" not in strategy:
+        raise ValueError(
+            f"trainer.strategy has settings ({', '.join(map(str, strategy))}) but no strategy to read them; they are "
+            "settings of trainer=ddp or trainer=fsdp: add one of them to the command"
+        )
     missing = _missing_values(cfg)
     if missing:
         example = {"ckpt_path": "ckpt_path=<run>/checkpoints/last.ckpt"}
@@ -104,7 +112,9 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"{', '.join(missing)} must be given (the config leaves {'it' if len(missing) == 1 else 'them'} ???); "
             f"add {' '.join(example.get(key, f'{key}=<value>') for key in missing)} to the command"
         )
-    check_settings(_resolved_nodes(cfg, ("task", "trainer", "model", "data", "callbacks", *QUANTIZE_KEYS)))
+    check_settings(
+        _resolved_nodes(cfg, ("task", "trainer", "model", "moe", "data", "callbacks", "seed", *QUANTIZE_KEYS))
+    )
     for group in ("callbacks", "logger"):
         check_group_entries(cfg.get(group), group)
     _check_hf_folder(OmegaConf.select(cfg, "task.init_from", default=None))
@@ -127,6 +137,49 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
         )
     if depth is not None and causal:
         depth.check_causal(what)
+
+
+# What each model, data and task target works on: a run's three must agree (their configs refer to each other's keys).
+_FAMILIES = {
+    "moekit.models.create_model": "images",
+    "moekit.data.ImageClassificationDataModule": "images",
+    "moekit.tasks.ImageClassifier": "images",
+    "moekit.models.TransformerLM": "text",
+    "moekit.models.LSTMMoELM": "text",
+    "moekit.data.TextDataModule": "text",
+    "moekit.tasks.LanguageModel": "text",
+}
+_EXPERIMENT_OF = {"images": "experiment=soft_moe_vit", "text": "experiment=moe_transformer_lm"}
+
+
+def family_of(target: str) -> str | None:
+    """``"images"`` or ``"text"``: what a model, data or task ``_target_`` (or its class name, ``LanguageModel``)
+    works on; None for another."""
+    name = target.rpartition(".")[2]
+    return next((family for known, family in _FAMILIES.items() if known.rpartition(".")[2] == name), None)
+
+
+def group_choice(group: str, target: str) -> str:
+    """``data=pydoc_text``: the option of ``group`` the command chose (Hydra's record), else ``data TextDataModule``."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    return f"{group}={choices[group]}" if choices.get(group) else f"{group} {target.rpartition('.')[2]}"
+
+
+def _check_one_family(cfg: DictConfig) -> None:
+    """A ViT with text data, a language model with the classification task, ...: refused with the groups that
+    disagree (their configs would fail on each other's missing keys, ``data.num_classes`` or ``data.vocab_size``)."""
+    kinds = {}
+    for group in ("model", "data", "task"):
+        target = str(OmegaConf.select(cfg, f"{group}._target_", default=""))
+        if family_of(target):
+            kinds[group] = (target, family_of(target))
+    if len({family for _, family in kinds.values()}) > 1:
+        parts = [f"{group_choice(group, target)} ({family})" for group, (target, family) in kinds.items()]
+        raise ValueError(
+            f"the run's {', '.join(parts)} do not go together; choose model=, data= and task= of one kind, or start "
+            f"from an experiment of that kind ({_EXPERIMENT_OF['images']} for images, {_EXPERIMENT_OF['text']} for "
+            "text) and change its groups within the kind"
+        )
 
 
 def _check_hf_folder(init_from: Any) -> None:

@@ -45,12 +45,19 @@ __all__ = [
     "ResumableExperimentWriter",
     "ResumableTensorBoardLogger",
     "log_before_checkpoint",
+    "logging_step",
     "log_positions",
     "read_metrics_csv",
     "resume_logs",
 ]
 
 log = logging.getLogger("moekit")
+
+
+def logging_step(trainer: Any) -> int:
+    """The step Lightning logs a training step's metrics at (the optimizer steps taken before it): every
+    callback that logs its own figures uses it, so that they line up with Lightning's in TensorBoard."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def log_before_checkpoint(trainer: Any) -> None:
@@ -64,7 +71,7 @@ def log_before_checkpoint(trainer: Any) -> None:
         return
     fit_loop, connector = trainer.fit_loop, trainer._logger_connector
     batches, epochs = fit_loop.epoch_loop.batch_progress.current, fit_loop.epoch_progress.current
-    step = fit_loop.epoch_loop._batches_that_stepped
+    step = logging_step(trainer)
     if batches.processed == batches.completed + 1:  # on_train_batch_end: the step's row comes after it
         if fit_loop._should_accumulate() or not connector.should_update_logs:
             return

@@ -12,7 +12,7 @@ Two arms, the same layer, tokens and weights on every rank:
 A step is forward + backward + gradient sync of ``--layers`` stacked layers (``x + moe(norm(x))``)
 on ``--tokens`` tokens per rank; the first ``--warmup`` steps are left out. Bytes are counted where
 they leave a rank: all-to-all rows bound for other ranks, and ``2 (W - 1) / W`` of each all-reduced
-bucket (a ring all-reduce). The cost model for GPUs is in the README (bytes per token per layer).
+bucket (a ring all-reduce). The cost model for GPUs (bytes per token and layer) is in docs/distributed.md.
 
     python scripts/bench_parallel.py                 # W = 2 and 4, Soft MoE and top-2 (~2 min, 2 cores)
     python scripts/bench_parallel.py --worlds 2 --steps 5 --warmup 1   # a smoke run

@@ -33,7 +33,8 @@ sets every tuned layer's ``eval_capacity_factor`` (V-MoE raises capacity at infe
 the layers' own.
 
 Logged every ``update_every`` steps to every logger: ``capacity/<layer>/factor`` (the factor the
-drop rate was measured at) and ``capacity/<layer>/drop_rate`` (the smoothed drop rate).
+drop rate was measured at) and ``capacity/<layer>/drop_rate`` (the smoothed drop rate), at the step
+Lightning logs the same batch's metrics at (as :class:`~moekit.callbacks.ExpertLoadMonitor` does).
 
 The factors, windows and counters are saved in checkpoints (:meth:`CapacityTuner.state_dict`), so a
 resumed run continues exactly as an uninterrupted one (on one device; under data parallelism the
@@ -55,6 +56,7 @@ import torch
 from lightning import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 
+from moekit.loggers import logging_step
 from moekit.moe import ExpertsChoiceMoE, MoELayer, moe_layers
 
 __all__ = ["CapacityTuner", "capacity_limited_layers"]
@@ -326,7 +328,7 @@ class CapacityTuner(Callback):
         metrics = self.step(reduce=lambda t: trainer.strategy.reduce(t, reduce_op="mean"))
         if metrics:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=logging_step(trainer))
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -42,6 +42,7 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.fabric.loggers import TensorBoardLogger
 from torch import Tensor, nn
 
+from moekit.loggers import logging_step
 from moekit.moe import RoutingModule, routing_modules
 
 __all__ = ["ExpertLoadMonitor", "RoutingStatsSums", "LayerFigures", "load_heatmap"]
@@ -285,7 +286,7 @@ class ExpertLoadMonitor(Callback):
     def _log(self, trainer: Trainer, prefix: str, figures: Mapping[str, LayerFigures]) -> None:
         """Scalars to every logger, histograms and the heatmap to TensorBoard loggers, at the step
         Lightning logs its own metrics at (loggers write on rank 0 only)."""
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = logging_step(trainer)
         scalars = {
             f"{prefix}/{layer}/{name}": value
             for layer, figure in figures.items()

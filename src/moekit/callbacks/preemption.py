@@ -57,14 +57,18 @@ class Preempted(SystemExit):
 
 
 def resume_command(checkpoint: Path) -> str:
-    """The command line that continues this run: the script with its overrides, ``ckpt_path`` set to
-    ``checkpoint`` (``ckpt_path=<checkpoint>`` alone outside a Hydra script)."""
+    """The command line that continues this run in its own folder (one set of logs, as if never stopped): the
+    script with its overrides, the run's folder (``hydra.run.dir``, unless ``paths.output_dir`` was given) and
+    ``ckpt_path`` set to ``checkpoint`` (``ckpt_path=<checkpoint>`` alone outside a Hydra script)."""
     from hydra.core.hydra_config import HydraConfig
 
     resume = f"ckpt_path={shlex.quote(str(checkpoint))}"
     if not HydraConfig.initialized() or not sys.argv or not sys.argv[0].endswith(".py"):
         return resume
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith("ckpt_path=")]
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith("ckpt_path=")]
+    if not any(o.lstrip("+~").startswith("paths.output_dir=") for o in overrides):
+        overrides.append(f"hydra.run.dir={hydra_cfg.runtime.output_dir}")
     return " ".join(["python", shlex.quote(sys.argv[0]), *map(shlex.quote, overrides), resume])
 
 

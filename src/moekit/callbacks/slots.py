@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from torchvision.utils import make_grid
 
+from moekit.loggers import logging_step
 from moekit.moe import SoftMoE, moe_layers
 
 __all__ = [
@@ -110,7 +111,8 @@ def select_slots(slots: SlotChoice, num_slots: int) -> list[int]:
 def dispatch_weights(model: nn.Module, images: Tensor, layer: str | int | None = None) -> Tensor:
     """Dispatch weights ``[B, M, S]`` (float32; ``M`` tokens, prefix tokens first; each slot's column
     sums to 1 over tokens) of the chosen Soft MoE layer when ``model`` (in eval mode) runs on
-    ``images [B, C, H, W]``."""
+    ``images [B, C, H, W]``. Under FSDP or expert parallelism the forward holds collectives: every rank
+    must call this together."""
     _, soft_moe = select_soft_moe_layer(model, layer)
     captured: list[Tensor] = []
 
@@ -120,7 +122,8 @@ def dispatch_weights(model: nn.Module, images: Tensor, layer: str | int | None =
         captured.append(module.routing_weights(x, padding_mask)[0].float())
 
     was_training = model.training
-    handle = soft_moe.register_forward_hook(capture, with_kwargs=True)
+    # prepend: run before FSDP's own post-forward hook reshards the layer's parameters
+    handle = soft_moe.register_forward_hook(capture, with_kwargs=True, prepend=True)
     try:
         model.eval()
         model(images)
@@ -327,18 +330,24 @@ class SlotPictureLogger(Callback):
         return self._images
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
-            return
-        if (trainer.current_epoch + 1) % self.every_n_epochs:
+        """Draw the slot pictures and log them to the TensorBoard loggers, at the step Lightning logs its
+        own metrics at. Every rank runs the forward on the same images: under FSDP (parameter all-gathers)
+        or expert parallelism (expert all-to-all) it holds collectives that all ranks must join; only rank 0
+        draws and logs."""
+        if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         loggers = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
-        if not loggers:
+        if not loggers:  # the same loggers on every rank: all ranks skip the forward together
             if not self._warned:
                 rank_zero_warn("SlotPictureLogger: no TensorBoardLogger among the loggers; no slot pictures logged")
                 self._warned = True
             return
         images = self._validation_images(trainer).to(pl_module.device)
+        network = self._network(pl_module)
         with trainer.precision_plugin.forward_context():
-            grid = slot_picture_grid(self._network(pl_module), images, self.slots, self.layer, self.upscale, self.alpha)
+            if not trainer.is_global_zero:
+                dispatch_weights(network, images, self.layer)  # the forward rank 0 runs, for its collectives
+                return
+            grid = slot_picture_grid(network, images, self.slots, self.layer, self.upscale, self.alpha)
         for logger in loggers:
-            logger.experiment.add_image(self.tag, grid, global_step=trainer.global_step)
+            logger.experiment.add_image(self.tag, grid, global_step=logging_step(trainer))

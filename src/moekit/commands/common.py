@@ -1,5 +1,5 @@
-"""What the commands share: the precision ``auto`` stands for, the dataset a checkpoint is tested on, the exit
-status of a phase a signal ended, and the lines a command prints at its end."""
+"""What the commands share: the precision ``auto`` stands for, the dataset a checkpoint is tested on, the device
+the inference scripts run on, the exit status of a phase a signal ended, and the lines a command prints at its end."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from lightning import LightningDataModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from moekit.configs import instantiate
+from moekit.configs import family_of, group_choice, instantiate
 from moekit.tasks import MoETask
 from moekit.utils.machine import resolve_precision
 
-__all__ = ["choose_precision", "datamodule_for", "signal_ends_phase", "where", "floats"]
+__all__ = ["choose_precision", "datamodule_for", "inference_device", "signal_ends_phase", "where", "floats"]
 
 log = logging.getLogger("moekit")
 
@@ -54,6 +54,14 @@ def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
             raise ValueError(f"the checkpoint {cfg.ckpt_path!r} does not record its dataset; pass data=<dataset>")
         data_cfg = OmegaConf.create(run_config["data"])
         return instantiate(data_cfg, _convert_="all")
+    target = str(data_cfg.get("_target_", ""))
+    trained_on, given = family_of(type(module).__name__), family_of(target)
+    if trained_on and given and trained_on != given:
+        raise ValueError(
+            f"{group_choice('data', target)} holds {given}, but the checkpoint {cfg.ckpt_path!r} holds a model of "
+            f"{trained_on} ({type(module).__name__}); give data of that kind, or leave data unset to use the "
+            "checkpoint's own dataset"
+        )
     datamodule = instantiate(data_cfg, _convert_="all")
     # A dataset other than the checkpoint's must have the shapes its network was built for.
     net_cfg = module.hparams.get("net") or {}
@@ -66,6 +74,23 @@ def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
                 "shape, or leave data unset to use the checkpoint's own dataset"
             )
     return datamodule
+
+
+def inference_device(value: Any) -> torch.device:
+    """The ``device=`` of the inference scripts, refused with the fix when torch does not know it or this machine
+    lacks it (where ``module.to`` would fail with a traceback)."""
+    try:
+        device = torch.device(str(value))
+    except RuntimeError:
+        raise ValueError(f"device={value!r} is not a device; use device=cpu, or device=cuda (cuda:1, ...)") from None
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"device={value} but this machine has {count} CUDA GPU(s); use device=cpu or device=cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={value} but this machine has no CUDA GPU; use device=cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={value}: the scripts run on cpu or cuda; use device=cpu or device=cuda")
+    return device
 
 
 def where(trainer: Trainer) -> str:

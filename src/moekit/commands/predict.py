@@ -18,6 +18,8 @@ from moekit.errors import check_writable_dir
 from moekit.tasks import ImageClassifier
 from moekit.utils.atomic import write_text_atomic
 
+from .common import inference_device
+
 __all__ = ["IMAGE_SUFFIXES", "image_paths", "predict"]
 
 log = logging.getLogger("moekit")
@@ -65,7 +67,7 @@ def predict(cfg: DictConfig) -> list[dict]:
     names = module.class_names or [f"class {i}" for i in range(num_classes)]
     paths = image_paths(str(cfg.inputs))
     k = min(cfg.top_k, num_classes)
-    device = torch.device(cfg.device)
+    device = inference_device(cfg.device)
     module.to(device)
     rows = []
     for start in range(0, len(paths), cfg.batch_size):

@@ -6,10 +6,10 @@ import torch
 from omegaconf import DictConfig
 
 from moekit.checkpoint import load_task
-from moekit.models.generate import generate, tokens_run
+from moekit.models.generate import check_generation, generate, tokens_run
 from moekit.tasks import LanguageModel
 
-from .common import datamodule_for
+from .common import datamodule_for, inference_device
 
 __all__ = ["sample"]
 
@@ -21,7 +21,7 @@ def sample(cfg: DictConfig) -> list[str]:
     module = load_task(cfg.ckpt_path)
     if not isinstance(module, LanguageModel):
         raise ValueError(
-            f"ckpt_path={cfg.ckpt_path!r} holds a {type(module).__name__}, not a language model; "
+            f"ckpt_path={cfg.ckpt_path!r} holds a model of type {type(module).__name__}, not a language model; "
             "sample from a checkpoint of a language-model experiment (e.g. experiment=moe_transformer_lm)"
         )
     tokenizer = datamodule_for(cfg, module).tokenizer
@@ -30,6 +30,7 @@ def sample(cfg: DictConfig) -> list[str]:
         raise ValueError(f"prompt={cfg.prompt!r} encodes to no tokens; give a prompt of at least one character")
     if cfg.num_samples < 1:
         raise ValueError(f"num_samples={cfg.num_samples} must be >= 1")
+    check_generation(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)  # before the stream prints
     max_seq_len = getattr(module.net, "max_seq_len", None)
     if not cfg.slide and max_seq_len is not None and tokens_run(len(prompt_ids), cfg.max_new_tokens) > max_seq_len:
         raise ValueError(
@@ -37,7 +38,7 @@ def sample(cfg: DictConfig) -> list[str]:
             f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len + 1 - len(prompt_ids))}, "
             "shorten the prompt, or set slide=true (a sliding window over the last max_seq_len tokens)"
         )
-    device = torch.device(cfg.device)
+    device = inference_device(cfg.device)
     net = module.net.to(device)
     prompt = torch.tensor([prompt_ids] * cfg.num_samples, device=device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)

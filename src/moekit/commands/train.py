@@ -15,10 +15,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from moekit.analysis.records import RESULTS_FILE, build_run_record
 from moekit.callbacks import RoutingReport, ThroughputMonitor
-from moekit.checkpoint import RESUME_ALIASES, check_ckpt_path, check_resume_checkpoint, find_resume_checkpoint
+from moekit.checkpoint import check_ckpt_path
 from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_summary
+from moekit.resume import RESUME_ALIASES, check_resume_checkpoint, find_resume_checkpoint
 from moekit.tasks import ImageClassifier, LanguageModel, MoETask
 from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
 from moekit.utils.machine import check_accelerator

@@ -18,12 +18,11 @@ from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
-from torchvision.datasets import ImageFolder
 from torchvision.transforms.functional import pil_to_tensor
 
 from .cifar import load_cifar
 from .fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist, locate_fashion_mnist
-from .imagefolder import imagefolder_class_names, imagefolder_split_dirs, read_rgb_image
+from .imagefolder import imagefolder_class_names, imagefolder_split_dirs, open_imagefolder_split
 from .in_memory import BatchTransform, ImageArrays, InMemoryImageDataset, keep_batch
 from .resumable import ResumableTrainOrderMixin
 
@@ -281,11 +280,11 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
             )
         else:
             train_transform = eval_transform
-        train_folder = ImageFolder(str(self.split_dirs["train"]), transform=train_transform, loader=read_rgb_image)
+        train_folder = open_imagefolder_split(self.split_dirs["train"], train_transform)
         self._split_indices(len(train_folder), 0)  # validation comes from val/
         self.train_set = Subset(train_folder, self._limited_train_indices())
-        self.val_set = ImageFolder(str(self.split_dirs["val"]), transform=eval_transform, loader=read_rgb_image)
-        self.test_set = ImageFolder(str(self.split_dirs["test"]), transform=eval_transform, loader=read_rgb_image)
+        self.val_set = open_imagefolder_split(self.split_dirs["val"], eval_transform)
+        self.test_set = open_imagefolder_split(self.split_dirs["test"], eval_transform)
         self._train_labels = torch.tensor(train_folder.targets, dtype=torch.int64)
         self._train_eval_set = copy.copy(train_folder)
         self._train_eval_set.transform = eval_transform

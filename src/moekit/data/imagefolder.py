@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from PIL import Image
+from torchvision.datasets import ImageFolder
 
-__all__ = ["UnreadableImageError", "imagefolder_class_names", "imagefolder_split_dirs", "read_rgb_image"]
+__all__ = [
+    "UnreadableImageError",
+    "imagefolder_class_names",
+    "imagefolder_split_dirs",
+    "open_imagefolder_split",
+    "read_rgb_image",
+]
 
 
 class UnreadableImageError(ValueError):
@@ -60,6 +68,17 @@ def imagefolder_split_dirs(root: str | os.PathLike[str]) -> dict[str, Path]:
                 f"imagefolder: class folders of {dirs[split]} differ from {dirs['train']}: {difference[:10]}"
             )
     return dirs
+
+
+def open_imagefolder_split(split_dir: Path, transform: Callable | None) -> ImageFolder:
+    """torchvision's ``ImageFolder`` of one split, read with :func:`read_rgb_image`; a class folder without an
+    image is refused naming the split's folder (torchvision names only the class)."""
+    try:
+        return ImageFolder(str(split_dir), transform=transform, loader=read_rgb_image)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"imagefolder: {split_dir}: {err} Put each class's images in its folder ({split_dir}/<class>/<image>)"
+        ) from None
 
 
 def imagefolder_class_names(split_dir: Path) -> list[str]:

@@ -18,7 +18,14 @@ from torch import Tensor, nn
 
 from .lm_common import check_seq_len
 
-__all__ = ["sample_next_token", "generate", "tokens_run"]
+__all__ = ["sample_next_token", "generate", "tokens_run", "check_generation"]
+
+
+def check_generation(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """:func:`generate`'s own arguments, checked before any work (``ValueError`` naming the bad one)."""
+    _check_sampling(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -114,9 +121,7 @@ def generate(
             ``slide``, ``T0 + max_new_tokens - 1`` tokens to run beyond the model's ``max_seq_len`` (:func:`tokens_run`,
             checked before any work).
     """
-    _check_sampling(temperature, top_k, top_p)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
+    check_generation(max_new_tokens, temperature, top_k, top_p)
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
         shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__
         raise ValueError(f"prompt_ids of shape {shape}; expected [batch, tokens] with at least one token per row")

@@ -32,6 +32,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from moekit.utils.machine import check_fits_in_memory
+
+from .experts import FIT_FIX, experts_built_on_meta
+
 __all__ = [
     "MoELayer",
     "MlpSpec",
@@ -269,7 +273,23 @@ class MoELayer(RoutingModule):
         configs = split_settings(name, {**self.defaults, **settings}, self.configs)
         self.in_features = mlp.in_features
         self.out_features = mlp.out_features
+        self._refuse_what_cannot_fit(mlp, configs, device, dtype)
         self.build(mlp, *configs, device=device, dtype=dtype)
+
+    def _refuse_what_cannot_fit(self, mlp: MlpSpec, configs: Sequence[Any], device, dtype) -> None:
+        """Build the layer on the meta device first (no memory, no random draws) and refuse it, before any weight
+        is allocated, when its weights exceed the memory ``device`` has left: the router's and the slots' weights
+        grow with the experts too. Skipped where the layer is meant for the meta device (its own ``device``,
+        the default device, :func:`~moekit.moe.experts.experts_on_meta`)."""
+        target = torch.device(device) if device is not None else torch.get_default_device()
+        if target.type == "meta" or experts_built_on_meta():
+            return
+        self.build(mlp, *configs, device="meta", dtype=dtype)
+        tensors = [*self.parameters(), *self.buffers()]
+        what = f"{type(self).__name__}({self.extra_repr()}) with {sum(t.numel() for t in tensors):,} weights"
+        for attrs in (self._parameters, self._buffers, self._modules):  # the real build starts afresh
+            attrs.clear()
+        check_fits_in_memory(sum(t.numel() * t.element_size() for t in tensors), target, what, FIT_FIX)
 
     @classmethod
     def settings(cls) -> list[str]:

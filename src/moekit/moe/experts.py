@@ -59,6 +59,14 @@ def expert_activation(h: Tensor, act: nn.Module, gated: bool) -> Tensor:
 _EXPERTS_ON_META: ContextVar[bool] = ContextVar("experts_on_meta", default=False)
 
 
+FIT_FIX = "use fewer experts (moe.num_experts) or smaller ones (moe.granularity, mlp_ratio)"
+
+
+def experts_built_on_meta() -> bool:
+    """Whether new :class:`ExpertBank` weights go to the meta device here (inside :func:`experts_on_meta`)."""
+    return _EXPERTS_ON_META.get()
+
+
 @contextmanager
 def experts_on_meta() -> Iterator[None]:
     """Within this context new :class:`ExpertBank` weights live on the meta device (no memory): a model
@@ -127,8 +135,7 @@ class ExpertBank(nn.Module):
         dd = {"device": device, "dtype": dtype}
         weights = in_features * fc1_out + hidden_features * out_features
         what = f"ExpertBank: num_experts={num_experts} experts of {weights:,} weights each"
-        fix = "use fewer experts (moe.num_experts) or smaller ones (moe.granularity, mlp_ratio)"
-        check_fits_in_memory(num_experts * weights * torch.empty((), dtype=dtype).element_size(), device, what, fix)
+        check_fits_in_memory(num_experts * weights * torch.empty((), dtype=dtype).element_size(), device, what, FIT_FIX)
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, in_features, fc1_out, **dd))
         self.fc1_bias = nn.Parameter(torch.empty(num_experts, fc1_out, **dd)) if bias1 else None
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_features, out_features, **dd))

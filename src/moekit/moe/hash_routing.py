@@ -68,8 +68,9 @@ class HashRouter(Router):
             table = torch.empty(config.vocab_size, dtype=torch.long)
             table[torch.randperm(config.vocab_size, generator=generator)] = ids % config.num_experts
         self.register_buffer("expert_of_token", table.to(device))
-        self.register_buffer("table_fitted", torch.tensor(config.hash_method in ("random", "modulo"), device=device))
-        self._fitted = bool(self.table_fitted)  # host copy: forwards never read the device
+        fitted = config.hash_method in ("random", "modulo")
+        self.register_buffer("table_fitted", torch.tensor(fitted, device=device))
+        self._fitted = fitted  # host copy: forwards never read the device
         self.register_load_state_dict_post_hook(_read_fitted_flag)
 
     @property

@@ -165,11 +165,12 @@ def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: 
         )
     if causal and mixes_tokens(spec):
         if spec["layer"] in _BALANCE_SCOPE_LAYERS:
-            fix = "set moe.balance_scope=position (each expert takes its share of the tokens at each position)"
+            fix = f"set {_override(spec, 'balance_scope', 'position')} (each expert takes its share of each position)"
         elif spec["layer"] in _CAPACITY_LAYERS:
             fix = (
-                "set moe.capacity_scope=position (tokens compete per position) or make it dropless "
-                "(moe.capacity_factor=null moe.eval_capacity_factor=null)"
+                f"set {_override(spec, 'capacity_scope', 'position')} (tokens compete per position) or make it "
+                f"dropless ({_override(spec, 'capacity_factor', 'null')} "
+                f"{_override(spec, 'eval_capacity_factor', 'null')})"
             )
         else:
             fix = "use a per-token router: moe=mixtral, moe=deepseek, moe=noisy_top_k, moe=hash or moe=dense_moe"
@@ -181,8 +182,13 @@ def check_fits(spec: Mapping[str, Any], *, model: str, causal: bool, token_ids: 
         raise ValueError(
             f"{what} counts capacity per group of a sequence's tokens (capacity_scope=group), which a cached decode "
             f"must carry from token to token; {model} does not (the Transformer LM does). Set "
-            "moe.capacity_scope=position"
+            f"{_override(spec, 'capacity_scope', 'position')}"
         )
+
+
+def _override(spec: Mapping[str, Any], key: str, value: str) -> str:
+    """The override that sets ``moe.<key>``: with a leading ``+`` where the recipe's file does not list the key."""
+    return f"{'' if key in spec else '+'}moe.{key}={value}"
 
 
 def check_expert_parallel(spec: Mapping[str, Any], size: int) -> None:
