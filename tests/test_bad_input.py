@@ -891,6 +891,20 @@ def test_an_unreadable_image_error_names_the_file(tmp_path):
         read_rgb_image(str(truncated))
 
 
+def test_a_refused_resume_into_the_runs_own_folder_keeps_the_runs_record(inputs, tmp_path):
+    """Hydra rewrites ``<run>/.hydra`` with the command's config before the run starts: a refused command puts
+    the run's own record back."""
+    run = Path(shutil.copytree(inputs["good"], tmp_path / "run"))
+    (run / ".hydra").mkdir()
+    record = {name: f"# the run's own {name}\n- seed=42\n" for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
+    for name, text in record.items():
+        (run / ".hydra" / name).write_text(text)
+    args = [*FAST, f"data.root={inputs['fm']}", f"hydra.run.dir={run}", f"ckpt_path={run}/checkpoints/last.ckpt"]
+    result = run_script("train.py", *args, "task.optimizer.lr=0.5", cwd=REPO)
+    assert result.returncode == 1 and "task.optimizer.lr=0.5 (the checkpoint's:" in result.stderr + result.stdout
+    assert {p.name: p.read_text() for p in (run / ".hydra").glob("*.yaml")} == record
+
+
 def test_a_class_folder_without_images_names_its_split(tmp_path):
     from moekit.data.imagefolder import open_imagefolder_split
 

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from moekit.configs import check_composed
 from moekit.console import tidy_library_output
 from moekit.utils.allocator import use_fast_allocator
-from moekit.utils.atomic import write_json_atomic
+from moekit.utils.atomic import write_json_atomic, write_text_atomic
 
 __all__ = ["RunDirCheck", "SearchSpaceCheck", "SweepSummary", "run_script", "user_message"]
 
@@ -243,6 +243,22 @@ def _check_unquoted_non_ascii(args: list[str]) -> None:
             sys.exit(1)
 
 
+def _earlier_run_record(args: list[str]) -> dict[Path, str]:
+    """The ``.hydra/*.yaml`` of an existing run folder that a command runs into again (``hydra.run.dir=<run>``, as a
+    resume does): Hydra rewrites them with this command's config before it starts, so a command that is refused
+    writes them back (:func:`_put_back`), and the folder keeps the record of the run it holds."""
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "hydra.run.dir" and (Path(value) / ".hydra").is_dir():
+            return {path: path.read_text() for path in (Path(value) / ".hydra").glob("*.yaml")}
+    return {}
+
+
+def _put_back(record: dict[Path, str]) -> None:
+    for path, text in record.items():
+        write_text_atomic(path, text)
+
+
 def _resolve(fn: Callable[[DictConfig], Any] | str) -> Callable[[DictConfig], Any]:
     if callable(fn):
         return fn
@@ -276,6 +292,7 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
             if in_sweep:
                 return _job_failed(err, user_error=True)
             log.error("%s", err)
+            _put_back(earlier_run)
             sys.exit(1)
         function = _resolve(fn)
         tidy_library_output()  # once the command's libraries are imported
@@ -287,9 +304,11 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
             if in_sweep:
                 return _job_failed(err, user_error=True)
             log.error("%s", user_message(err))
+            _put_back(earlier_run)
             sys.exit(1)
         except Exception as err:
             if not in_sweep:
+                _put_back(earlier_run)
                 raise
             return _job_failed(err, user_error=False)
         if in_sweep:
@@ -299,5 +318,6 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
 
     _check_unquoted_non_ascii(sys.argv[1:])
     _check_override_keys(config_dir, config_name, sys.argv[1:])
+    earlier_run = _earlier_run_record(sys.argv[1:])
     use_fast_allocator()  # before anything heavy: may restart this process with tcmalloc preloaded
     main()
