@@ -171,8 +171,9 @@ def _check_one_family(cfg: DictConfig) -> None:
     kinds = {}
     for group in ("model", "data", "task"):
         target = str(OmegaConf.select(cfg, f"{group}._target_", default=""))
-        if family_of(target):
-            kinds[group] = (target, family_of(target))
+        family = family_of(target)
+        if family:
+            kinds[group] = (target, family)
     if len({family for _, family in kinds.values()}) > 1:
         parts = [f"{group_choice(group, target)} ({family})" for group, (target, family) in kinds.items()]
         raise ValueError(
