@@ -267,6 +267,9 @@ def test_measuring_a_layer_first_leaves_its_random_draws_alone(monkeypatch):
         return [*layer.state_dict().values(), torch.randn(4)]
 
     measured = build()
+    assert (
+        len(build_moe_layer("strictly_balanced", in_features=16, hidden_features=32)._load_state_dict_post_hooks) == 1
+    )  # not twice
     monkeypatch.setattr(MoELayer, "_refuse_what_cannot_fit", lambda *args: None)
     for a, b in zip(measured, build(), strict=True):
         assert torch.equal(a, b)

@@ -284,11 +284,12 @@ class MoELayer(RoutingModule):
         target = torch.device(device) if device is not None else torch.get_default_device()
         if target.type == "meta" or experts_built_on_meta():
             return
+        before = {key: value.copy() if isinstance(value, dict) else value for key, value in vars(self).items()}
         self.build(mlp, *configs, device="meta", dtype=dtype)
         tensors = [*self.parameters(), *self.buffers()]
         what = f"{type(self).__name__}({self.extra_repr()}) with {sum(t.numel() for t in tensors):,} weights"
-        for attrs in (self._parameters, self._buffers, self._modules):  # the real build starts afresh
-            attrs.clear()
+        vars(self).clear()  # the real build starts afresh: no modules, attributes or hooks of the measuring one
+        vars(self).update(before)
         check_fits_in_memory(sum(t.numel() * t.element_size() for t in tensors), target, what, FIT_FIX)
 
     @classmethod
