@@ -89,24 +89,34 @@ def test_machine_settings_in_configs_local_default_are_composed(tmp_path):
     assert compose(configs, "train", [], tmp_path).paths.data_dir == "/machine/data"
 
 
-def _readme_train_commands() -> list[str]:
-    """The single runs ``python scripts/train.py ...`` the README shows (no sweeps, no ``<placeholder>``)."""
-    lines = (REPO / "README.md").read_text().splitlines()
-    commands = [line.split("#")[0].split()[2:] for line in lines if line.startswith("python scripts/train.py ")]
-    return [" ".join(words) for words in commands if "-m" not in words and not any("<" in w for w in words)]
+def _documented_train_commands() -> list[str]:
+    """The single runs ``python scripts/train.py ...`` the README and docs/ show, each once (no sweeps, no
+    ``<placeholder>``, no command continued on the next line)."""
+    lines = [
+        line
+        for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+        for line in doc.read_text().splitlines()
+    ]
+    start = "python scripts/train.py "
+    commands = [line[line.index(start) :].split("#")[0].split("`")[0].split()[2:] for line in lines if start in line]
+    usable = [
+        words for words in commands if "-m" not in words and not any("<" in w or "..." in w or w == "\\" for w in words)
+    ]
+    return sorted({" ".join(words) for words in usable})
 
 
-@pytest.mark.parametrize("command", _readme_train_commands())
-def test_each_train_command_of_the_readme_builds_its_model(command, tmp_path):
-    """What the README tells users to type composes, passes the config checks and builds the model it describes:
-    MoE layers of the recipe named, none for ``moe=none``."""
+@pytest.mark.parametrize("command", _documented_train_commands())
+def test_each_documented_train_command_builds_its_model(command, tmp_path):
+    """What the README and docs tell users to type composes, passes the config checks and builds the model it
+    describes: MoE layers of the recipe named, none for ``moe=none``."""
     overrides = command.split()
     cfg = compose_config("train", overrides, tmp_path)
     check_composed(cfg, overrides)
     spec = resolve_recipe(OmegaConf.to_container(cfg.moe))
     layers = [m for m in instantiate(cfg.model).modules() if isinstance(m, MoELayer)]
-    if "moe=none" in overrides:
-        assert spec is None and not layers
+    assert spec is None or "moe=none" not in overrides, "moe=none composes no recipe"
+    if spec is None:
+        assert not layers, "no recipe (moe=none, a dense experiment): no MoE layer"
     else:
         assert layers and all(layer.num_experts == spec["num_experts"] for layer in layers)
         if "moe=switch" in overrides:
