@@ -35,7 +35,7 @@ from .capacity import experts_choice_capacity
 from .dispatch import combine, dispatch, plan_dispatch
 from .experts import ExpertsConfig
 from .losses import batchwise_threshold_loss, router_z_loss
-from .routing import logit_checksum, router_logits, router_weight
+from .routing import logit_checksum, reset_own_parameters, router_logits, router_weight
 from .stats import strictly_balanced_stats
 
 __all__ = ["StrictlyBalancedMoE"]
@@ -89,6 +89,13 @@ class StrictlyBalancedMoE(MoELayer):
         self._thresholds_set = False  # host copy of the buffer, so that forwards never read it from the device
         self.register_load_state_dict_post_hook(_read_host_flag)
         self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The router redrawn, the thresholds unset (also for a layer built on the meta device)."""
+        reset_own_parameters(self, ("router_weight",))
+        self.thresholds_set.fill_(False)
+        self._thresholds_set = False
 
     @property
     def causal_safe(self) -> bool:

@@ -316,10 +316,10 @@ class MoELayer(RoutingModule):
 
     def _check_input(self, x: Tensor) -> None:
         dim = self.in_features
-        if x.dim() != 3 or x.shape[-1] != dim:
+        if x.dim() != 3 or x.shape[-1] != dim or 0 in x.shape[:2]:
             raise ValueError(
                 f"{type(self).__name__}: input of shape {tuple(x.shape)} - expected [batch, tokens, {dim}] "
-                f"(in_features={dim})"
+                f"(in_features={dim}) with batch and tokens at least 1; skip the layer for an empty batch"
             )
 
 
@@ -370,8 +370,7 @@ def collect_moe_outputs(model: nn.Module) -> MoEOutputs:
         moe = collect_moe_outputs(model)
         loss = F.cross_entropy(logits, labels) + moe.aux_loss
 
-    Each layer overwrites its record on every forward, so a layer that did not run in the latest
-    forward still reports its previous values.
+    Each layer overwrites its record on every forward: one that did not run in the latest reports its previous values.
     """
     total: Tensor | None = None
     per_name: dict[str, Tensor] = {}

@@ -18,7 +18,7 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .expert_dropping import OverpoweringExperts, check_margin
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import logit_checksum, router_logits, router_weight
+from .routing import logit_checksum, reset_own_parameters, router_logits, router_weight
 from .stats import dense_mixture_stats
 
 __all__ = ["DenseMoE"]
@@ -65,6 +65,9 @@ class DenseMoE(MoELayer):
             else OverpoweringExperts(self.num_experts, config.overpower_margin, device=device)
         )
         self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        reset_own_parameters(self, ("gate_hidden_weight", "router_weight"))
 
     def gate_logits(self, x_ND: Tensor) -> Tensor:
         """The gating network's logits ``[N, E]`` in float32."""

@@ -81,14 +81,20 @@ class DepthRouter(RoutingModule):
         self.causal = causal
         self.top_c_in_eval = False
         self.weight = nn.Parameter(torch.empty(1, dim, device=device))
-        nn.init.trunc_normal_(self.weight, std=ROUTER_INIT_STD)
-        self.bias = nn.Parameter(torch.zeros((), device=device))
+        self.bias = nn.Parameter(torch.empty((), device=device))
+        self.reset_parameters()
         self.predictor: nn.Sequential | None = None
         if causal and spec.causal_router == "predictor":
             hidden = spec.predictor_hidden or max(1, dim // 4)
             self.predictor = nn.Sequential(
                 nn.Linear(dim, hidden, device=device), nn.SiLU(), nn.Linear(hidden, 1, device=device)
             )
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The projection from a truncated normal, the bias 0 (also for a router built on the meta device)."""
+        nn.init.trunc_normal_(self.weight, std=ROUTER_INIT_STD)
+        self.bias.zero_()
 
     @property
     def routes_top_c(self) -> bool:

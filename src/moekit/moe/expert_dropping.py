@@ -11,13 +11,16 @@ Here the mass an expert receives in a forward is the sum of its (post-dropping) 
 divided by the number of tokens, so that one forward adds at most 1 to the totals whatever its batch size, and the
 margin is in those units: ``margin=1`` lets an expert run one whole forward's worth of gate mass ahead of the mean
 before it is dropped. An expert that is dropped receives nothing, so it comes back once the others catch up. The
-totals are a buffer (saved in checkpoints) and are counted on each process separately.
+totals are a buffer (saved in checkpoints) and are counted on each process separately. A forward that activation
+checkpointing recomputes during backward drops the experts its original forward dropped and adds nothing.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from .routing import recomputing
 
 __all__ = ["OverpoweringExperts", "check_margin"]
 
@@ -42,18 +45,26 @@ class OverpoweringExperts(nn.Module):
         check_margin(margin)
         self.margin = float(margin)
         self.register_buffer("gate_mass_total", torch.zeros(num_experts, device=device))
+        self._keep_E: Tensor | None = None  # the latest training forward's, for its recomputation
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """No gate mass received (for a module built on the meta device and materialised with ``to_empty``)."""
+        self.gate_mass_total.zero_()
 
     def keep_E(self) -> Tensor:
         total = self.gate_mass_total
         if not self.training:
             return torch.ones_like(total)
-        return (total - total.mean() <= self.margin).float()
+        if self._keep_E is None or not recomputing():  # recomputed: the totals already hold the original's mass
+            self._keep_E = (total - total.mean() <= self.margin).float()
+        return self._keep_E
 
     @torch.no_grad()
     def received(self, mass_E: Tensor, num_tokens: int | Tensor) -> None:
         """Add ``mass_E``, the summed gates each expert received from the ``num_tokens`` real tokens of a training
         forward (a device count under a padding mask)."""
-        if self.training:
+        if self.training and not recomputing():
             count = num_tokens.clamp_min(1) if isinstance(num_tokens, Tensor) else max(num_tokens, 1)
             self.gate_mass_total += mass_E.float() / count
 

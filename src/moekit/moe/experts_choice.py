@@ -23,7 +23,7 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, experts_choice_capacity
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import count_ids, logit_checksum, router_logits, router_weight
+from .routing import count_ids, logit_checksum, reset_own_parameters, router_logits, router_weight
 from .stats import experts_choice_stats
 
 __all__ = ["ExpertsChoiceMoE"]
@@ -80,6 +80,9 @@ class ExpertsChoiceMoE(MoELayer):
         self.group_size = config.group_size
         self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
         self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        reset_own_parameters(self, ("router_weight",))
 
     def tokens_per_expert(self, num_tokens: int) -> int:
         """The tokens each expert takes from ``num_tokens`` in the current mode (``C`` from each group)."""

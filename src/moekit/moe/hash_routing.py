@@ -60,18 +60,28 @@ class HashRouter(Router):
         self.vocab_size = config.vocab_size
         self.hash_method = config.hash_method
         self.hash_seed = config.hash_seed
-        ids = torch.arange(config.vocab_size)
-        if config.hash_method == "modulo":
-            table = ids % config.num_experts
-        else:  # random, and the starting table of the fitted methods
-            generator = torch.Generator().manual_seed(config.hash_seed)
-            table = torch.empty(config.vocab_size, dtype=torch.long)
-            table[torch.randperm(config.vocab_size, generator=generator)] = ids % config.num_experts
-        self.register_buffer("expert_of_token", table.to(device))
+        self.register_buffer("expert_of_token", self._initial_table().to(device))
         fitted = config.hash_method in ("random", "modulo")
         self.register_buffer("table_fitted", torch.tensor(fitted, device=device))
         self._fitted = fitted  # host copy: forwards never read the device
         self.register_load_state_dict_post_hook(_read_fitted_flag)
+
+    def _initial_table(self) -> Tensor:
+        """``[vocab_size]``: the modulo table, or the random one (also where the fitted methods start)."""
+        ids = torch.arange(self.vocab_size)
+        if self.hash_method == "modulo":
+            return ids % self.num_experts
+        generator = torch.Generator().manual_seed(self.hash_seed)
+        table = torch.empty(self.vocab_size, dtype=torch.long)
+        table[torch.randperm(self.vocab_size, generator=generator)] = ids % self.num_experts
+        return table
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The construction's table, unfitted for the fitted methods (for a router built on the meta device)."""
+        self.expert_of_token.copy_(self._initial_table())
+        self._fitted = self.hash_method in ("random", "modulo")
+        self.table_fitted.fill_(self._fitted)
 
     @property
     def needs_fit(self) -> bool:

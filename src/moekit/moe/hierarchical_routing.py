@@ -19,6 +19,7 @@ from .routing import (
     check_router_init,
     check_top_k,
     logit_checksum,
+    reset_own_parameters,
     router_logits,
     router_weight,
 )
@@ -102,6 +103,10 @@ class HierarchicalRouter(Router):
             nn.init.zeros_(self.primary_weight)
             nn.init.zeros_(self.secondary_weight)
 
+    def reset_parameters(self) -> None:
+        zeros = self.config.router_init == "zeros"
+        reset_own_parameters(self, ("primary_weight", "secondary_weight"), zeros=zeros)
+
     def _noisy(self, x: Tensor, weight: Tensor, noise_weight: Tensor | None):
         clean = router_logits(x, weight)
         if noise_weight is None or not self.training:
@@ -134,7 +139,7 @@ class HierarchicalRouter(Router):
         cfg = self.config
         losses: dict[str, Tensor] = {}
         if cfg.importance_loss_weight:
-            dense = torch.zeros(num_tokens, self.num_experts, device=x.device).scatter(1, expert_ids, gates)
+            dense = gates.new_zeros(num_tokens, self.num_experts).scatter(1, expert_ids, gates)
             losses["importance"] = cfg.importance_loss_weight * importance_loss(dense, mask)
         if cfg.load_loss_weight and p_std is not None:
             load_primary = smooth_load(p_clean, p_noisy, p_std, self.top_k_groups, mask)  # [G]

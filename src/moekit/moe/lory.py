@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import logit_checksum, router_logits, router_weight
+from .routing import logit_checksum, reset_own_parameters, router_logits, router_weight
 from .stats import dense_mixture_stats
 
 __all__ = ["LoryMoE", "SegmentState"]
@@ -86,6 +86,9 @@ class LoryMoE(MoELayer):
         self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
         self.prior_logits = nn.Parameter(torch.zeros(self.num_experts, device=device, dtype=dtype))  # segment 0
         self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        reset_own_parameters(self, ("router_weight",))
 
     @property
     def causal_safe(self) -> bool:

@@ -38,6 +38,8 @@ from .routing import (
     check_top_k,
     count_ids,
     logit_checksum,
+    recomputing,
+    reset_own_parameters,
     router_logits,
     router_precision,
     router_weight,
@@ -205,6 +207,17 @@ class TopKRouter(Router):
         for name, value in buffers.items():
             self.register_buffer(name, value)
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The construction's state (:func:`~moekit.moe.routing.reset_own_parameters`): no balancing bias, no counts,
+        uniform global-batch fractions."""
+        reset_own_parameters(self, ("weight",), zeros=self.config.router_init == "zeros")
+        for counts in (self.expert_bias, self.pending_counts):
+            if counts is not None:
+                counts.zero_()
+        if self.switch_fraction is not None:
+            self.switch_fraction.fill_(1.0 / self.num_experts)
+
     def _noisy_logits(self, clean: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(logits, noise_std)``: the logits with this router's noise in training (std per entry, or None)."""
         cfg = self.config
@@ -255,7 +268,7 @@ class TopKRouter(Router):
                 ),
                 num_tokens=expert_ids_NK.shape[0] if mask is None else mask.sum(),
             )
-        if self.pending_counts is not None and self.training:
+        if self.pending_counts is not None and self.training and not recomputing():
             with torch.no_grad():
                 counted_NK = expert_ids_NK if real_N1 is None else torch.where(real_N1, expert_ids_NK, self.num_experts)
                 self.pending_counts += count_ids(counted_NK, self.num_experts + 1)[: self.num_experts].float()
@@ -350,6 +363,9 @@ class BalancedRouter(Router):
         self.solver = config.solver
         self.top_k = 1
         self.weight = router_weight(config.num_experts, in_features, device, dtype)
+
+    def reset_parameters(self) -> None:
+        reset_own_parameters(self, ("weight",))
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None, mask: Tensor | None = None) -> Routing:
         scores = router_logits(x, self.weight)

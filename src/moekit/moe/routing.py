@@ -23,9 +23,11 @@ __all__ = [
     "router_logits",
     "router_precision",
     "router_weight",
+    "reset_own_parameters",
     "check_top_k",
     "check_router_init",
     "check_loss_weights",
+    "recomputing",
 ]
 
 
@@ -63,6 +65,27 @@ def router_weight(num_experts: int, in_features: int, device=None, dtype=None) -
     weight = nn.Parameter(torch.empty(num_experts, in_features, device=device, dtype=dtype))
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
     return weight
+
+
+@torch.no_grad()
+def reset_own_parameters(module: nn.Module, projections: tuple[str, ...] = (), zeros: bool = False) -> None:
+    """Redo the construction's initialisation of ``module``'s own parameters, in their order (so the same draws): those
+    named in ``projections`` as :func:`router_weight`'s (then zeros with ``zeros``: ``router_init="zeros"``), the
+    others zeros. The ``reset_parameters`` of a module built on the meta device and materialised with ``to_empty``
+    (FSDP's and Lightning's ``empty_init`` pattern)."""
+    for name, param in module.named_parameters(recurse=False):
+        if name in projections:
+            nn.init.kaiming_uniform_(param, a=math.sqrt(5))
+        if name not in projections or zeros:
+            param.zero_()
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing (``torch.utils.checkpoint``, timm's
+    ``set_grad_checkpointing``) recomputing a forward that already ran. State a forward updates outside autograd
+    (balancing counts, gate-mass totals) must not count the recomputation again, and it must route as the original
+    forward did. (A compiled graph recomputes inside its backward graph, which replays no such update.)"""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def router_precision(t: Tensor) -> Tensor:

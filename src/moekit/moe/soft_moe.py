@@ -117,10 +117,19 @@ class SoftMoE(MoELayer):
         self.noise_std = config.noise_std
         dd = {"device": device, "dtype": dtype}
         # Phi: one d-dimensional parameter vector per slot (LeCun-normal, as vmoe).
-        self.phi = nn.Parameter(torch.randn(mlp.in_features, self.num_slots, **dd) / math.sqrt(mlp.in_features))
+        self.phi = nn.Parameter(torch.empty(mlp.in_features, self.num_slots, **dd))
         # The learned scale of the normalised logits, shape [1] (FSDP shards no 0-d parameters).
-        self.scale = nn.Parameter(torch.ones(1, **dd)) if config.normalize else None
+        self.scale = nn.Parameter(torch.empty(1, **dd)) if config.normalize else None
+        self.reset_parameters()
         self.experts = experts.build(mlp, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Phi LeCun-normal, the scale 1 (also for a layer built on the meta device and materialised with
+        ``to_empty``)."""
+        self.phi.copy_(torch.randn_like(self.phi) / math.sqrt(self.phi.shape[0]))
+        if self.scale is not None:
+            self.scale.fill_(1.0)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         scale = state_dict.get(prefix + "scale")

@@ -107,6 +107,10 @@ class TokensChoiceMoE(MoELayer):
             nn.Linear(mlp.in_features, 1, bias=False, device=device, dtype=dtype) if shared.shared_expert_gate else None
         )
 
+    def reset_parameters(self) -> None:
+        """Refill the capacity buffer (for a layer built on the meta device and materialised with ``to_empty``)."""
+        self._sync_factors()
+
     # The capacity factors are attributes of the layer for the capacity tuner (moekit.callbacks.CapacityTuner).
     @property
     def capacity_factor(self) -> float | None:
