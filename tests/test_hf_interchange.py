@@ -16,6 +16,7 @@ from moekit.models import TransformerLM, export_hf, generate, load_hf_lm
 from moekit.models.hf_export import hf_layout
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HFInterchangeError
+from moekit.quant import QuantFormat, QuantSpec, quantize_experts
 from moekit.tasks import LanguageModel
 
 transformers = pytest.importorskip("transformers")
@@ -123,6 +124,16 @@ def test_models_a_layout_cannot_express_are_refused_with_every_reason(kwargs, re
     assert not (tmp_path / "config.json").exists(), "nothing written"
 
 
+def test_a_model_with_quantized_experts_is_refused_naming_the_float_checkpoint(tmp_path):
+    ours = moekit_lm(moe=dict(recipe="mixtral", num_experts=4))
+    quantize_experts(ours, QuantSpec(QuantFormat("int8"), "rtn"))  # was an AttributeError on fc1_weight
+    with pytest.raises(
+        HFInterchangeError, match=r"block 0: quantized experts \(QuantizedExpertBank\); export the float"
+    ):
+        export_hf(ours, tmp_path)
+    assert not any(tmp_path.iterdir()), "nothing written"
+
+
 # ------------------------------------------------------------------------------------------------
 # Import: random transformers models
 # ------------------------------------------------------------------------------------------------
@@ -227,6 +238,29 @@ def test_damaged_or_foreign_folders_are_refused_naming_the_file_or_key(damage, m
         (tmp_path / "config.json").write_text(json.dumps(config | {"rope_parameters": scaled}))
     with pytest.raises(HFInterchangeError, match=message):
         load_hf_lm(tmp_path)
+
+
+def test_a_sliding_window_folder_is_refused_past_its_window_and_exact_within(tmp_path):
+    theirs = random_hf("mixtral", sliding_window=8)  # each token sees the last 8 tokens only
+    theirs.save_pretrained(tmp_path)
+    with pytest.raises(HFInterchangeError, match=r"sliding_window=8: .* use max_seq_len <= 8 .* not 32"):
+        load_hf_lm(tmp_path, max_seq_len=32)
+    with pytest.raises(HFInterchangeError, match=r"sliding_window=8: .* not 32"):
+        apply_hf_settings(NET, tmp_path)
+    assert_same_logits(load_hf_lm(tmp_path, max_seq_len=8).eval(), theirs, tokens=8)
+
+
+def test_an_export_over_an_older_sharded_model_reads_back_as_the_export(tmp_path):
+    random_hf("mixtral").save_pretrained(tmp_path, max_shard_size="20KB")  # shards + model.safetensors.index.json
+    ours = load_hf_lm(tmp_path, max_seq_len=32).eval()  # the same architecture, other weights
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0.0, 0.1)
+    export_hf(ours, tmp_path)
+    input_ids = torch.randint(VOCAB, (2, 16))
+    with torch.no_grad():  # not the shards' weights, but what transformers reads too
+        torch.testing.assert_close(load_hf_lm(tmp_path, max_seq_len=32).eval()(input_ids), ours(input_ids), **TOL)
+    assert_same_logits(ours, hf_lm(tmp_path))
 
 
 # ------------------------------------------------------------------------------------------------

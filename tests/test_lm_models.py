@@ -442,6 +442,15 @@ def test_sampling_follows_the_distribution():
     torch.testing.assert_close(frequency, probs**2 / (probs**2).sum(), atol=0.015, rtol=0)
 
 
+def test_a_tiny_temperature_or_huge_logits_sample_the_argmax():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, VOCAB, generator=generator)
+    for temperature in (1e-30, 1e-40, 1e-300):  # logits / temperature overflowed to inf: softmax NaN, token 0
+        assert torch.equal(sample_next_token(logits, temperature, generator=generator), logits.argmax(-1))
+    huge = logits / logits.abs().max() * 3e38  # finite, but twice them is not
+    assert torch.equal(sample_next_token(huge, 0.5, top_p=0.9, generator=generator), huge.argmax(-1))
+
+
 # ------------------------------------------------------------------------------------------------
 # Construction, initialisation, summary
 # ------------------------------------------------------------------------------------------------
@@ -559,6 +568,8 @@ def test_sequences_longer_than_max_seq_len_are_refused():
         (dict(max_new_tokens=-1), r"max_new_tokens=-1 must be an int >= 0"),
         (dict(prompt_ids=torch.zeros(3, dtype=torch.long)), r"prompt_ids of shape \(3,\)"),
         (dict(prompt_ids=torch.zeros(2, 0, dtype=torch.long)), "at least one token"),
+        (dict(prompt_ids=torch.tensor([[1, VOCAB]])), rf"token id {VOCAB}, outside the model's vocabulary 0 .. 49"),
+        (dict(prompt_ids=torch.tensor([[-1, 2]])), "token id -1, outside"),  # were IndexErrors of the embedding
     ],
 )
 def test_bad_generate_arguments(kwargs, message):

@@ -232,6 +232,23 @@ def test_a_dense_model_has_nothing_to_quantize():
         quantize_experts(timm.create_model("vit_tiny_patch4_28"), QuantSpec(QuantFormat("int8"), "rtn"))
 
 
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_model_that_merges_its_experts_is_refused_before_any_work(method):
+    """Lory merges its experts' weights for every token: rtn left a model that failed in its forward (no `merged`),
+    gptq blamed the calibration data."""
+    from moekit.models import TransformerLM
+
+    lm = TransformerLM(
+        vocab_size=32, max_seq_len=8, dim=16, depth=1, num_heads=2, moe=dict(recipe="lory", segment_len=4)
+    )
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"blocks.0.mlp \(LoryMoE\): a layer that merges the weights of all its experts"
+    ):
+        quantize_experts(lm, QuantSpec(QuantFormat("int4"), method), lambda: [torch.randint(32, (2, 8))])
+    assert all(torch.equal(v, before[k]) for k, v in lm.state_dict().items()), "the model is left as it was"
+
+
 def test_experts_built_on_meta_take_no_memory():
     with experts_on_meta():
         bank = ExpertBank(64, 256, 1024)

@@ -11,16 +11,23 @@ from omegaconf import DictConfig
 
 from moekit.checkpoint import CheckpointError, load_task
 from moekit.data.tokenizers import TOKENIZER_KEYS, build_tokenizer
-from moekit.errors import check_writable_dir, storage_errors
+from moekit.errors import OutputError, check_writable_dir, storage_errors
 from moekit.models import export_hf, export_safetensors
 from moekit.utils.atomic import atomic_write
 
 log = logging.getLogger("moekit")
 
-__all__ = ["export"]
+__all__ = ["export", "check_output_file"]
 
 
 EXPORT_FORMATS = ("safetensors", "hf")
+
+
+def check_output_file(path: Path, name: str) -> None:
+    """Refuse an ``output_path`` that is a folder, before any work: a file cannot replace it (``name``: the file's
+    default name, for the example)."""
+    if path.is_dir():
+        raise OutputError(f"output_path={str(path)!r} is a folder; give a file's path, e.g. output_path={path / name}")
 
 
 def export(cfg: DictConfig) -> Path:
@@ -37,6 +44,7 @@ def export(cfg: DictConfig) -> Path:
     if cfg.format == "hf":
         return _export_hf(module, cfg)
     output = Path(cfg.get("output_path") or Path(cfg.ckpt_path).with_suffix(".safetensors"))
+    check_output_file(output, Path(cfg.ckpt_path).with_suffix(".safetensors").name)
     check_writable_dir(output.parent, "the folder of output_path")
     with storage_errors(output.parent):
         path = export_safetensors(module.net, output)
@@ -55,13 +63,20 @@ def export(cfg: DictConfig) -> Path:
     return path
 
 
-def _export_tokenizer(module, folder: Path) -> None:
-    """The run's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (transformers' ``AutoTokenizer``)."""
+def _run_tokenizer(module):
+    """The run's tokenizer (None when the checkpoint records none), built before anything is written: a tokenizer
+    file gone since training stops the export before it leaves a folder without its tokenizer."""
     settings = ((module.hparams.get("run_config") or {}).get("data") or {}).get("tokenizer")
     if settings is None:
+        return None
+    return build_tokenizer(**{k: v for k, v in settings.items() if k in TOKENIZER_KEYS})
+
+
+def _export_tokenizer(tokenizer, module, folder: Path) -> None:
+    """The run's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (transformers' ``AutoTokenizer``)."""
+    if tokenizer is None:
         log.warning("the checkpoint records no tokenizer: %s holds the model only", folder)
         return
-    tokenizer = build_tokenizer(**{k: v for k, v in settings.items() if k in TOKENIZER_KEYS})
     with atomic_write(folder / "tokenizer.json", "w") as file:
         file.write(tokenizer.hf_backend().to_str())
     config = {
@@ -76,10 +91,16 @@ def _export_tokenizer(module, folder: Path) -> None:
 def _export_hf(module, cfg: DictConfig) -> Path:
     ckpt = Path(cfg.ckpt_path)
     folder = Path(cfg.get("output_path") or ckpt.with_name(f"{ckpt.stem}-hf"))
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(
+            f"output_path={str(folder)!r} is a file; format=hf writes a folder (config.json, model.safetensors, "
+            f"the tokenizer): give a folder's path, e.g. output_path={folder.with_name(f'{ckpt.stem}-hf')}"
+        )
+    tokenizer = _run_tokenizer(module)
     check_writable_dir(folder.parent, "the folder of output_path")
     with storage_errors(folder.parent):
         export_hf(module.net, folder)
-        _export_tokenizer(module, folder)
+        _export_tokenizer(tokenizer, module, folder)
     config = json.loads((folder / "config.json").read_text())
     log.info(
         "exported %s (%s layout)\n  load it with: transformers.AutoModelForCausalLM.from_pretrained(%r) (and "

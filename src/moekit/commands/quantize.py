@@ -23,6 +23,7 @@ from moekit.quant import (
 from moekit.quantized_checkpoint import save_quantized_task
 
 from .common import datamodule_for
+from .export import check_output_file
 
 log = logging.getLogger("moekit")
 
@@ -62,7 +63,9 @@ def quantize(cfg: DictConfig) -> Path:
     L.seed_everything(cfg.seed, workers=True)
     name = FORMAT_OF_BITS[cfg.bits]
     spec = QuantSpec(QuantFormat(name, cfg.group_size), cfg.method, damping=cfg.damping, min_rows=cfg.min_rows)
-    output = Path(cfg.output_path or Path(cfg.ckpt_path).with_suffix(f".{name}-{cfg.method}.safetensors"))
+    default = Path(cfg.ckpt_path).with_suffix(f".{name}-{cfg.method}.safetensors")
+    output = Path(cfg.output_path or default)
+    check_output_file(output, default.name)
     check_writable_dir(output.parent, "the folder of output_path")
     float_bytes = expert_memory(module.net)
     inputs = calibration_inputs(datamodule_for(cfg, module), cfg.calibration_batches) if cfg.method == "gptq" else None

@@ -33,10 +33,12 @@ def sample(cfg: DictConfig) -> list[str]:
     check_generation(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)  # before the stream prints
     max_seq_len = getattr(module.net, "max_seq_len", None)
     if not cfg.slide and max_seq_len is not None and tokens_run(len(prompt_ids), cfg.max_new_tokens) > max_seq_len:
+        fits = len(prompt_ids) <= max_seq_len  # else no max_new_tokens helps
+        lower = f"lower max_new_tokens to {max_seq_len + 1 - len(prompt_ids)}, " if fits else ""
         raise ValueError(
             f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceed the model's "
-            f"max_seq_len={max_seq_len}; lower max_new_tokens to {max(0, max_seq_len + 1 - len(prompt_ids))}, "
-            "shorten the prompt, or set slide=true (a sliding window over the last max_seq_len tokens)"
+            f"max_seq_len={max_seq_len}; {lower}shorten the prompt, or set slide=true (a sliding window over the last "
+            "max_seq_len tokens)"
         )
     device = inference_device(cfg.device)
     net = module.net.to(device)

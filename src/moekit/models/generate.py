@@ -75,7 +75,9 @@ def sample_next_token(
         raise ValueError(f"logits of shape {tuple(logits.shape)}; expected [batch, vocab]")
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # The largest logit at 0 and a temperature float32 holds: a tiny temperature cannot overflow into inf - inf
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k is not None and top_k < logits.shape[-1]:
         logits = _keep_top_k(logits, top_k)
     if top_p is not None and top_p < 1.0:
@@ -117,14 +119,21 @@ def generate(
     trained on - so that each restart costs one forward of half a window, not one per token.
 
     Raises:
-        ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids, or, without
-            ``slide``, ``T0 + max_new_tokens - 1`` tokens to run beyond the model's ``max_seq_len`` (:func:`tokens_run`,
-            checked before any work).
+        ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids of the model's
+            vocabulary, or, without ``slide``, ``T0 + max_new_tokens - 1`` tokens to run beyond the model's
+            ``max_seq_len`` (:func:`tokens_run`, checked before any work).
     """
     check_generation(max_new_tokens, temperature, top_k, top_p)
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
         shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__
         raise ValueError(f"prompt_ids of shape {shape}; expected [batch, tokens] with at least one token per row")
+    vocab_size = getattr(model, "vocab_size", None)
+    outside = None if vocab_size is None else (prompt_ids < 0) | (prompt_ids >= vocab_size)
+    if outside is not None and bool(outside.any()):  # an embedding lookup would fail deep in torch (on a GPU: assert)
+        raise ValueError(
+            f"prompt_ids hold token id {int(prompt_ids[outside][0])}, outside the model's vocabulary "
+            f"0 .. {vocab_size - 1}; encode the prompt with the model's tokenizer"
+        )
     if use_cache and not callable(getattr(model, "init_cache", None)):
         raise ValueError(f"use_cache=True needs {type(model).__name__}.init_cache(batch_size); pass use_cache=False")
     batch, prompt_len = prompt_ids.shape

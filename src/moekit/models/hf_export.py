@@ -32,7 +32,9 @@ from .transformer_lm import TransformerLM
 __all__ = ["export_hf", "hf_config", "hf_layout"]
 
 
-def _expert_problems(where: str, bank: ExpertBank) -> list[str]:
+def _expert_problems(where: str, bank: nn.Module) -> list[str]:
+    if not isinstance(bank, ExpertBank):
+        return [f"{where}: quantized experts ({type(bank).__name__}); export the float checkpoint (.ckpt) instead"]
     problems = []
     if not bank.gated or not isinstance(bank.act, nn.SiLU):
         problems.append(f"{where}: experts that are not SwiGLU; set model.gated=true and model.act_layer=silu")

@@ -9,6 +9,7 @@ may be stored one per tensor (what ``save_pretrained`` writes) or fused (``exper
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Mapping
@@ -21,7 +22,14 @@ from torch import Tensor
 from .hf_layout import LAYOUTS, HFInterchangeError, expert_names, layer_prefix, mlp_prefix
 from .transformer_lm import TransformerLM
 
-__all__ = ["read_hf_config", "hf_model_settings", "read_hf_state_dict", "load_hf_lm", "apply_hf_settings"]
+__all__ = [
+    "read_hf_config",
+    "hf_model_settings",
+    "check_attention_window",
+    "read_hf_state_dict",
+    "load_hf_lm",
+    "apply_hf_settings",
+]
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -53,6 +61,26 @@ def _rope_base(config: Mapping[str, Any], path: str) -> float:
             f"{path}: rope scaling {scaling or rope!r}; moekit's rotary positions are the default (unscaled) ones"
         )
     return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _attention_window(config: Mapping[str, Any]) -> int | None:
+    """The sliding window of the folder's attention (None: every layer attends to all earlier tokens)."""
+    if config["model_type"] == "qwen2_moe":
+        layer_types = config.get("layer_types")
+        if not config.get("use_sliding_window") or (layer_types and "sliding_attention" not in layer_types):
+            return None
+    return config.get("sliding_window") or None
+
+
+def check_attention_window(config: Mapping[str, Any], max_seq_len: int, path: str = "config.json") -> None:
+    """Refuse a ``max_seq_len`` past the folder's sliding window: there its attention and moekit's differ."""
+    window = _attention_window(config)
+    if window is not None and max_seq_len > window:
+        raise HFInterchangeError(
+            f"{path}: sliding_window={window}: each token attends to the last {window} tokens only, and moekit's "
+            f"attention sees them all; use max_seq_len <= {window} (the run's data.seq_len, or "
+            f"load_hf_lm(folder, max_seq_len={window})), not {max_seq_len}"
+        )
 
 
 def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> dict[str, Any]:
@@ -124,10 +152,10 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif single.is_file():
+    if single.is_file():  # before the index, as transformers reads them: an index beside it is an older model's
         shards = [single.name]
+    elif index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
         raise HFInterchangeError(
@@ -245,11 +273,17 @@ def load_hf_lm(folder: str | os.PathLike, max_seq_len: int | None = None, **over
     dtype's values, in float32.
     """
     config = read_hf_config(folder)
-    settings = hf_model_settings(config, str(Path(folder) / "config.json"))
-    model = TransformerLM(**settings, max_seq_len=max_seq_len or config["max_position_embeddings"], **overrides)
+    path = str(Path(folder) / "config.json")
+    settings = hf_model_settings(config, path)
+    max_seq_len = max_seq_len or config["max_position_embeddings"]
+    check_attention_window(config, max_seq_len, path)
+    model = TransformerLM(**settings, max_seq_len=max_seq_len, **overrides)
     model.load_state_dict(read_hf_state_dict(folder, config))
     return model
 
+
+_DEFAULT_MAX_SEQ_LEN = inspect.signature(TransformerLM).parameters["max_seq_len"].default
+"""A network config without ``max_seq_len`` builds the model with this one."""
 
 _KEPT_MOE_KEYS = ("switch_loss_weight", "z_loss_weight")
 """The run's own ``moe`` settings that starting from a transformers folder keeps: the training losses."""
@@ -266,7 +300,9 @@ def apply_hf_settings(net: Mapping[str, Any], folder: str | os.PathLike) -> tupl
             f"task.init_from=hf:{folder} starts a Transformer LM, but the run's model is {target}; "
             "use experiment=moe_transformer_lm"
         )
-    settings = hf_model_settings(read_hf_config(folder), str(Path(folder) / "config.json"))
+    config, path = read_hf_config(folder), str(Path(folder) / "config.json")
+    settings = hf_model_settings(config, path)
+    check_attention_window(config, net.get("max_seq_len", _DEFAULT_MAX_SEQ_LEN), path)
     own_moe = net.get("moe") if isinstance(net.get("moe"), Mapping) else {}
     settings["moe"] |= {k: own_moe[k] for k in _KEPT_MOE_KEYS if k in own_moe}
     merged = {**net, **settings}

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from moekit.moe import moe_layers
 from moekit.moe.experts import ExpertBank
 from moekit.moe.grouped_linear import GroupSizes
 
@@ -227,6 +228,13 @@ def quantize_experts(
     banks = expert_banks(net)
     if not banks:
         raise ValueError(f"{type(net).__name__} has no expert bank (ExpertBank) to quantize: it is a dense model")
+    merging = [f"{name} ({type(layer).__name__})" for name, layer in moe_layers(net) if layer.merges_experts]
+    if merging:
+        raise ValueError(
+            f"{', '.join(merging)}: a layer that merges the weights of all its experts for every token (Lory) cannot "
+            "serve quantized experts, which are dequantized one at a time for the tokens routed to them; quantize a "
+            "model of another recipe (moe=lory models stay in float)"
+        )
     if spec.method == "gptq" and calibration is None:
         raise ValueError("method='gptq' needs calibration inputs (batches of the training split)")
     was_training = net.training
