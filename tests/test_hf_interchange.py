@@ -252,11 +252,17 @@ def test_a_sliding_window_folder_is_refused_past_its_window_and_exact_within(tmp
 
 def test_an_export_over_an_older_sharded_model_reads_back_as_the_export(tmp_path):
     random_hf("mixtral").save_pretrained(tmp_path, max_shard_size="20KB")  # shards + model.safetensors.index.json
+    earlier = {p.name for p in tmp_path.iterdir()}
+    assert {"generation_config.json", "model.safetensors.index.json", "model-00001-of-00013.safetensors"} <= earlier
+    (tmp_path / "README.md").write_text("the user's own notes")
     ours = load_hf_lm(tmp_path, max_seq_len=32).eval()  # the same architecture, other weights
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0.0, 0.1)
     export_hf(ours, tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors", "README.md"}, (
+        "the earlier model's shards, index and generation config (its tokenizer's ids) are gone, other files stay"
+    )
     input_ids = torch.randint(VOCAB, (2, 16))
     with torch.no_grad():  # not the shards' weights, but what transformers reads too
         torch.testing.assert_close(load_hf_lm(tmp_path, max_seq_len=32).eval()(input_ids), ours(input_ids), **TOL)

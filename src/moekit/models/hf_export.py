@@ -14,7 +14,9 @@ gets a shared expert of hidden size 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,6 +32,8 @@ from .hf_layout import LAYOUTS, HFInterchangeError, expert_names, layer_prefix, 
 from .transformer_lm import TransformerLM
 
 __all__ = ["export_hf", "hf_config", "hf_layout"]
+
+log = logging.getLogger("moekit")
 
 
 def _expert_problems(where: str, bank: nn.Module) -> list[str]:
@@ -240,10 +244,26 @@ def hf_tensors(model: TransformerLM, layout: str) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
+def _earlier_model_files(folder: Path) -> list[Path]:
+    """The files of an earlier ``save_pretrained`` in ``folder`` that transformers would read beside (or instead of)
+    an export's ``model.safetensors``: its weights in another name or in shards, and its generation config (the
+    token ids of the earlier model's tokenizer)."""
+    names = {
+        "generation_config.json",
+        "pytorch_model.bin",
+        "model.safetensors.index.json",
+        "pytorch_model.bin.index.json",
+    }
+    shard = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
+    return sorted(p for p in folder.iterdir() if p.is_file() and (p.name in names or shard.fullmatch(p.name)))
+
+
 def export_hf(model: TransformerLM, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
     """Write ``model`` as a transformers model folder: ``model.safetensors`` then ``config.json`` (each written
     atomically; the config last, so a folder with a config is complete). ``dtype``: of the stored weights (default:
-    the model's). Missing folders are created; files of an earlier export there are replaced.
+    the model's). Missing folders are created; the files of an earlier model there are replaced, and those this
+    export does not write (shards and their index, ``pytorch_model.bin``, ``generation_config.json``) removed, as
+    ``save_pretrained`` removes stale shards: transformers would read them as this model's.
 
     Returns:
         the folder, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads; its logits equal ``model``'s
@@ -261,4 +281,7 @@ def export_hf(model: TransformerLM, folder: str | os.PathLike, dtype: torch.dtyp
         file.write(save(tensors, metadata={"format": "pt"}))
     with atomic_write(folder / "config.json", "w") as file:
         json.dump(hf_config(model, dtype), file, indent=2)
+    for path in _earlier_model_files(folder):  # after the export is whole: a failed export leaves the earlier model
+        log.info("export_hf: removed %s, an earlier model's file", path)
+        path.unlink()
     return folder
