@@ -39,6 +39,7 @@ from moekit.commands.sample import sample
 from moekit.commands.train import train
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.errors import USER_ERRORS
+from moekit.utils.atomic import atomic_write
 
 pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
 
@@ -944,3 +945,17 @@ def test_the_linear_probe_refuses_a_language_model(monkeypatch):
     monkeypatch.setattr(probe, "load_task", lambda path: LanguageModel.__new__(LanguageModel))
     with pytest.raises(ValueError, match="holds a LanguageModel, not an image classifier.*an image experiment"):
         probe.linear_probe(OmegaConf.create({"ckpt_path": "lm.ckpt", "shots": 10, "seed": 0}))
+
+
+def test_an_atomic_write_onto_a_folder_is_refused_before_the_work(tmp_path):
+    """Any file moekit writes (a results.json, an exported model, a figure's table) whose path is a folder: refused,
+    naming the path, before the block computes what os.replace would then throw away; the folder stays as it was."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept.txt").write_text("kept")
+    ran = []
+    with pytest.raises(IsADirectoryError, match="a folder stands where the file is to be written") as err:
+        with atomic_write(tmp_path / "out", "w") as file:
+            ran.append(file)
+    assert err.value.filename == str(tmp_path / "out") and err.value.errno == errno.EISDIR and not ran
+    assert isinstance(err.value, USER_ERRORS), "the scripts print it as one paragraph, not a traceback"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept.txt", "out"], "no temporary file left behind"

@@ -23,7 +23,15 @@ class OutputError(OSError):
 
 # Errors caused by the user's input or environment: the scripts print them as one paragraph and exit
 # with status 1. Lightning's MisconfigurationException is its own "bad Trainer argument" error.
-USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError, OutputError, MisconfigurationException)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    CheckpointError,
+    OutputError,
+    MisconfigurationException,
+)
 
 # errno values of a failed write that the user fixes by freeing space or choosing another disk. (Not
 # EACCES: a permission error may come from reading the data; output folders are probed before the run.)

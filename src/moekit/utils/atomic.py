@@ -11,6 +11,7 @@ folder is ``fsync``-ed so the rename survives a power cut. The file gets the per
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -48,6 +49,10 @@ def atomic_write(
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write(mode={mode!r}): use 'w' (text) or 'wb' (bytes)")
     path = Path(path)
+    if path.is_dir():  # before the block's work, which os.replace would throw away
+        raise IsADirectoryError(
+            errno.EISDIR, "a folder stands where the file is to be written; give a file's path", str(path)
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     tmp = Path(tmp_name)
