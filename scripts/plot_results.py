@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in time_notes(results, step_times_given=bool(args.step_times)):
         print(f"note: {note}", file=sys.stderr)
     out = args.out or args.folder / "figures"
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {str(out)!r} is a file; give a folder for the figures and results.md", file=sys.stderr)
+        return 1
     report = write_report(results, out)
     print(report.table)
     if report.kept:

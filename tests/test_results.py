@@ -628,6 +628,17 @@ def test_plot_script_on_an_empty_folder_fails_with_one_line(tmp_path):
     assert "no results.json under" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.e2e
+def test_plot_script_refuses_a_file_as_its_out_folder_before_writing(tmp_path):
+    (tmp_path / "runs" / "run0").mkdir(parents=True)
+    write_json_atomic(tmp_path / "runs" / "run0" / RESULTS_FILE, SCALING[0])
+    (tmp_path / "figures").write_text("a file")
+    run = run_script("plot_results.py", str(tmp_path / "runs"), "--out", str(tmp_path / "figures"), cwd=tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"--out '{tmp_path / 'figures'}' is a file; give a folder" in run.stderr
+    assert (tmp_path / "figures").read_text() == "a file"
+
+
 def test_reading_and_plotting_run_records_imports_no_torch():
     """plot_results.py starts in a fraction of a second: the modules that read, tabulate and plot records leave
     torch (and the models, timm, Lightning) unimported until a record is written."""

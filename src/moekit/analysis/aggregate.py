@@ -119,5 +119,6 @@ _LM_METRICS = (Metric("ppl", "test ppl"), Metric("bpb", "test bits/byte"))
 
 
 def metrics_of(runs: Iterable[RunResult]) -> tuple[Metric, ...]:
-    """The test metrics to show: accuracy for image classifiers, perplexity for language models."""
-    return _IMAGE_METRICS if any("acc" in run.test for run in runs) else _LM_METRICS
+    """The test metrics to show: accuracy for image classifiers, perplexity for language models (told apart by
+    the validation metrics too: a run with ``test=false`` records none)."""
+    return _IMAGE_METRICS if any("acc" in run.test or "acc" in run.val for run in runs) else _LM_METRICS

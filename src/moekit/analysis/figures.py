@@ -128,7 +128,8 @@ def plot_pareto(results: Sequence[RunResult], out: Path) -> Path:
         ax.set_ylabel(metric.label)
         ax.grid(True, alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()  # below the panels, clear of the points
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    if labels:  # none when no run has a test metric (test=false)
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
     fig.suptitle("Pareto: mean accuracy and median time over seeds, bars = min-max")
     return _save(fig, out, rect=(0, 0.06, 1, 1))
 

@@ -311,7 +311,10 @@ def load_results(folder: str | os.PathLike) -> list[RunResult]:
     results = []
     for file in files:
         try:
-            results.append(RunResult.from_record(json.loads(file.read_text()), file.parent))
+            record = json.loads(file.read_text())
+            if not isinstance(record, dict):
+                raise TypeError(f"it holds a JSON {type(record).__name__}, not an object")
+            results.append(RunResult.from_record(record, file.parent))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{str(file)!r} is not a moekit run record ({type(err).__name__}: {err})") from None
     return results
@@ -337,9 +340,12 @@ def archive_records(source: str | os.PathLike, dest: str | os.PathLike, *, repla
 
     Raises:
         FileNotFoundError: ``source`` holds no record.
-        ValueError: a record is unreadable, or differs from the one archived and ``replace`` is false.
+        ValueError: ``dest`` is a file, a record is unreadable, or differs from the one archived and ``replace``
+            is false.
     """
     source, dest = Path(source), Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"the archive {str(dest)!r} is a file; give a folder (new or existing) for the records")
     load_results(source)  # every record is readable, or the error names the one that is not
     pending = []
     for file in sorted(source.rglob(RESULTS_FILE)):

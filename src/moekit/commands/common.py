@@ -45,8 +45,10 @@ def choose_precision(cfg: DictConfig) -> None:
         log.info("trainer.precision=auto: %s (%s)", precision, why)
 
 
-def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
-    """``cfg.data`` when given, else the dataset the checkpoint was trained on."""
+def datamodule_for(cfg: DictConfig, module: MoETask, same_labels: bool = True) -> LightningDataModule:
+    """``cfg.data`` when given, else the dataset the checkpoint was trained on. With ``same_labels`` (what testing
+    the checkpoint's classifier needs), a dataset whose class names are known before it is read (imagefolder: its
+    class folders) must name label i as the checkpoint does."""
     data_cfg = cfg.get("data")
     if data_cfg is None:
         run_config = module.hparams.get("run_config") or {}
@@ -73,6 +75,14 @@ def datamodule_for(cfg: DictConfig, module: MoETask) -> LightningDataModule:
                 f"checkpoint {cfg.ckpt_path!r} was trained with {key}={trained}; evaluate it on data of the same "
                 "shape, or leave data unset to use the checkpoint's own dataset"
             )
+    trained_names, given_names = getattr(module, "class_names", None), getattr(datamodule, "label_names", None)
+    if same_labels and trained_names and given_names and list(trained_names) != list(given_names):
+        differ = [(i, a, b) for i, (a, b) in enumerate(zip(trained_names, given_names, strict=False)) if a != b]
+        raise ValueError(
+            f"the classes of data.root={datamodule.hparams.get('root')} differ from those the checkpoint "
+            f"{cfg.ckpt_path!r} was trained on (label, checkpoint, data): {differ[:5]}; its predictions would be "
+            "scored against other classes. Name the class folders as in training (sorted, they give the labels)"
+        )
     return datamodule
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, ListConfig
 from torchvision.utils import save_image
 
@@ -14,7 +13,7 @@ from moekit.checkpoint import load_task
 from moekit.moe import moe_layers
 from moekit.tasks import ImageClassifier
 
-from .common import datamodule_for
+from .common import datamodule_for, inference_device
 
 log = logging.getLogger("moekit")
 
@@ -35,12 +34,12 @@ def plot_slots(cfg: DictConfig) -> Path:
         )
     if cfg.split not in ("val", "test"):
         raise ValueError(f"split={cfg.split!r}; allowed: 'val', 'test'")
-    datamodule = datamodule_for(cfg, module)
+    device = inference_device(cfg.device)
+    datamodule = datamodule_for(cfg, module, same_labels=False)  # pictures of images, whatever their labels
     datamodule.setup("validate")
     dataset = datamodule.val_set if cfg.split == "val" and len(datamodule.val_set) else datamodule.test_set
     images = pick_images(dataset, cfg.num_images)
     slots = list(cfg.slots) if isinstance(cfg.slots, ListConfig) else cfg.slots
-    device = torch.device(cfg.device)
     grid = slot_picture_grid(module.net.to(device), images.to(device), slots, cfg.layer, cfg.upscale, cfg.alpha)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)

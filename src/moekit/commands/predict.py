@@ -24,7 +24,8 @@ __all__ = ["IMAGE_SUFFIXES", "image_paths", "predict"]
 
 log = logging.getLogger("moekit")
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# torchvision's ImageFolder suffixes (what data=imagefolder trains on), and .gif
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 PREDICTIONS_FILE = "predictions.csv"
 
 

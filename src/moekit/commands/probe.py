@@ -26,7 +26,7 @@ def linear_probe(cfg: DictConfig) -> float:
             f"ckpt_path={cfg.ckpt_path!r} holds a {type(module).__name__}, not an image classifier: the linear probe "
             "fits a classifier on a ViT's image features; give the checkpoint of an image experiment"
         )
-    datamodule = datamodule_for(cfg, module)
+    datamodule = datamodule_for(cfg, module, same_labels=False)  # the probe fits its own classifier
     result = fewshot_linear_probe(module.net, datamodule, shots=cfg.shots, seed=cfg.seed)
     log.info("%s", result)
     return result.accuracy

@@ -68,7 +68,9 @@ def quantize(cfg: DictConfig) -> Path:
     check_output_file(output, default.name)
     check_writable_dir(output.parent, "the folder of output_path")
     float_bytes = expert_memory(module.net)
-    inputs = calibration_inputs(datamodule_for(cfg, module), cfg.calibration_batches) if cfg.method == "gptq" else None
+    inputs = None
+    if cfg.method == "gptq":  # calibration reads the images alone, whatever their labels
+        inputs = calibration_inputs(datamodule_for(cfg, module, same_labels=False), cfg.calibration_batches)
     try:
         quantize_experts(module.net, spec, (lambda: inputs) if inputs else None, log=log.info)
     except CalibrationError as err:

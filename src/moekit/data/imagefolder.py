@@ -25,13 +25,17 @@ class UnreadableImageError(ValueError):
 def read_rgb_image(path: str) -> Image.Image:
     """torchvision's PIL loader (``ImageFolder(loader=...)``) with an error that names the file.
 
-    A file that is not an image, is truncated or is too large to decode raises
+    A 16-bit greyscale image (PNG, TIFF, PGM: modes ``I;16*`` and ``I``) is scaled to 8 bits as PIL scales
+    16-bit colour (a value of 65535 becomes 255); PIL's own conversion clips it at 255, which turns most of
+    such an image white. A file that is not an image, is truncated or is too large to decode raises
     :class:`UnreadableImageError` (a ``ValueError``) naming the file and the fix, instead of PIL's
     error deep inside a ``DataLoader`` worker.
     """
     try:
         with open(path, "rb") as file:
             image = Image.open(file)
+            if image.mode.startswith("I"):  # 16-bit greyscale: 0..65535 to 0..255
+                image = image.convert("I").point(lambda value: value / 256)
             return image.convert("RGB")  # decodes now: a truncated file fails here, not later
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         if isinstance(err, FileNotFoundError):
@@ -47,7 +51,8 @@ def imagefolder_split_dirs(root: str | os.PathLike[str]) -> dict[str, Path]:
 
     Raises:
         FileNotFoundError: ``<root>/train`` or ``<root>/val`` is missing (the message names it).
-        ValueError: a split's class folders differ from train's (labels would not line up).
+        ValueError: train/ holds one class folder (nothing to classify), or a split's class folders differ from
+            train's (labels would not line up).
     """
     root = Path(root)
     dirs = {split: root / split for split in ("train", "val", "test")}
@@ -60,6 +65,11 @@ def imagefolder_split_dirs(root: str | os.PathLike[str]) -> dict[str, Path]:
     if not dirs["test"].is_dir():
         dirs["test"] = dirs["val"]
     train_classes = imagefolder_class_names(dirs["train"])
+    if len(train_classes) == 1:
+        raise ValueError(
+            f"imagefolder: {dirs['train']} holds one class folder ({train_classes[0]!r}); a classifier needs two or "
+            f"more: put each class's images in its own folder ({dirs['train']}/<class>/<image>)"
+        )
     for split in ("val", "test"):
         classes = imagefolder_class_names(dirs[split])
         if classes != train_classes:
