@@ -393,7 +393,7 @@ CASES = [
         "image_unreadable_in_worker",
         "train.py",
         [*FAST, *IMAGEFOLDER, "data.batch_size=16", "data.num_workers=1"],
-        ["{img}/train/class1/bad.png", "delete or replace the file"],
+        ["{img}/train/class1/bad.png", "delete, replace or move the file"],
         keeps=["img"],
     ),
     Case(

@@ -152,6 +152,8 @@ def test_predict_reads_every_kind_of_image_the_folder_run_trained_on(folder_run,
         assert sum(row["probability"] for row in rows[start : start + 3]) == pytest.approx(1.0, abs=1e-5)
     with open(tmp_path / "out" / "predictions.csv", newline="") as file:
         assert [(r["file"], r["class"]) for r in csv.DictReader(file)] == [(r["file"], r["class"]) for r in rows]
+    glob = compose_config("predict", [f"ckpt_path={ckpt}", f"inputs='{inputs}/*'"], tmp_path / "glob")
+    assert [row["file"] for row in predict(glob)][::3] == files[:1], "a glob's matches filtered as a folder's files"
 
 
 def test_archiving_into_a_file_is_refused_with_one_line(tmp_path):

@@ -30,15 +30,13 @@ PREDICTIONS_FILE = "predictions.csv"
 
 
 def image_paths(inputs: str) -> list[Path]:
-    """The images ``inputs`` names: one file, the image files under a folder (recursively), or a glob pattern's
-    matches; sorted."""
+    """The images ``inputs`` names: one file, or the image files (by suffix, :data:`IMAGE_SUFFIXES`) under a folder
+    (recursively) or among a glob pattern's matches; sorted."""
     path = Path(inputs).expanduser()
     if path.is_file():
         return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    found = path.rglob("*") if path.is_dir() else map(Path, glob.glob(str(path), recursive=True))
+    files = sorted(p for p in found if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not files:
         raise ValueError(
             f"inputs={inputs!r}: no image there; give an image file, a folder holding images "

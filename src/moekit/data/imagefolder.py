@@ -41,8 +41,9 @@ def read_rgb_image(path: str) -> Image.Image:
         if isinstance(err, FileNotFoundError):
             raise
         raise UnreadableImageError(
-            f"imagefolder: cannot read the image {path} ({type(err).__name__}: {err}); delete or replace "
-            "the file (every file under the class folders must be an image PIL can open)"
+            f"cannot read the image {path} ({type(err).__name__}: {err}); delete, replace or move the file "
+            "(every file read as an image, under an image folder's class folders or given to predict, must be one "
+            "PIL can open)"
         ) from None
 
 
