@@ -123,3 +123,35 @@ def test_experts_choice_groups_equal_routing_each_group_alone():
     assert grouped.tokens_per_expert(18) == 6
     with pytest.raises(ValueError, match=r"20 tokens \(batch x tokens\) are not whole groups of group_size=6"):
         grouped.route(torch.randn(20, 8))
+
+
+def vmoe_group_keep(expert_ids, priority, num_groups: int, group_size: int, capacity: int, num_experts: int):
+    """V-MoE's dispatch of each group (Riquelme et al. 2021; vmoe's ``_get_top_experts_per_item_common``): with Batch
+    Prioritized Routing the group's tokens are sorted by their top gate, and all first choices claim buffer places
+    before any second choice."""
+    keep = torch.zeros_like(expert_ids, dtype=torch.bool)
+    for g in range(num_groups):
+        rows = range(g * group_size, (g + 1) * group_size)
+        order = sorted(rows, key=lambda n: (-priority[n].item(), n))
+        taken = [0] * num_experts
+        for j in range(expert_ids.shape[1]):
+            for n in order:
+                e = int(expert_ids[n, j])
+                keep[n, j], taken[e] = taken[e] < capacity, taken[e] + 1
+    return keep
+
+
+def test_group_capacity_with_batch_priority_serves_first_choices_first_as_vmoe():
+    torch.manual_seed(0)
+    layer = TopKMoE(
+        8, 16, num_experts=4, top_k=2, capacity_factor=0.75, capacity_scope="group", group_size=6, batch_priority=True
+    )
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 3.0)  # decisive routing: the capacity binds
+    x = torch.randn(2, 12, 8)
+    routing = layer.router(x.reshape(-1, 8))
+    plan = layer.plan(routing, 2, 12)
+    capacity = tokens_choice_capacity(6, 2, 4, 0.75)
+    expected = vmoe_group_keep(routing.expert_ids, routing.priority, 4, 6, capacity, 4)
+    assert not expected.all(), "some assignments are dropped"
+    assert torch.equal(plan.keep, expected)

@@ -91,7 +91,8 @@ class Capacity:
             is dropped never depends on other positions (causal; cached decoding drops what the full forward
             drops); ``"group"``: a capacity over each group of ``group_size`` consecutive tokens of a sequence
             (V-MoE's and Switch's groups), served in token order - each token's choices before the next token's -
-            so that a token's drops depend on earlier tokens only (causal; a decoding cache carries the counts).
+            so that a token's drops depend on earlier tokens only (causal; a decoding cache carries the counts);
+            with ``batch_priority`` (not causal) all first choices by priority, then the second ones, as V-MoE.
         group_size: tokens per group of the ``"group"`` scope; None = the tokens of each call, one whole sequence
             (each image of a ViT), and refused with a decoding state (the Transformer LM sets ``max_seq_len``).
         batch_priority: Batch Prioritized Routing (Riquelme et al. 2021): when capacity binds, the tokens with

@@ -222,7 +222,8 @@ class TokensChoiceMoE(MoELayer):
         state,
         mask_N: Tensor | None,
     ) -> DispatchPlan:
-        """Capacity per group of ``group_size`` consecutive positions of each sequence, in token order."""
+        """Capacity per group of ``group_size`` consecutive positions of each sequence, in token order (with Batch
+        Prioritized Routing: all first choices by priority, then the second ones, as V-MoE's groups)."""
         if state is None and start != 0:
             raise ValueError(
                 f"{type(self).__name__}: start={start} without a state; a call without one is a whole sequence"
@@ -252,7 +253,7 @@ class TokensChoiceMoE(MoELayer):
             priority,
             group_ids_N,
             batch * groups,
-            token_major=True,
+            token_major=priority is None,  # BPR (not causal anyway): first choices first, as V-MoE's groups
             earlier_counts=earlier,
             valid=mask_N,
         )
