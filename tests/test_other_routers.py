@@ -120,6 +120,17 @@ def test_base_layer_shares_the_experts_among_the_real_tokens(solver):
     assert torch.equal(out[1, 7:], torch.zeros(5, 8)), "padding is dropped"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_base_layer_expert_embeddings_start_orthogonal_with_gain_a_tenth(dtype):
+    """As the paper's code (fairseq's BaseLayer): W W^T = 0.01 I for E <= d (and W^T W = 0.01 I for E > d)."""
+    for experts, dim in ((4, 8), (16, 8)):
+        weight = BaseMoE(dim, 16, num_experts=experts, dtype=dtype).router.weight.float()
+        gram = weight @ weight.t() if experts <= dim else weight.t() @ weight
+        torch.testing.assert_close(
+            gram, 0.01 * torch.eye(min(experts, dim)), atol=2e-4 if dtype == torch.float32 else 2e-3, rtol=0
+        )
+
+
 def test_base_layer_balanced_in_training_greedy_at_inference():
     layer = BaseMoE(8, 16, num_experts=4)
     x = torch.randn(2, 12, 8)

@@ -362,10 +362,17 @@ class BalancedRouter(Router):
         self.num_experts = config.num_experts
         self.solver = config.solver
         self.top_k = 1
-        self.weight = router_weight(config.num_experts, in_features, device, dtype)
+        self.weight = nn.Parameter(torch.empty(config.num_experts, in_features, device=device, dtype=dtype))
+        self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        reset_own_parameters(self, ("weight",))
+        """The expert embeddings orthogonal with gain 0.1, as the paper's code (fairseq's ``BaseLayer``) starts them:
+        the affinities start small, the gates near 1/2."""
+        if self.weight.is_meta:  # a layer measured on the meta device: no values, no random draws
+            return
+        weight = torch.empty(self.weight.shape, device=self.weight.device)  # float32: QR in any parameter dtype
+        self.weight.copy_(nn.init.orthogonal_(weight, gain=0.1))
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None, mask: Tensor | None = None) -> Routing:
         scores = router_logits(x, self.weight)
