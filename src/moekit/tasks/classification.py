@@ -4,8 +4,8 @@ Loss = cross-entropy (soft targets under mixup/cutmix) + the weighted auxiliary 
 layer recorded in the forward (:func:`moekit.moe.collect_moe_outputs`); each aux loss is logged on
 its own. Metrics: top-1 and top-5 accuracy (torchmetrics for evaluation,
 resumable epoch means for training). Optimizer: AdamW with parameter groups
-(no weight decay on 1-d parameters: norms, biases, the Soft MoE scale). Schedules: warmup + cosine,
-reciprocal square root, or constant, stepped per optimizer step.
+(no weight decay on biases, the experts' included, nor on 1-d parameters: norms, the Soft MoE scale).
+Schedules: warmup + cosine, reciprocal square root, or constant, stepped per optimizer step.
 
 The network is given as a config (``{"_target_": ..., ...}``) so that a checkpoint alone rebuilds
 it: ``ImageClassifier.load_from_checkpoint(path)``.
@@ -44,7 +44,8 @@ class ImageClassifier(MoETask):
         init_from: weights to start from: our checkpoint, a safetensors or torch state dict.
         init_mode: ``"finetune"`` (load everything but a classifier head whose shape differs) or
             ``"upcycle"`` (a dense ViT's weights into this MoE ViT: experts copy the dense MLPs).
-        freeze_backbone: train the classifier head only (linear probing).
+        freeze_backbone: train the classifier head only (linear probing): the backbone stays in eval mode
+            (:meth:`train`).
         run_config: the resolved run configuration, stored with the checkpoint and logged.
     """
 
@@ -106,6 +107,7 @@ class ImageClassifier(MoETask):
             heads = head_prefixes(self.net)
             for name, param in self.net.named_parameters():
                 param.requires_grad = name.startswith(heads)
+            self.train()
         if compile:
             self.compile_net()
         top5 = min(5, num_classes)
@@ -143,6 +145,32 @@ class ImageClassifier(MoETask):
         super().on_load_checkpoint(checkpoint)
         self.class_names = checkpoint.get(CLASS_NAMES_KEY)
 
+    def train(self, mode: bool = True) -> ImageClassifier:
+        """With ``freeze_backbone`` the backbone stays in eval mode while the head trains: its batch norms keep
+        their running statistics, dropout and stochastic depth stay off, and its MoE layers add no router noise
+        and count no tokens for loss-free balancing, so the probed features are the loaded backbone's."""
+        super().train(mode)
+        if mode and self.hparams.get("freeze_backbone"):
+            self.net.eval()
+            for prefix in head_prefixes(self.net):
+                self.net.get_submodule(prefix[:-1]).train()
+        return self
+
+    def _mix(self, images: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """timm's Mixup: mixed images and their soft targets (label smoothing included). It pairs each image with
+        the batch flipped and refuses an odd batch, so an odd one (the last, partial batch of an epoch) mixes all
+        but its last image, which keeps its own label, smoothed."""
+        if images.shape[0] % 2 == 0:
+            return self.mixup(images, labels)
+        from timm.data.mixup import mixup_target
+
+        even = images.shape[0] - 1
+        last = mixup_target(labels[even:], self.mixup.num_classes, smoothing=self.mixup.label_smoothing)
+        if even == 0:
+            return images, last
+        mixed, targets = self.mixup(images[:even], labels[:even])
+        return torch.cat([mixed, images[even:]]), torch.cat([targets, last])
+
     def forward(self, images: Tensor) -> Tensor:
         """``images: [batch, channels, height, width]`` -> logits ``[batch, num_classes]``."""
         return self.net(images)
@@ -151,7 +179,7 @@ class ImageClassifier(MoETask):
         images, labels = batch
         targets = labels
         if split == "train" and self.mixup is not None:
-            images, targets = self.mixup(images, labels)
+            images, targets = self._mix(images, labels)
         logits = self(images)
         if targets.dim() == 2:  # soft targets from mixup (label smoothing included)
             task_loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()

@@ -22,8 +22,9 @@ def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) 
     """Split parameters into a decayed and a non-decayed group.
 
     Without decay: every parameter with fewer than 2 dimensions (biases, norm weights, the Soft MoE
-    ``scale``, loss-free balancing biases are buffers anyway) unless ``decay_1d``, and the names the
-    model lists in ``no_weight_decay()`` (timm: ``pos_embed``, ``cls_token``, ...).
+    ``scale``, loss-free balancing biases are buffers anyway) and every bias, also an expert bank's
+    ``fc1_bias [experts, hidden]``, unless ``decay_1d``; and the names the model lists in ``no_weight_decay()``
+    (timm: ``pos_embed``, ``cls_token``, ...).
     """
     skip = set()
     if hasattr(model, "no_weight_decay"):
@@ -33,7 +34,8 @@ def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) 
         if not param.requires_grad:
             continue
         short = name.split(".", 1)[-1] if name.startswith(("net.", "_orig_mod.")) else name
-        if (param.ndim < 2 and not decay_1d) or name in skip or short in skip:
+        bias_like = param.ndim < 2 or name.endswith("bias")  # nn.Linear's bias, an expert bank's fc1_bias
+        if (bias_like and not decay_1d) or name in skip or short in skip:
             no_decay.append(param)
         else:
             decay.append(param)
