@@ -8,8 +8,8 @@
   ``TorchCheckpointIO`` writes through an fsspec transaction but never ``fsync``-s; remote (fsspec URL) paths are
   left to it. ``MOEKIT_CHECKPOINT_WRITE_DELAY`` (seconds) pauses every checkpoint write
   between the complete temporary file and the rename: the tests kill runs in the middle of a write with it.
-* Reading weights users bring (:func:`read_state_dict`, :func:`load_weights`): our Lightning checkpoints,
-  safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
+* Reading weights users bring (:func:`read_state_dict`, :func:`load_weights`): our Lightning checkpoints (sharded
+  folders too), safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
 * Quantized checkpoints (``scripts/quantize.py``; :mod:`moekit.quantized_checkpoint`): :func:`load_task`
   reads them too.
 * Reading training checkpoints (:func:`check_ckpt_path`, :func:`read_training_checkpoint`, :func:`load_task`):
@@ -21,8 +21,10 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor, nn
 
+from moekit.moe import moe_layers
 from moekit.quant.quantize import QUANT_METADATA_KEY
 from moekit.utils.atomic import atomic_write
 
@@ -59,6 +62,9 @@ __all__ = [
     "load_task",
     "task_class",
 ]
+
+
+log = logging.getLogger("moekit")
 
 
 class CheckpointError(ValueError):
@@ -149,15 +155,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def read_state_dict(path: str | os.PathLike, prefix: str = "net.") -> dict[str, Tensor]:
     """Tensors of a weights file, keyed like the network's own ``state_dict``.
 
-    Accepts a Lightning checkpoint (its ``state_dict``, with the task's ``net.`` prefix removed), a
+    Accepts a Lightning checkpoint (its ``state_dict``, with the task's ``net.`` prefix removed; a file, or the
+    folder of a sharded one, whose shards are gathered here and whose optimizer states are not read), a
     ``.safetensors`` file, or a torch-saved state dict (optionally under ``state_dict`` / ``model``).
     """
     path = Path(path)
-    if not path.is_file():
+    sharded = is_sharded_checkpoint(path)
+    if not (sharded or path.is_file()):
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file); check the path")
     quantized = False
     try:
-        if path.suffix == ".safetensors":
+        if sharded:
+            _check_shards(path)
+            state = _read_sharded_weights(path)
+        elif path.suffix == ".safetensors":
             from safetensors import safe_open
             from safetensors.torch import load_file
 
@@ -187,6 +198,16 @@ def read_state_dict(path: str | os.PathLike, prefix: str = "net.") -> dict[str, 
     return dict(state)
 
 
+def _read_sharded_weights(folder: Path) -> dict[str, Any]:
+    """``{"state_dict": ...}`` of a sharded checkpoint folder (``trainer.strategy.state_dict_type=sharded``), its
+    shards gathered into whole tensors in this process."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():  # no process group: torch says it reads the shards in one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        return _load_state_dict_from_keys({"state_dict"}, checkpoint_id=folder)
+
+
 def load_weights(
     net: nn.Module,
     state: Mapping[str, Tensor],
@@ -194,8 +215,8 @@ def load_weights(
     skip_prefixes: tuple[str, ...] = (),
 ) -> list[str]:
     """Copy ``state`` into ``net``. Keys under ``skip_prefixes`` (a classifier head being replaced)
-    are left at their fresh values; any other missing, unexpected or mis-shaped key is an error that
-    lists the keys. Returns the names of the skipped parameters."""
+    are left at their fresh values (logged, with the checkpoint's shapes); any other missing, unexpected or
+    mis-shaped key is an error that lists the keys. Returns the names of the skipped parameters."""
     own = net.state_dict()
     skipped = [k for k in own if k.startswith(skip_prefixes)] if skip_prefixes else []
     wanted = {k for k in own if k not in skipped}
@@ -213,12 +234,26 @@ def load_weights(
             if keys:
                 shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
                 parts.append(f"{title}: {shown}")
+        dense = [name for name, _ in moe_layers(net) if f"{name}.fc2.weight" in given]
+        upcycle = (
+            f" The checkpoint holds dense MLPs where this model has MoE layers ({', '.join(dense)}): to start an MoE "
+            "model from its dense twin, upcycle it (task.init_mode=upcycle; moekit.models.upcycle in Python)."
+            if dense
+            else ""
+        )
         raise CheckpointError(
             f"checkpoint {source!r} does not fit this model ({type(net).__name__}) - " + "; ".join(parts) + ". "
             "Build the model with the configuration the checkpoint was trained with (its run's results.json names "
             "it), or, for an image classifier of other classes, fine-tune with a new head (the head is then skipped)."
+            + upcycle
         )
     net.load_state_dict({k: state[k] for k in wanted}, strict=False)
+    if skipped:
+        shapes = ", ".join(
+            f"{k} {tuple(own[k].shape)} (the checkpoint's: {tuple(state[k].shape) if k in state else 'none'})"
+            for k in skipped
+        )
+        log.info("checkpoint %s: every weight loaded but %s, which start fresh", source, shapes)
     return skipped
 
 

@@ -9,6 +9,7 @@ same names (the Transformer LM and its dense twin); :func:`upcycle_vit` also rea
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -18,6 +19,8 @@ from torch import Tensor, nn
 from moekit.moe import ExpertBank, moe_layers
 
 __all__ = ["upcycle", "upcycle_vit"]
+
+log = logging.getLogger("moekit")
 
 
 def _dense_mlp(entries: Mapping[str, Tensor], prefix: str, offending: list[str]) -> nn.Module:
@@ -77,7 +80,8 @@ def upcycle_vit(
         upcycled model computes the dense model's function.
 
     Raises:
-        ValueError: listing every missing key, unexpected key and shape mismatch; nothing is written then.
+        ValueError: listing every missing key, unexpected key and shape mismatch, or naming the layers that the
+            weights hold as MoE layers already; nothing is written then.
     """
     source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
     return upcycle(moe_model, checkpoint_filter_fn(source, moe_model), noise_std, caller="upcycle_vit")
@@ -100,6 +104,14 @@ def upcycle(
 
     def moe_prefix(key: str):
         return next((prefix for prefix in layers if key.startswith(prefix)), None)
+
+    already_moe = [prefix[:-1] for prefix in layers if f"{prefix}experts.fc1_weight" in source]
+    if already_moe:
+        raise ValueError(
+            f"{caller}: the weights hold MoE layers already ({', '.join(already_moe)}), and upcycling starts an MoE "
+            "model from a dense one; load MoE weights into the MoE model they were trained as "
+            "(task.init_mode=finetune with the checkpoint's moe settings), or upcycle from its dense twin"
+        )
 
     target = moe_model.state_dict()
     missing = [k for k in target if moe_prefix(k) is None and k not in source]
@@ -130,4 +142,11 @@ def upcycle(
     moe_model.load_state_dict({k: source[k] for k in target if moe_prefix(k) is None}, strict=False)
     for prefix, mlp in dense_mlps.items():
         layers[prefix].experts.load_dense_mlp(mlp, noise_std)
+    log.info(
+        "upcycled %s: the experts of %s copy the dense MLPs there (noise_std=%g), their routers (slots, shared "
+        "experts) start fresh, every other weight is the dense model's",
+        type(moe_model).__name__,
+        ", ".join(prefix[:-1] for prefix in dense_mlps),
+        noise_std,
+    )
     return moe_model

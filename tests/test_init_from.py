@@ -1,0 +1,110 @@
+"""Starting a run from another run's weights (``task.init_from``): fine-tuning with a new head, sparse upcycling
+(``task.init_mode=upcycle``) and the refusals that name the fix, from checkpoint files and sharded folders."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moekit.checkpoint import SHARDED_METADATA, CheckpointError
+from moekit.models import upcycle_vit
+from moekit.moe import ExpertBank
+from moekit.tasks import ImageClassifier
+
+DENSE = {
+    "_target_": "moekit.models.create_model",
+    "model_name": "vit_tiny_patch4_28",
+    "embed_dim": 32,
+    "depth": 4,
+    "num_heads": 2,
+}
+TOP2 = dict(
+    DENSE,
+    model_name="top2_moe_vit_tiny_patch4_28",
+    moe={"num_experts": 4, "capacity_factor": None, "eval_capacity_factor": None},
+    moe_blocks="every_2",
+)
+
+
+@pytest.fixture
+def dense_ckpt(tmp_path):
+    """A dense tiny ViT's weights (10 classes) and the task that holds them."""
+    dense = ImageClassifier(net=DENSE, num_classes=10).eval()
+    path = tmp_path / "dense.pt"
+    torch.save(dense.net.state_dict(), path)
+    return path, dense
+
+
+def test_finetune_with_another_class_count_loads_all_but_the_head_and_says_so(dense_ckpt, caplog):
+    path, dense = dense_ckpt
+    with caplog.at_level("INFO", logger="moekit"):
+        task = ImageClassifier(net=dict(DENSE, num_classes=5), num_classes=5, init_from=str(path))
+    for name, value in task.net.state_dict().items():
+        if not name.startswith("head."):
+            assert torch.equal(value, dense.net.state_dict()[name]), name
+    assert task.net.head.weight.shape == (5, 32)
+    assert "head.weight (5, 32) (the checkpoint's: (10, 32)), head.bias (5,) (the checkpoint's: (10,))" in caplog.text
+
+
+def test_finetuning_an_moe_model_from_a_dense_checkpoint_points_to_upcycling(dense_ckpt):
+    path, _ = dense_ckpt
+    with pytest.raises(
+        CheckpointError, match=r"dense MLPs where this model has MoE layers \(blocks.1.mlp, blocks.3.mlp"
+    ):
+        ImageClassifier(net=TOP2, num_classes=10, init_from=str(path))
+    with pytest.raises(CheckpointError, match="task.init_mode=upcycle"):
+        ImageClassifier(net=TOP2, num_classes=10, init_from=str(path))
+
+
+@torch.no_grad()
+def test_upcycling_into_some_blocks_copies_their_mlps_computes_the_dense_vit_and_says_so(dense_ckpt, caplog):
+    path, dense = dense_ckpt
+    with caplog.at_level("INFO", logger="moekit"):
+        task = ImageClassifier(net=TOP2, num_classes=10, init_from=str(path), init_mode="upcycle").eval()
+    assert task.net.moe_block_indices == (1, 3)
+    for i in (1, 3):
+        bank, mlp = task.net.blocks[i].mlp.experts, dense.net.blocks[i].mlp
+        assert isinstance(bank, ExpertBank)
+        for e in range(bank.num_experts):
+            assert torch.equal(bank.fc1_weight[e], mlp.fc1.weight.t()) and torch.equal(bank.fc1_bias[e], mlp.fc1.bias)
+            assert torch.equal(bank.fc2_weight[e], mlp.fc2.weight.t()) and torch.equal(bank.fc2_bias[e], mlp.fc2.bias)
+    dense_state = dense.net.state_dict()
+    for name, value in task.net.state_dict().items():
+        if not name.startswith(("blocks.1.mlp.", "blocks.3.mlp.")):
+            assert torch.equal(value, dense_state[name]), name
+    images = torch.randn(3, 1, 28, 28)
+    torch.testing.assert_close(task(images), dense(images), rtol=1e-5, atol=1e-5)
+    assert "upcycled VisionTransformer: the experts of blocks.1.mlp, blocks.3.mlp copy the dense MLPs" in caplog.text
+
+
+def test_upcycling_from_an_moe_checkpoint_is_refused_naming_its_moe_layers(dense_ckpt, tmp_path):
+    path, _ = dense_ckpt
+    moe = ImageClassifier(net=TOP2, num_classes=10, init_from=str(path), init_mode="upcycle")
+    torch.save(moe.net.state_dict(), tmp_path / "moe.pt")
+    fresh = ImageClassifier(net=TOP2, num_classes=10)
+    before = {k: v.clone() for k, v in fresh.net.state_dict().items()}
+    with pytest.raises(ValueError, match=r"hold MoE layers already \(blocks.1.mlp, blocks.3.mlp\).*init_mode=finetune"):
+        upcycle_vit(fresh.net, torch.load(tmp_path / "moe.pt"))
+    assert all(torch.equal(v, before[k]) for k, v in fresh.net.state_dict().items()), "nothing is written"
+    with pytest.raises(ValueError, match="hold MoE layers already"):
+        ImageClassifier(net=TOP2, num_classes=10, init_from=str(tmp_path / "moe.pt"), init_mode="upcycle")
+
+
+def test_init_from_a_sharded_checkpoint_folder_loads_its_weights(dense_ckpt, tmp_path):
+    """A folder as FSDP's ``state_dict_type=sharded`` writes it (torch.distributed.checkpoint shards and their
+    index, optimizer states beside the weights, then rank 0's metadata file)."""
+    _, dense = dense_ckpt
+    folder = tmp_path / "last.ckpt"
+    optimizer = torch.optim.AdamW(dense.parameters())
+    dense(torch.randn(2, 1, 28, 28)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():  # one process, no process group: torch says it saves as a single process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"state_dict": dense.state_dict(), "optimizer_0": optimizer.state_dict()}, checkpoint_id=folder)
+    torch.save({"epoch": 0, "global_step": 1}, folder / SHARDED_METADATA)
+    task = ImageClassifier(net=DENSE, num_classes=10, init_from=str(folder))
+    for name, value in task.net.state_dict().items():
+        assert torch.equal(value, dense.net.state_dict()[name]), name
+    upcycled = ImageClassifier(net=TOP2, num_classes=10, init_from=str(folder), init_mode="upcycle")
+    assert torch.equal(upcycled.net.blocks[1].mlp.experts.fc2_bias[3], dense.net.blocks[1].mlp.fc2.bias)
