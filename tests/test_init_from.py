@@ -108,3 +108,25 @@ def test_init_from_a_sharded_checkpoint_folder_loads_its_weights(dense_ckpt, tmp
         assert torch.equal(value, dense.net.state_dict()[name]), name
     upcycled = ImageClassifier(net=TOP2, num_classes=10, init_from=str(folder), init_mode="upcycle")
     assert torch.equal(upcycled.net.blocks[1].mlp.experts.fc2_bias[3], dense.net.blocks[1].mlp.fc2.bias)
+
+
+@pytest.mark.parametrize("mode", ["finetune", "upcycle"])
+@pytest.mark.parametrize("head", ["other_classes", "none"])
+def test_a_head_of_other_classes_or_none_starts_fresh_in_both_modes(dense_ckpt, mode, head, caplog):
+    """A backbone exported without its head (num_classes=0) or a head of 10 classes into a 5-class task: the
+    backbone loads (upcycled or as it is), the head is the task's fresh one."""
+    path, dense = dense_ckpt
+    state = {k: v for k, v in dense.net.state_dict().items() if head == "other_classes" or not k.startswith("head.")}
+    torch.save(state, path)
+    net = dict(TOP2 if mode == "upcycle" else DENSE, num_classes=5)
+    torch.manual_seed(0)
+    fresh = ImageClassifier(net=net, num_classes=5).net.head.state_dict()
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="moekit"):
+        task = ImageClassifier(net=net, num_classes=5, init_from=str(path), init_mode=mode)
+    assert all(torch.equal(task.net.head.state_dict()[k], v) for k, v in fresh.items())
+    moe = ("blocks.1.mlp.", "blocks.3.mlp.") if mode == "upcycle" else ()
+    for name, value in task.net.state_dict().items():
+        if not name.startswith(("head.", *moe)):
+            assert torch.equal(value, dense.net.state_dict()[name]), name
+    assert "start fresh" in caplog.text or "starts fresh" in caplog.text

@@ -13,6 +13,7 @@ it: ``ImageClassifier.load_from_checkpoint(path)``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,8 @@ from moekit.checkpoint import CLASS_NAMES_KEY, head_prefixes, load_weights, read
 from .base import MoETask, plain
 
 __all__ = ["ImageClassifier"]
+
+log = logging.getLogger("moekit")
 
 
 class ImageClassifier(MoETask):
@@ -123,15 +126,21 @@ class ImageClassifier(MoETask):
 
     # ------------------------------------------------------------------------------------------
     def _initialise_from(self, path: str, mode: str) -> None:
+        """Load ``path`` (fine-tune) or upcycle from it; in both modes a classifier head of other classes, or none (a
+        backbone exported with ``num_classes=0``), is replaced by this task's fresh head."""
         state = read_state_dict(path)
+        own = self.net.state_dict()
+        heads = head_prefixes(self.net)
+        head_changed = any(k.startswith(heads) and (k not in state or state[k].shape != own[k].shape) for k in own)
         if mode == "upcycle":
             from moekit.models.upcycle import upcycle_vit
 
+            if head_changed:  # the fresh head stands in for the checkpoint's
+                state = {k: v for k, v in state.items() if not k.startswith(heads)}
+                state |= {k: v for k, v in own.items() if k.startswith(heads)}
+                log.info("%s: the classifier head (%d classes) starts fresh", path, self.hparams.num_classes)
             upcycle_vit(self.net, state)
             return
-        own = self.net.state_dict()
-        heads = head_prefixes(self.net)
-        head_changed = any(k.startswith(heads) and k in state and state[k].shape != own[k].shape for k in own)
         load_weights(self.net, state, source=path, skip_prefixes=heads if head_changed else ())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
