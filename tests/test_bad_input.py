@@ -502,6 +502,13 @@ CASES = [
         ["task.optimizer.lr=0.5 (the checkpoint's:", "learning rate", "task.init_from="],
         cli=False,
     ),
+    Case(  # the resumed weights would replace the ones init_from loads
+        "resume_with_init_from_another_checkpoint",
+        "train.py",
+        [*FAST, "data.root={fm}", "task.init_from={ckpt}", "ckpt_path={ckpt}"],
+        ["task.init_from={ckpt} (the checkpoint's: None)", "replaced by the checkpoint's", "without ckpt_path"],
+        cli=False,
+    ),
     Case(
         "experts_that_cannot_fit_in_memory",
         "train.py",

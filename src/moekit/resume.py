@@ -172,6 +172,12 @@ def _check_resume_overrides(ckpt_path: str, saved: Mapping[str, Any], current: M
         changed = _changed(node_saved, node_current, key)
         if changed:
             ignored.append(f"{', '.join(changed)}: {reason}")
+    init_from, saved_init = (current.get("task") or {}).get("init_from"), (saved.get("task") or {}).get("init_from")
+    if init_from and init_from != saved_init:  # none, or the run's own (a requeued fine-tune), is fine
+        ignored.append(
+            f"task.init_from={init_from} (the checkpoint's: {saved_init}): the weights it loads are replaced by the "
+            "checkpoint's"
+        )
     if ignored:
         message = f"ckpt_path={ckpt_path!r} continues its run, which would ignore {'; '.join(ignored)}"
         raise CheckpointError(f"{message}. Drop these overrides to resume, or {fix} without ckpt_path")
