@@ -144,6 +144,14 @@ def test_sweep_of_a_key_the_dense_twin_has_times_it_once_per_value_too(tmp_path,
     assert [row["overrides"][-1] for row in table["rows"]] == [f"task.label_smoothing={v}" for v in ("0.0", "0.5") * 2]
 
 
+def test_an_override_no_model_of_the_group_has_is_refused(capsys):
+    """A misspelt key is left out by every model: refused, not timed under a title that lists it as applied."""
+    argv = ["--quick", "--rounds", "1", "--steps", "1", "--warmup", "0", "--allocator", "system", "--groups", "vit"]
+    with pytest.raises(SystemExit, match=r"--override moe.num_expert=6: no model of group 'vit' has such a key"):
+        bench.main([*argv, "--models", "soft_moe", "--override", "moe.num_expert=6", "moe.num_experts=6"])
+    assert "### vit" not in capsys.readouterr().out  # no table
+
+
 def test_time_models_times_consecutive_steps_after_warm_up(monkeypatch):
     """Each round gives every model its warm-up steps, then its timed steps, in a row; a model's time is
     the median over its timed steps of all rounds, the warm-up steps left out."""

@@ -116,3 +116,23 @@ def test_soak_memory_stays_flat_and_throughput_does_not_decay(tmp_path):
     assert verdict["growth"] <= 64 * MIB, summary
     assert verdict["throughput_ratio"] >= 0.8, summary
     assert result.returncode == 0, summary
+
+
+@pytest.mark.parametrize(
+    "steps, warmup, every", [(400, 0, 50), (449, 1, 50), (450, 1, 50), (450, 50, 50), (460, 60, 50), (45, 0, 5)]
+)
+def test_options_are_accepted_exactly_when_the_run_gives_the_verdict_its_records(soak, steps, warmup, every):
+    """parse_args refuses a run whose records (every ``every`` steps from ``every`` on) leave the verdict fewer
+    than 9 after the warm-up, before the run rather than after it; it accepts every run that has them."""
+    records = _records(soak, steps=steps, every=every, rss_mib=lambda step: 1000, seconds_per_step=lambda step: 0.01)
+    try:
+        soak.verdict(records, warmup=warmup, max_growth=0.05, min_throughput_ratio=0.8)
+        enough = True
+    except ValueError:
+        enough = False
+    argv = ["--steps", str(steps), "--warmup", str(warmup), "--every", str(every)]
+    if enough:
+        soak.parse_args(argv)
+    else:
+        with pytest.raises(SystemExit):
+            soak.parse_args(argv)

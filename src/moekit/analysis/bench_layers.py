@@ -312,9 +312,9 @@ def table_scaling(args) -> None:
     x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
     print(f"\n### Scaling experts, batch {batch} x {tokens} tokens, d={dim}, expert mlp {hidden}\n")
     print(
-        "Soft MoE: 128 slots in total (one slot each at 256 experts); tokens-choice top-1 and experts-choice: "
-        "capacity factor 1.0 (total expert work fixed). Times are fwd+bwd ms; ratios are against the dense Mlp "
-        "of the same run.\n"
+        f"Soft MoE: {slots} slots in total (one slot each at {expert_counts[-1]} experts); tokens-choice top-1 and "
+        "experts-choice: capacity factor 1.0 (total expert work fixed). Times are fwd+bwd ms; ratios are against the "
+        "dense Mlp of the same run.\n"
     )
     print("| experts | dense Mlp | SoftMoE | TopKMoE top-1 cf1 | ExpertsChoice cf1 |")
     print("|---:|---:|---:|---:|---:|")
@@ -406,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.batch_scale < 1:
         parser.error(f"--batch-scale must be a positive integer, got {args.batch_scale}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be a positive integer, got {args.rounds}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available (use --device cpu)")
     apply_allocator(args)

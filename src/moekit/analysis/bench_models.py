@@ -37,11 +37,11 @@ backward) and its share of the GPU's measured peak (one 8192^3 matmul in the ste
 utilisation, MFU.
 Parameters and forward FLOPs are those ``results.json`` records (:func:`moekit.models.summary.model_summary` /
 ``lm_summary``: FLOPs measured in eval mode). An ``--override`` whose key a model's config lacks
-(``moe.num_experts`` for the dense twin) is left out for that model, and said so. ``--models`` keeps some of
-a group's MoE models (the dense baseline always runs); ``--sweep key=v1,v2`` times each kept MoE model once
-per value, in the same interleaved rounds (the step-time side of an ablation, e.g. slots per expert), and the dense
-baseline once per value too where its config has the key (``task.compile=false,true``: eager and compiled side by
-side), else once.
+(``moe.num_experts`` for the dense twin) is left out for that model, and said so; one that no model of the group
+has (a misspelt key) is refused. ``--models`` keeps some of a group's MoE models (the dense baseline always
+runs); ``--sweep key=v1,v2`` times each kept MoE model once per value, in the same interleaved rounds (the step-time
+side of an ablation, e.g. slots per expert), and the dense baseline once per value too where its config has the
+key (``task.compile=false,true``: eager and compiled side by side), else once.
 
 ``--json PATH`` also writes the tables as JSON, each row with its model's resolved config, batch size and
 precision: ``scripts/plot_results.py --step-times PATH`` matches them to a sweep's runs and draws the
@@ -72,6 +72,7 @@ from lightning import LightningDataModule
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from moekit.analysis.bench_model_options import check_overrides_applied, parse_sweep
 from moekit.analysis.bench_model_tables import describe, print_table, table_record
 from moekit.analysis.op_profile import print_top_operators
 from moekit.analysis.peak import device_sync, matmul_peak
@@ -321,17 +322,6 @@ def time_models(candidates: list[Candidate], rounds: int, steps: int = 3, warmup
     }
 
 
-def parse_sweep(sweep: str | None) -> tuple[str, list[str]] | None:
-    """``"key=v1,v2"`` -> ``("key", ["v1", "v2"])``; None stays None."""
-    if sweep is None:
-        return None
-    key, _, values = sweep.partition("=")
-    choices = [v.strip() for v in values.split(",") if v.strip()]
-    if not key or not choices:
-        raise SystemExit(f"--sweep {sweep!r}: write key=value1,value2 (e.g. moe.slots_per_expert=1,2,4)")
-    return key, choices
-
-
 def group_models(group: str, keep: Sequence[str] | None) -> list[str]:
     """The group's dense baseline followed by its MoE models (those named in ``keep``, if given)."""
     models = list(GROUPS[group][1])
@@ -355,10 +345,11 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     batch_size = args.batch_size or (QUICK_BATCH if args.quick else None)
     tables = []
     for variant in variants:
-        candidates = []
+        candidates, applied = [], []
         for i, model in enumerate(models):
             overrides = [*base, *model_overrides[model], *variant]
             kept, dropped = applicable_overrides(overrides, list(args.override))
+            applied += kept
             if dropped:
                 print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
             # The dense twin runs once where its config lacks the swept key (moe.num_experts), else once per value.
@@ -368,6 +359,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 swept = [] if value is None else [f"{sweep[0]}={value}"]
                 name = model if value is None else f"{model} {sweep[0].rsplit('.', 1)[-1]}={value}"
                 candidates.append(build_candidate(name, [*overrides, *kept, *swept], batch_size, args.device))
+        check_overrides_applied(group, args.override, applied)
         times = time_models(candidates, args.rounds, args.steps, args.warmup)
         what = f", width {variant[0].split('=')[1]}" if variant else ""
         extras = f", overrides: {' '.join(args.override)}" if args.override else ""

@@ -140,6 +140,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores shared by the processes")
     args = parser.parse_args()
+    for name in ("experts", "dim", "hidden", "layers", "steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be positive")
+    if args.warmup < 0:
+        parser.error(f"--warmup={args.warmup} must be 0 or more")
+    if args.tokens < 64 or args.tokens % 64:  # else the ranks run fewer tokens than the per-token figures divide by
+        parser.error(f"--tokens={args.tokens} must be a positive multiple of 64 (sequences of 64 tokens)")
+    bad = [w for w in args.worlds if w < 1 or args.experts % w]
+    if bad:
+        parser.error(f"--worlds {' '.join(map(str, bad))}: each must be a divisor of --experts={args.experts}")
 
     results = mp.Manager().list()
     for world in args.worlds:

@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median reported)")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds={args.rounds} must be positive")
     L.seed_everything(0, workers=True)
     float_task = load_task(str(args.ckpt))
     lm = isinstance(float_task, LanguageModel)

@@ -243,7 +243,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup={args.warmup} must be in [0, --steps={args.steps})")
-    if (args.steps - args.warmup) // args.every < 8:
+    # Records fall on the steps every --every from --every on; the verdict takes those at or after --warmup.
+    first_record = max(1, -(-args.warmup // args.every)) * args.every
+    if args.steps // args.every - first_record // args.every + 1 < 9:
         parser.error("the verdict needs at least 9 records after the warm-up: raise --steps or lower --every")
     return args
 
