@@ -128,20 +128,23 @@ def test_sweep_times_each_value_of_a_setting_against_one_dense_baseline(capsys):
 
 
 def test_sweep_of_a_key_the_dense_twin_has_times_it_once_per_value_too(tmp_path, capsys):
-    """``--sweep task.compile=false,true`` is for both models: the dense baseline runs once per value, first (the
-    ratios are against its first value), and each row ran its value."""
+    """``--sweep data.batch_size=4,6`` is for both models: the dense baseline runs once per value, first, each row
+    ran its value (not --quick's batch), and each ratio is against the dense row of the same value."""
     out = tmp_path / "sweep.json"
     bench.main(
         ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "vit", "--models", "soft_moe"]
-        + ["--sweep", "task.label_smoothing=0.0,0.5", "--json", str(out)]
+        + ["--sweep", "data.batch_size=4,6", "--json", str(out)]
     )
     (printed,) = _tables(capsys.readouterr().out).values()
-    names = ["dense label_smoothing=0.0", "dense label_smoothing=0.5"]
-    names += ["soft_moe label_smoothing=0.0", "soft_moe label_smoothing=0.5"]
+    names = ["dense batch_size=4", "dense batch_size=6", "soft_moe batch_size=4", "soft_moe batch_size=6"]
     assert [row[0] for row in printed] == names
-    assert printed[0][7] == "1.00x"
+    assert printed[0][7] == printed[1][7] == "1.00x"
     (table,) = json.loads(out.read_text())["tables"]
-    assert [row["overrides"][-1] for row in table["rows"]] == [f"task.label_smoothing={v}" for v in ("0.0", "0.5") * 2]
+    rows = table["rows"]
+    assert [row["batch_size"] for row in rows] == [4, 6, 4, 6]
+    seconds = [row["seconds_per_step"] for row in rows]
+    assert [row["vs_dense"] for row in rows] == [1.0, 1.0, seconds[2] / seconds[0], seconds[3] / seconds[1]]
+    assert [f"{row['vs_dense']:.2f}x" for row in rows] == [row[7] for row in printed]
 
 
 def test_an_override_no_model_of_the_group_has_is_refused(capsys):
@@ -236,6 +239,8 @@ def test_mfu_is_the_achieved_flops_over_the_peak_of_the_steps_precision(capsys):
     dtype = torch.bfloat16 if c.precision.startswith("bf16") else torch.float32
     assert float(row[8]) == pytest.approx(achieved / 1e12, abs=0.005)
     assert float(row[9].rstrip("%")) == pytest.approx(100 * achieved / peak[dtype], abs=0.05)
+    (record,) = bench.table_record("t", [c], {c.name: bench.StepTiming(0.5, 0.1)}, peak=peak)["rows"]
+    assert (record["achieved_flops_per_second"], record["mfu"]) == pytest.approx((achieved, achieved / peak[dtype]))
 
 
 def test_a_compiled_table_says_when_dynamo_compiled_nothing(capsys, monkeypatch):

@@ -13,16 +13,16 @@ from moekit.utils.format import si
 if TYPE_CHECKING:
     from moekit.analysis.bench_models import Candidate, StepTiming
 
-__all__ = ["describe", "print_table", "table_record"]
+__all__ = ["describe", "print_table", "table_record", "utilisation", "vs_dense"]
 
 
 def print_table(
     title: str, candidates: list[Candidate], times: dict[str, StepTiming], peak: dict[torch.dtype, float] | None
 ) -> None:
     """A markdown table: sizes, FLOPs, the median step time (and its parameter update), throughput and
-    the ratio to the first candidate (the dense baseline) of the same run; with ``peak`` (a GPU's measured
-    matmul FLOP/s per dtype) also the achieved TFLOP/s and the MFU against the peak of the step's precision."""
-    base = times[candidates[0].name].seconds
+    the ratio to the dense baseline of the same run (of the same swept value, where the dense twin ran once per
+    value); with ``peak`` (a GPU's measured matmul FLOP/s per dtype) also the achieved TFLOP/s and the MFU against
+    the peak of the step's precision."""
     unit = candidates[0].unit
     header = (
         f"| model | total params | active params / token | fwd FLOPs / {unit} | ms / step | update ms | {unit}s/s "
@@ -44,13 +44,12 @@ def print_table(
             f"{t * 1e3:.1f}",
             f"{times[c.name].update_seconds * 1e3:.1f}",
             f"{c.examples_per_step / t:,.0f}",
-            f"{t / base:.2f}x",
+            f"{vs_dense(c, candidates, times):.2f}x",
         ]
         if peak:
-            flops = c.flops_per_example
-            achieved = None if flops is None else 3 * flops * c.examples_per_step / t
+            achieved, mfu = utilisation(c, t, peak)
             cells.append("n/a" if achieved is None else f"{achieved / 1e12:.2f}")
-            cells.append("n/a" if achieved is None else f"{achieved / peak[c.compute_dtype]:.1%}")
+            cells.append("n/a" if mfu is None else f"{mfu:.1%}")
         print("| " + " | ".join(cells) + " |")
     from torch._dynamo.utils import counters  # here, not at the top: Dynamo's import takes seconds
 
@@ -60,10 +59,12 @@ def print_table(
     sys.stdout.flush()
 
 
-def table_record(title: str, candidates: list[Candidate], times: dict[str, StepTiming]) -> dict[str, Any]:
+def table_record(
+    title: str, candidates: list[Candidate], times: dict[str, StepTiming], peak: dict[torch.dtype, float] | None = None
+) -> dict[str, Any]:
     """A table as JSON: a row per model with its median step time, what it ran (the model's resolved
-    config, batch size, precision: :func:`moekit.analysis.records.step_time_key`) and its sizes."""
-    base = times[candidates[0].name].seconds
+    config, batch size, precision: :func:`moekit.analysis.records.step_time_key`) and its sizes; with ``peak``
+    also its achieved FLOP/s and MFU, as the printed table."""
     rows = []
     for c in candidates:
         s = c.summary
@@ -76,7 +77,7 @@ def table_record(title: str, candidates: list[Candidate], times: dict[str, StepT
                 "precision": c.precision,
                 "seconds_per_step": times[c.name].seconds,
                 "update_seconds": times[c.name].update_seconds,
-                "vs_dense": times[c.name].seconds / base,
+                "vs_dense": vs_dense(c, candidates, times),
                 "examples_per_step": c.examples_per_step,
                 "unit": c.unit,
                 "flops_per_example": c.flops_per_example,
@@ -84,7 +85,23 @@ def table_record(title: str, candidates: list[Candidate], times: dict[str, StepT
                 "active_params_per_token": None if s is None else float(s.active_params_per_token),
             }
         )
+        if peak:
+            rows[-1]["achieved_flops_per_second"], rows[-1]["mfu"] = utilisation(c, times[c.name].seconds, peak)
     return {"title": title, "rows": rows}
+
+
+def utilisation(c: Candidate, seconds: float, peak: dict[torch.dtype, float]) -> tuple[float | None, float | None]:
+    """``(achieved FLOP/s, MFU)`` of a training step of ``seconds``: 3x the forward FLOPs (forward + backward) over
+    the time, and that over the peak of the step's precision; None where the FLOPs are unknown."""
+    if c.flops_per_example is None:
+        return None, None
+    achieved = 3 * c.flops_per_example * c.examples_per_step / seconds
+    return achieved, achieved / peak[c.compute_dtype]
+
+
+def vs_dense(c: Candidate, candidates: list[Candidate], times: dict[str, StepTiming]) -> float:
+    """``c``'s step time over its dense baseline's (``c.baseline``; the table's first row where none is named)."""
+    return times[c.name].seconds / times[c.baseline or candidates[0].name].seconds
 
 
 def describe(c: Candidate) -> str:

@@ -41,7 +41,8 @@ Parameters and forward FLOPs are those ``results.json`` records (:func:`moekit.m
 has (a misspelt key) is refused. ``--models`` keeps some of a group's MoE models (the dense baseline always
 runs); ``--sweep key=v1,v2`` times each kept MoE model once per value, in the same interleaved rounds (the step-time
 side of an ablation, e.g. slots per expert), and the dense baseline once per value too where its config has the
-key (``task.compile=false,true``: eager and compiled side by side), else once.
+key (``task.compile=false,true``: eager and compiled side by side; ``data.batch_size=128,512``: each MoE row
+against the dense row of its own batch), else once.
 
 ``--json PATH`` also writes the tables as JSON, each row with its model's resolved config, batch size and
 precision: ``scripts/plot_results.py --step-times PATH`` matches them to a sweep's runs and draws the
@@ -152,6 +153,7 @@ class Candidate:
     summary: ModelSummary | LMSummary | None
     examples_per_step: int  # images, or tokens for a language model
     device: torch.device
+    baseline: str = ""  # the dense row its "vs dense" divides by: the same swept value's, else the only one
 
     @property
     def unit(self) -> str:
@@ -345,7 +347,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     batch_size = args.batch_size or (QUICK_BATCH if args.quick else None)
     tables = []
     for variant in variants:
-        candidates, applied = [], []
+        candidates, applied, dense = [], [], {}  # dense: swept value (None: not swept) -> the dense row's name
         for i, model in enumerate(models):
             overrides = [*base, *model_overrides[model], *variant]
             kept, dropped = applicable_overrides(overrides, list(args.override))
@@ -358,7 +360,12 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             for value in settings:
                 swept = [] if value is None else [f"{sweep[0]}={value}"]
                 name = model if value is None else f"{model} {sweep[0].rsplit('.', 1)[-1]}={value}"
-                candidates.append(build_candidate(name, [*overrides, *kept, *swept], batch_size, args.device))
+                if i == 0:
+                    dense[value] = name
+                size = None if swept and sweep[0] == "data.batch_size" else batch_size  # the swept size, not --quick's
+                candidate = build_candidate(name, [*overrides, *kept, *swept], size, args.device)
+                candidate.baseline = dense.get(value, dense.get(None, name))
+                candidates.append(candidate)
         check_overrides_applied(group, args.override, applied)
         times = time_models(candidates, args.rounds, args.steps, args.warmup)
         what = f", width {variant[0].split('=')[1]}" if variant else ""
@@ -368,7 +375,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         print_table(title, candidates, times, peak=args.peak)
         for c in candidates if args.profile else []:
             print_top_operators(f"{c.name}, one training step", lambda c=c: train_step(c), c.device)
-        tables.append(table_record(title, candidates, times))
+        tables.append(table_record(title, candidates, times, peak=args.peak))
         del candidates
         gc.collect()
     return tables
