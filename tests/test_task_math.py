@@ -65,6 +65,19 @@ def test_mixup_of_an_odd_batch_mixes_all_but_the_last_image():
     torch.testing.assert_close(single, smooth[:1])
 
 
+def test_label_smoothing_trains_and_evaluation_reports_the_plain_cross_entropy():
+    """Smoothing is a training target: val/test losses are the cross-entropy of the labels (as timm validates), so
+    they compare with other runs' and tools' whatever the smoothing."""
+    task = ImageClassifier(net=TINY_NET, num_classes=10, label_smoothing=0.3).eval()
+    images, labels = torch.randn(4, 1, 28, 28), torch.tensor([0, 3, 7, 9])
+    with torch.no_grad():
+        log_p = F.log_softmax(task(images).float(), dim=-1)
+        plain = -log_p[torch.arange(4), labels].mean()
+        smoothed = 0.7 * plain - 0.3 * log_p.mean(dim=-1).mean()
+        for split, expected in (("val", plain), ("test", plain), ("train", smoothed)):
+            torch.testing.assert_close(task._shared_step((images, labels), split), expected)
+
+
 def test_a_frozen_backbone_stays_in_eval_mode_while_the_head_trains():
     """Linear probing: no batch-norm statistics of the conv stem (nor any other buffer) move in training, only the
     head is in training mode, also after an evaluation switched the task to eval and back."""

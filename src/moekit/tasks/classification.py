@@ -193,7 +193,8 @@ class ImageClassifier(MoETask):
         if targets.dim() == 2:  # soft targets from mixup (label smoothing included)
             task_loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
         else:
-            task_loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.label_smoothing)
+            smoothing = self.label_smoothing if split == "train" else 0.0  # val/test: the plain cross-entropy
+            task_loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
         loss = self.add_aux_losses(split, task_loss, batch_size=images.shape[0])
         preds = logits.detach()
         for k in sorted({1, self.top5}):
