@@ -23,7 +23,8 @@ steps since the previous log:
 Validation figures are the same, accumulated over the whole validation epoch and logged at its end
 under ``val_moe/``; the sanity-check validation is not logged.
 
-Weighting: each forward counts with its number of tokens (``MoELayer.forward_tokens``). The interval
+Weighting: each forward counts with its number of real tokens (``stats["real_tokens"]``: padding counts in no
+statistic; ``MoELayer.forward_tokens`` for a router that does not record it). The interval
 figure of a per-token mean (router entropy, mean top gate, dropped fraction) is then the mean over
 all tokens of the interval, and ``expert_load`` the token-weighted mean of the per-forward fractions
 (for dropless routing exactly the share of the interval's assignments each expert got). Figures of a
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 
 from moekit.loggers import logging_step
 from moekit.moe import RoutingModule, routing_modules
+from moekit.moe.stats import REAL_TOKENS
 
 __all__ = ["ExpertLoadMonitor", "RoutingStatsSums", "LayerFigures", "load_heatmap"]
 
@@ -86,7 +88,7 @@ class RoutingStatsSums:
 
     def __init__(self) -> None:
         self._sums: dict[str, dict[str, Tensor]] = {}  # layer -> statistic -> sum of tokens * value
-        self._tokens: dict[str, dict[str, float]] = {}  # layer -> statistic -> sum of tokens
+        self._tokens: dict[str, dict[str, float | Tensor]] = {}  # layer -> statistic -> sum of (real) tokens
         self._forwards: dict[str, int] = {}  # layer -> forwards added
 
     def __bool__(self) -> bool:
@@ -99,28 +101,33 @@ class RoutingStatsSums:
 
     def add(self, layer: str, stats: Mapping[str, Tensor], aux_losses: Mapping[str, Tensor], tokens: int) -> None:
         """Add one forward of ``layer``: its ``stats`` (``expert_load [E]`` and scalars), its weighted
-        ``aux_losses`` (scalars; detached here) and its number of ``tokens`` (the weight)."""
+        ``aux_losses`` (scalars; detached here) and its number of ``tokens`` (the weight). The weight is the
+        forward's real tokens, ``stats["real_tokens"]`` (a device scalar: padding counts in no statistic), where
+        the layer records it, else ``tokens``."""
         if not (isinstance(tokens, int) and tokens > 0):
             raise ValueError(
                 f"RoutingStatsSums.add: tokens={tokens!r} for layer {layer!r} must be a positive int "
                 "(the tokens of the forward, MoELayer.forward_tokens)"
             )
+        real = stats.get(REAL_TOKENS)
+        weight = tokens if real is None else real.detach().float()
         sums = self._sums.setdefault(layer, {})
         weights = self._tokens.setdefault(layer, {})
-        entries = list(stats.items()) + [(AUX_PREFIX + name, value) for name, value in aux_losses.items()]
+        entries = [(k, v) for k, v in stats.items() if k != REAL_TOKENS]
+        entries += [(AUX_PREFIX + name, value) for name, value in aux_losses.items()]
         for key, value in entries:
-            value = value.detach().float()
+            value = value.detach().float() * weight
             if key in sums:
                 if sums[key].shape != value.shape:
                     raise ValueError(
                         f"layer {layer!r} recorded {key} of shape {tuple(value.shape)} after "
                         f"{tuple(sums[key].shape)}; a layer's statistics must keep their shape within an interval"
                     )
-                sums[key].add_(value, alpha=tokens)
-                weights[key] += tokens
+                sums[key].add_(value)
+                weights[key] = weights[key] + weight
             else:
-                sums[key] = value * tokens  # a new tensor: never an alias of the layer's own record
-                weights[key] = float(tokens)
+                sums[key] = value  # a new tensor: never an alias of the layer's own record
+                weights[key] = weight
         self._forwards[layer] = self._forwards.get(layer, 0) + 1
 
     def compute(self, sum_over_ranks: SumOverRanks | None = None) -> dict[str, LayerFigures]:
@@ -138,7 +145,7 @@ class RoutingStatsSums:
         weights = [self._tokens[layer][key] for layer, key in layout] + [float(self._forwards[x]) for x in layers]
         flat = torch.cat(
             [self._sums[layer][key].reshape(-1).to(device) for layer, key in layout]
-            + [torch.tensor(weights, dtype=torch.float32, device=device)]
+            + [torch.as_tensor(w, dtype=torch.float32).reshape(1).to(device) for w in weights]
         )
         if sum_over_ranks is not None:
             flat = sum_over_ranks(flat)

@@ -11,8 +11,10 @@ the same figures in ``results.json`` (``routing``). Per layer:
 - ``load CV`` and ``max / mean``: the coefficient of variation of the experts' shares and the busiest expert's
   share over the uniform one (0 and 1 for a perfectly even load);
 - ``effective experts``: ``exp(entropy of the shares)``, the number of equally busy experts with the same spread;
-- ``dropped``: the fraction of routed assignments capacity dropped; ``router entropy``: the mean entropy of the
-  per-token router distribution (tokens-choice layers), or of the slots' dispatch weights (Soft MoE).
+- ``dropped``: the layer's ``dropped_fraction`` - tokens-choice: the fraction of routed assignments capacity dropped;
+  experts-choice and strictly balanced: the fraction of tokens no expert took; ``router entropy``: the mean entropy
+  of the per-token router distribution (tokens-choice layers), or of the slots' dispatch weights (Soft MoE).
+- ``tokens``: the real tokens of the test split (padding excluded, as from every figure) the layer routed.
 
 For image classifiers the report also says which classes each expert serves (the V-MoE paper's analysis): the
 tokens each expert took (Soft MoE: its slots' dispatch weights), counted by the label of their image; per

@@ -21,7 +21,7 @@ class ThroughputMonitor(Callback):
     Args:
         unit: name of one example in the metric (``images``, ``tokens``).
         count: how a batch's first tensor counts examples: ``"rows"`` (its dim 0: images) or ``"elements"`` (all
-            its entries: the tokens of ``[batch, seq_len]`` ids).
+            its entries: the tokens of ``[batch, seq_len]`` ids, padding included where batches carry a padding mask).
         log: log the throughput (False: count only).
 
     Attributes (totals of this process's fit; a resumed run counts only the batches after the resume):

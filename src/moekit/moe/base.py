@@ -13,8 +13,8 @@ holds:
   without host synchronisation (scalars, or ``[num_experts]`` vectors such as ``expert_load``). They
   are computed when first read (a training loop that logs every N steps pays for them every N steps)
   from the routing tensors the forward kept;
-* ``forward_tokens``: the tokens that forward routed (``batch * tokens``, padding included), the
-  weight of its statistics when a reader averages them over forwards of different sizes;
+* ``forward_tokens``: the tokens that forward routed (``batch * tokens``, padding included); the weight of its
+  statistics when a reader averages them over forwards is their ``real_tokens`` (padding excluded);
 * ``router_logit_checksum``: the sum of that forward's router logits as a device scalar (None for
   layers without learned logits), finite exactly when every logit was; :meth:`MoELayer.router_logits_finite`
   reads it (a host sync, for when a step has already gone bad).

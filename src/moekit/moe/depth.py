@@ -43,6 +43,7 @@ from moekit.recipes.depth import DepthSpec
 from .base import RoutingModule
 from .losses import masked_mean
 from .routing import logit_checksum, router_logits
+from .stats import REAL_TOKENS, real_tokens
 
 __all__ = ["DepthRouter", "MixtureOfDepths", "capacity_tokens", "depth_routers", "top_c_routing"]
 
@@ -154,6 +155,7 @@ class DepthRouter(RoutingModule):
             out = {
                 "processed_fraction": masked_mean(chosen_BS.float().reshape(-1), mask_N),
                 "mean_gate": gates.sum() / chosen_BS.sum().clamp_min(1),
+                REAL_TOKENS: real_tokens(logits_BS, batch * tokens, mask_N),
             }
             if decision is not None:
                 out["topc_agreement"] = masked_mean(((decision > 0) == chosen_BS).float().reshape(-1), mask_N)
@@ -183,6 +185,7 @@ class DepthRouter(RoutingModule):
             out = {
                 "processed_fraction": masked_mean(processed_BS.float().reshape(-1), mask_N),
                 "mean_gate": gates_BS.sum() / processed_BS.sum().clamp(min=1),
+                REAL_TOKENS: real_tokens(logits_BS, batch * tokens, mask_N),
             }
             if whole_sequences:
                 ranked_BC = detached.topk(capacity_tokens(self.capacity, tokens), dim=1).indices

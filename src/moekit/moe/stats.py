@@ -2,7 +2,8 @@
 
 Every function returns ``{name: tensor}`` of detached scalars, except ``expert_load`` (``[E]``, the
 fraction of routed work each expert received; it sums to 1). With ``mask: [N]`` bool (False for padding) the
-statistics are over the real tokens alone.
+statistics are over the real tokens alone; ``real_tokens`` (:data:`REAL_TOKENS`) is their number, the weight of the
+forward's statistics when a reader averages them over forwards (padding counts in no statistic, nor in its weight).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from torch import Tensor
 from .losses import masked_mean
 
 __all__ = [
+    "REAL_TOKENS",
+    "real_tokens",
     "entropy",
     "tokens_choice_stats",
     "experts_choice_stats",
@@ -20,6 +23,14 @@ __all__ = [
     "soft_moe_stats",
     "dense_mixture_stats",
 ]
+
+
+REAL_TOKENS = "real_tokens"
+
+
+def real_tokens(like: Tensor, num_tokens: int, mask: Tensor | None) -> Tensor:
+    """The real tokens of a forward of ``num_tokens`` as a float32 device scalar (no host synchronisation)."""
+    return like.new_full((), float(num_tokens), dtype=torch.float32) if mask is None else mask.sum().float()
 
 
 def entropy(probs: Tensor, dim: int = -1) -> Tensor:
@@ -50,6 +61,7 @@ def tokens_choice_stats(
         "tokens_fully_dropped": masked_mean((~keep.any(dim=-1)).float(), mask),
         "router_entropy": masked_mean(entropy(router_probs.float()), mask),
         "mean_top_gate": masked_mean(gates[:, 0].float(), mask),
+        REAL_TOKENS: real_tokens(router_probs, router_probs.shape[0], mask),
     }
 
 
@@ -72,6 +84,7 @@ def experts_choice_stats(
         "mean_experts_per_token": masked_mean(experts_per_token.float(), mask),
         "router_entropy": masked_mean(entropy(router_probs.float()), mask),
         "mean_top_gate": gates.float().max(dim=-1).values.mean(),
+        REAL_TOKENS: real_tokens(router_probs, router_probs.shape[0], mask),
     }
 
 
@@ -99,6 +112,7 @@ def strictly_balanced_stats(
         "mean_top_gate": masked_mean(
             kept_probs.max(dim=-1).values / kept_probs.sum(dim=-1).clamp_min(1e-30), token_mask
         ),
+        REAL_TOKENS: real_tokens(router_probs, router_probs.shape[0], token_mask),
     }
     if thresholds is not None:
         agree = ((router_probs > thresholds) == mask).float().mean(dim=-1)
@@ -144,6 +158,7 @@ def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_ma
         "max_dispatch_weight": dispatch.float().amax(dim=1).mean(),
         "max_combine_weight": max_combine_mean,
         "tokens_per_slot": dispatch_entropy.exp().mean(),
+        REAL_TOKENS: real_tokens(combine, combine.shape[0] * combine.shape[1], token_mask),
     }
 
 
@@ -158,6 +173,7 @@ def dense_mixture_stats(gates: Tensor, mask: Tensor | None = None) -> dict[str, 
         "dropped_fraction": gates.new_zeros((), dtype=torch.float32),
         "router_entropy": masked_mean(entropy(gates.float()), mask),
         "mean_top_gate": masked_mean(gates.float().max(dim=-1).values, mask),
+        REAL_TOKENS: real_tokens(gates, gates.shape[0], mask),
     }
 
 
