@@ -22,7 +22,6 @@ from moekit.data import (
     TokenWindows,
     build_tokenizer,
     encode_corpus,
-    encode_documents,
     load_corpus,
 )
 
@@ -141,12 +140,12 @@ def test_invalid_tokenizer_files(tmp_path, bpe_files):
         GPT2Tokenizer(bpe_files["vocab"], tmp_path / "merges.txt")
 
 
-def test_encode_documents_joins_with_blank_line(bpe_files):
+def test_encode_corpus_joins_with_blank_line(bpe_files):
     documents = ["first doc", "second — doc", "third"]
-    byte_stream = encode_documents(ByteTokenizer(), documents)
+    byte_stream, _ = encode_corpus(ByteTokenizer(), documents)
     assert byte_stream.dtype == torch.int64 and bytes(byte_stream.tolist()) == "\n\n".join(documents).encode()
     tokenizer = FileTokenizer(bpe_files["json"])
-    stream = encode_documents(tokenizer, documents)
+    stream, _ = encode_corpus(tokenizer, documents)
     assert stream.dtype == torch.int64 and tokenizer.decode(stream) == "\n\n".join(documents)
 
 
@@ -238,7 +237,7 @@ def test_encode_corpus_counts_each_documents_tokens(bpe_files):
     documents = ["first doc", "second — doc", "third"]
     for tokenizer in (ByteTokenizer(), FileTokenizer(bpe_files["json"])):
         tokens, lengths = encode_corpus(tokenizer, documents)
-        assert torch.equal(tokens, encode_documents(tokenizer, documents)) and int(lengths.sum()) == len(tokens)
+        assert int(lengths.sum()) == len(tokens)
         pieces = torch.split(tokens, lengths.tolist())
         assert [tokenizer.decode(piece) for piece in pieces] == ["first doc\n\n", "second — doc\n\n", "third"]
 
@@ -392,7 +391,7 @@ def test_module_argument_errors(kwargs, message):
 
 def test_split_too_small_for_seq_len(small_corpus):
     module = make_files_module(small_corpus, seq_len=512, val_fraction=0.05, test_fraction=0.05)
-    n = len(encode_documents(ByteTokenizer(), load_corpus("files", paths=str(small_corpus))))
+    n = len(encode_corpus(ByteTokenizer(), load_corpus("files", paths=str(small_corpus)))[0])
     with pytest.raises(
         ValueError, match=rf"the val split has {int(0.05 * n)} tokens .* seq_len \+ 1 = 513; use a smaller"
     ):

@@ -26,7 +26,6 @@ from .tokenizers import (
     TextTokenizer,
     build_tokenizer,
     encode_corpus,
-    encode_documents,
 )
 
 __all__ = [
@@ -46,7 +45,6 @@ __all__ = [
     "DocumentWindows",
     "PAD_TARGET",
     "build_tokenizer",
-    "encode_documents",
     "encode_corpus",
     "load_corpus",
     "load_fashion_mnist",

@@ -26,7 +26,6 @@ __all__ = [
     "GPT2Tokenizer",
     "TextTokenizer",
     "build_tokenizer",
-    "encode_documents",
     "encode_corpus",
 ]
 
@@ -249,11 +248,6 @@ def build_tokenizer(
     if kind == "file":
         return FileTokenizer(path)  # type: ignore[arg-type]  # None is reported by FileTokenizer
     return GPT2Tokenizer(vocab_file, merges_file)  # type: ignore[arg-type]
-
-
-def encode_documents(tokenizer: TextTokenizer, documents: Sequence[str], separator: str = DOCUMENT_SEPARATOR) -> Tensor:
-    """The token stream of ``separator.join(documents)``: ``[n_tokens]`` int64 (:func:`encode_corpus`'s first part)."""
-    return encode_corpus(tokenizer, documents, separator)[0]
 
 
 def encode_corpus(

@@ -315,10 +315,6 @@ class ExpertBank(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return expert_activation(grouped_linear(x, w1, b1, group_sizes, self.kernel), self.act, self.gated)
 
-    def flops_per_row(self) -> int:
-        """Multiply-adds x 2 of one row through one expert (forward)."""
-        return 2 * self.in_features * self.fc1_weight.shape[2] + 2 * self.hidden_features * self.out_features
-
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, {self.in_features}->{self.hidden_features}->{self.out_features}, "

@@ -180,8 +180,5 @@ class QuantizedExpertBank(nn.Module):
                 start += rows
         return out
 
-    def flops_per_row(self) -> int:
-        return 2 * self.in_features * self.fc1.out_features + 2 * self.hidden_features * self.out_features
-
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, {self.in_features}->{self.hidden_features}->{self.out_features}"

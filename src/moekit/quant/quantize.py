@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -80,9 +80,6 @@ class BankReport:
     rows_min: int | None = None
     rows_max: int | None = None
     rtn_fallback: dict[str, int] = field(default_factory=dict)  # matrix -> experts with too few rows
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def expert_banks(net: nn.Module) -> list[tuple[str, ExpertBank]]:
