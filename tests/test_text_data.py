@@ -172,6 +172,24 @@ def test_files_source_reads_folders_recursively_in_sorted_order(tmp_path):
     assert load_corpus("files", paths=[single, tmp_path / "docs" / "a"]) == ["LOG", "AC", "AZ"]
 
 
+def test_files_source_reads_a_file_reached_twice_once(tmp_path):
+    # named and in a listed folder, or in nested listed folders: read twice, the copy at the end of the stream
+    # fell into the test split while the first one was trained on
+    a = write(tmp_path / "docs" / "a.txt", "A")
+    write(tmp_path / "docs" / "sub" / "b.txt", "B")
+    assert load_corpus("files", paths=[tmp_path / "docs", a]) == ["A", "B"]
+    assert load_corpus("files", paths=[tmp_path / "docs", tmp_path / "docs" / "sub"]) == ["A", "B"]
+    assert load_corpus("files", paths=[a, tmp_path / "docs"]) == ["A", "B"]
+
+
+def test_files_source_drops_a_byte_order_mark(tmp_path):
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbfhello")  # UTF-8 as Windows editors save it
+    assert load_corpus("files", paths=bom) == ["hello"]
+    tokens, _ = encode_corpus(ByteTokenizer(), load_corpus("files", paths=bom))
+    assert tokens.tolist() == list(b"hello")
+
+
 def test_hf_source(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = {"text": ["first row", None, "", "second row"], "id": [0, 1, 2, 3]}

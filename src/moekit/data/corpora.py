@@ -47,13 +47,15 @@ def _pydoc_documents() -> list[str]:
 
 def _read_text_file(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a leading byte order mark is no text: dropped
     except UnicodeDecodeError as err:
         raise ValueError(f"text file {str(path)!r} is not valid UTF-8 ({err}); convert it to UTF-8 or drop it") from err
 
 
 def _text_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
-    """The files of ``paths`` in order: a file as given, a folder's text files recursively, sorted."""
+    """The files of ``paths`` in order: a file as given, a folder's text files recursively, sorted; a file reached
+    twice (named and in a listed folder, or in two nested folders) only where it first comes, so that no document
+    is in two splits."""
     entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not entries:
         raise ValueError("paths=[] lists no file or folder; give at least one (Hydra: data.paths=...)")
@@ -72,7 +74,10 @@ def _text_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
             files.extend(found)
         else:
             raise FileNotFoundError(f"paths entry {str(entry)!r} does not exist; fix the path (Hydra: data.paths=...)")
-    return files
+    unique: dict[Path, Path] = {}
+    for file in files:
+        unique.setdefault(file.resolve(), file)
+    return list(unique.values())
 
 
 def _hf_documents(hf_dataset: PathLike, text_column: str) -> list[str]:
@@ -132,7 +137,8 @@ def load_corpus(
             per row of ``hf_dataset``.
         paths: "files" only: a file, a folder, or a list of them, in that order. A folder contributes
             its ``*.txt``, ``*.md`` and ``*.rst`` files, recursively, sorted by path; a file is read
-            whatever its suffix. Files are read as UTF-8.
+            whatever its suffix; a file reached twice is read once, where it first comes. Files are read as
+            UTF-8 (a leading byte order mark dropped).
         hf_dataset: "hf" only: a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``.
             Of a ``DatasetDict`` only the "train" split is read (or its only split): ``TextDataModule``
             carves validation and test out of it, so the dataset's own held-out splits are never trained on.
