@@ -1,5 +1,6 @@
-"""What the commands share: the precision ``auto`` stands for, the dataset a checkpoint is tested on, the device
-the inference scripts run on, the exit status of a phase a signal ended, and the lines a command prints at its end."""
+"""What the commands share: an output file's path checked before the work, the precision ``auto`` stands for,
+the dataset a checkpoint is tested on, the device the inference scripts run on, the exit status of a phase a signal
+ended, and the lines a command prints at its end."""
 
 from __future__ import annotations
 
@@ -16,12 +17,28 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from moekit.configs import family_of, group_choice, instantiate
+from moekit.errors import OutputError
 from moekit.tasks import MoETask
 from moekit.utils.machine import resolve_precision
 
-__all__ = ["choose_precision", "datamodule_for", "inference_device", "signal_ends_phase", "where", "floats"]
+__all__ = [
+    "check_output_file",
+    "choose_precision",
+    "datamodule_for",
+    "inference_device",
+    "signal_ends_phase",
+    "where",
+    "floats",
+]
 
 log = logging.getLogger("moekit")
+
+
+def check_output_file(path: Path, name: str) -> None:
+    """Refuse an ``output_path`` that is a folder, before any work: a file cannot replace it (``name``: the file's
+    default name, for the example)."""
+    if path.is_dir():
+        raise OutputError(f"output_path={str(path)!r} is a folder; give a file's path, e.g. output_path={path / name}")
 
 
 @contextlib.contextmanager

@@ -15,19 +15,14 @@ from moekit.errors import OutputError, check_writable_dir, storage_errors
 from moekit.models import export_hf, export_safetensors
 from moekit.utils.atomic import atomic_write
 
+from .common import check_output_file
+
 log = logging.getLogger("moekit")
 
-__all__ = ["export", "check_output_file"]
+__all__ = ["export"]
 
 
 EXPORT_FORMATS = ("safetensors", "hf")
-
-
-def check_output_file(path: Path, name: str) -> None:
-    """Refuse an ``output_path`` that is a folder, before any work: a file cannot replace it (``name``: the file's
-    default name, for the example)."""
-    if path.is_dir():
-        raise OutputError(f"output_path={str(path)!r} is a folder; give a file's path, e.g. output_path={path / name}")
 
 
 def export(cfg: DictConfig) -> Path:

@@ -22,8 +22,7 @@ from moekit.quant import (
 )
 from moekit.quantized_checkpoint import save_quantized_task
 
-from .common import datamodule_for
-from .export import check_output_file
+from .common import check_output_file, datamodule_for
 
 log = logging.getLogger("moekit")
 
