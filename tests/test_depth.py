@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from test_lm_models import assert_causal, decode_in_pieces
 from timm.models.vision_transformer import Block
 
-from conftest import compose_config
+from conftest import REPO, compose_config
 from moekit.analysis.records import model_family
 from moekit.commands.train import train
 from moekit.models import TransformerLM, create_model, lm_summary, model_summary
@@ -168,6 +169,24 @@ def test_the_predictor_learns_from_its_loss_alone():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in router.predictor.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_the_predictor_decides_in_a_model_cast_to_bf16_or_float64(dtype):
+    """``model.to(dtype)`` (``bf16-true``, ``64-true``): the predictor computes as the router does, in float32
+    for bf16 weights and in float64 for float64 ones, and learns from its loss."""
+    torch.manual_seed(0)
+    router = randomize(DepthRouter(8, DepthSpec(capacity=0.25, causal_router="predictor"), causal=True)).to(dtype)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(3, 16, 8).to(dtype)
+    router.train().route(x)
+    router.aux_losses["mod_bce"].backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in router.predictor.parameters())
+    expected = copy.deepcopy(router.predictor).to(compute)(x.to(compute)).squeeze(-1)
+    processed, _ = router.eval().decide(x)
+    assert torch.equal(processed, expected > 0) and 0 < processed.float().mean() < 1
+    model = mod_lm(dict(capacity=0.25, blocks="all", causal_router="predictor"), pos_embedding="learned").to(dtype)
+    model.train()(torch.randint(VOCAB, (2, 16))).float().sum().backward()
+
+
 @pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
 def test_the_causal_decision_agrees_with_top_c_after_training(causal_router):
     """Tokens from a fixed distribution, the router trained by its cross-entropy alone (its top-C choice
@@ -299,7 +318,12 @@ def test_model_summary_of_a_mod_vit_counts_fewer_flops():
         (dict(gate="relu"), "gate='relu'; allowed: 'logit', 'sigmoid'"),
         (dict(causal_router="oracle"), "causal_router='oracle'"),
         (dict(aux_loss_weight=-1), "aux_loss_weight=-1"),
+        (dict(aux_loss_weight=math.nan), "aux_loss_weight=nan must be a finite number >= 0"),
+        (dict(aux_loss_weight=math.inf), "aux_loss_weight=inf must be a finite number >= 0"),
         (dict(predictor_hidden=0), "predictor_hidden=0"),
+        (dict(predictor_hidden=16), "predictor_hidden=16 sizes the predictor of causal_router='predictor'"),
+        (dict(blocks=3), "blocks=3 must be a placement \\('every_2'.* or a list of block indices"),
+        (dict(blocks=None), "blocks=None must be a placement"),
         (dict(capcity=0.5), "unknown setting\\(s\\) \\['capcity'\\]"),
         (dict(name="none", capacity=0.5), "mod=none with settings"),
     ],
@@ -315,12 +339,21 @@ def test_models_refuse_bad_placements_and_an_untrained_causal_router():
     with pytest.raises(ValueError, match="mod.aux_loss_weight=0 leaves the causal router untrained"):
         TransformerLM(**TINY, mod=dict(aux_loss_weight=0))
     assert resolve_depth({"name": "none"}) is None and resolve_depth({}) is None
+    assert resolve_depth({"name": "my_mod"}) == DepthSpec(), "a named config without settings: the defaults"
     assert math.isclose(resolve_depth({"name": "interleaved", "capacity": 0.5}).capacity, 0.5)
 
 
 # ------------------------------------------------------------------------------------------------
 # The template
 # ------------------------------------------------------------------------------------------------
+def test_the_template_sets_every_mod_setting_from_the_command_line(tmp_path):
+    """``mod=interleaved`` holds every setting, so each takes a plain override (not ``+mod.<key>=``)."""
+    assert set(OmegaConf.load(REPO / "configs/mod/interleaved.yaml")) == {"name", *DepthSpec.__dataclass_fields__}
+    overrides = ["experiment=mod_transformer_lm", "mod.causal_router=predictor", "mod.predictor_hidden=8"]
+    net = instantiate(compose_config("train", overrides, tmp_path).model)
+    assert net.blocks[0].depth_router.predictor[0].out_features == 8
+
+
 @pytest.mark.e2e
 def test_the_template_trains_a_mode_vit(tmp_path):
     """mod=interleaved over the Soft MoE ViT experiment: routed blocks with Soft MoE sized for their tokens."""

@@ -130,3 +130,33 @@ def test_a_head_of_other_classes_or_none_starts_fresh_in_both_modes(dense_ckpt, 
         if not name.startswith(("head.", *moe)):
             assert torch.equal(value, dense.net.state_dict()[name]), name
     assert "start fresh" in caplog.text or "starts fresh" in caplog.text
+
+
+@torch.no_grad()
+def test_upcycling_into_mixture_of_depths_blocks_copies_the_wrapped_blocks_and_keeps_fresh_routers(dense_ckpt, caplog):
+    """A ViT block that Mixture-of-Depths wraps (``blocks.i.block``) reads the dense ``blocks.i``, its experts the dense
+    MLP there; the depth routers, which the dense model lacks, keep their fresh values. Fine-tuning instead points
+    to upcycling."""
+    path, dense = dense_ckpt
+    net = dict(TOP2, mod={"capacity": 0.5, "blocks": [1, 2]})
+    with pytest.raises(
+        CheckpointError, match=r"no Mixture-of-Depths routers .*blocks.1.depth_router.*init_mode=upcycle"
+    ):
+        ImageClassifier(net=dict(net, moe="none"), num_classes=10, init_from=str(path))
+    torch.manual_seed(0)
+    fresh = ImageClassifier(net=net, num_classes=10).net.state_dict()
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="moekit"):
+        task = ImageClassifier(net=net, num_classes=10, init_from=str(path), init_mode="upcycle")
+    assert task.net.mod_block_indices == (1, 2)
+    dense_state = dense.net.state_dict()
+    for name, value in task.net.state_dict().items():
+        if ".depth_router." in name or ".mlp.router." in name:
+            assert torch.equal(value, fresh[name]), name
+        elif ".mlp.experts." not in name:
+            assert torch.equal(value, dense_state[name.replace(".block.", ".")]), name
+    bank = task.net.blocks[1].block.mlp.experts
+    assert torch.equal(bank.fc1_weight[2], dense.net.blocks[1].mlp.fc1.weight.t())
+    assert "the Mixture-of-Depths routers of blocks.1.depth_router, blocks.2.depth_router start fresh" in caplog.text
+    dense_only = ImageClassifier(net=dict(net, moe="none"), num_classes=10, init_from=str(path), init_mode="upcycle")
+    assert torch.equal(dense_only.net.blocks[2].block.mlp.fc1.weight, dense.net.blocks[2].mlp.fc1.weight)

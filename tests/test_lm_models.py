@@ -505,6 +505,35 @@ def test_an_upcycled_transformer_lm_computes_its_dense_twin(recipe):
         upcycle(TransformerLM(**{**common, "mlp_ratio": 4.0}, moe=moe), dense)
 
 
+@torch.no_grad()
+def test_upcycling_into_a_mixture_of_depths_lm_keeps_its_routers_fresh():
+    """The dense twin has no Mixture-of-Depths routers: they keep their fresh values, every other weight is copied."""
+    common = dict(TINY_TRANSFORMER, gated=True)
+    dense = TransformerLM(**common, moe=None)
+    mod = {"capacity": 0.5, "blocks": "all"}
+    torch.manual_seed(0)
+    fresh = TransformerLM(**common, moe="mixtral", mod=mod).state_dict()
+    torch.manual_seed(0)
+    upcycled = upcycle(TransformerLM(**common, moe="mixtral", mod=mod), dense)
+    dense_state = dense.state_dict()
+    for name, value in upcycled.state_dict().items():
+        if "depth_router" in name or ".mlp.router." in name:
+            assert torch.equal(value, fresh[name]), name
+        elif ".mlp.experts." not in name:
+            assert torch.equal(value, dense_state[name]), name
+    assert torch.equal(upcycled.blocks[1].mlp.experts.fc2_weight[3], dense.blocks[1].mlp.fc2.weight.t())
+
+
+@torch.no_grad()
+def test_a_bf16_mixture_of_depths_lm_evaluates_in_bf16():
+    """Evaluation decides per token (the causal router): the gated update goes back in the model's dtype."""
+    model = TransformerLM(**TINY_TRANSFORMER, moe=None, mod={"capacity": 0.5, "blocks": "all"}).eval()
+    input_ids = torch.randint(VOCAB, (2, 16))
+    logits = model.to(torch.bfloat16)(input_ids)
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), model.float()(input_ids), atol=0.1, rtol=0.05)
+
+
 def test_lm_summary_dense_twin_matches_top1_and_twice_wide_twin_matches_top2():
     common = dict(vocab_size=VOCAB, max_seq_len=16, dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
     dense = lm_summary(TransformerLM(**common, moe=None), seq_len=16)

@@ -36,7 +36,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor, nn
 
-from moekit.moe import moe_layers
+from moekit.moe import depth_routers, moe_layers
 from moekit.quant.quantize import QUANT_METADATA_KEY
 from moekit.utils.atomic import atomic_write
 
@@ -241,6 +241,12 @@ def load_weights(
             if dense
             else ""
         )
+        routers = [name for name, _ in depth_routers(net) if not any(k.startswith(f"{name}.") for k in given)]
+        if routers and not dense:
+            upcycle = (
+                f" The checkpoint has no Mixture-of-Depths routers where this model has them ({', '.join(routers)}): "
+                "to start from a model without them, upcycle it (task.init_mode=upcycle: the routers start fresh)."
+            )
         raise CheckpointError(
             f"checkpoint {source!r} does not fit this model ({type(net).__name__}) - " + "; ".join(parts) + ". "
             "Build the model with the configuration the checkpoint was trained with (its run's results.json names "

@@ -181,7 +181,9 @@ class TransformerBlock(nn.Module):
             processed[:, start : start + x_BSD.shape[1]] = processed_BS
             key_mask = processed[:, : start + x_BSD.shape[1]]
         update_BSD = self._update(x_BSD, token_ids_BS, start=start, kv_cache=kv_cache, key_mask=key_mask)
-        return torch.where(processed_BS.unsqueeze(-1), x_BSD + (gates_BS.unsqueeze(-1) * update_BSD), x_BSD)
+        return torch.where(
+            processed_BS.unsqueeze(-1), x_BSD + (gates_BS.unsqueeze(-1) * update_BSD).to(x_BSD.dtype), x_BSD
+        )
 
 
 class TransformerLM(nn.Module):

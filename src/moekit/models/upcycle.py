@@ -3,8 +3,10 @@
 Every weight outside the MoE layers is copied from the dense model; every expert of an MoE layer
 becomes a copy of the dense MLP that sat at the same place (``blocks.i.mlp.fc1`` / ``fc2``, or timm's
 ``SwiGLU`` / ``GluMlp`` for gated experts); routers, Soft MoE's slot parameters and always-on shared
-experts keep their fresh initialisation. :func:`upcycle` serves any model whose MoE layers replace dense MLPs at the
-same names (the Transformer LM and its dense twin); :func:`upcycle_vit` also reads timm ViT checkpoints.
+experts keep their fresh initialisation, and so do Mixture-of-Depths routers (a ViT block that Mixture-of-Depths
+wraps, ``blocks.i.block``, reads the dense ``blocks.i``). :func:`upcycle` serves any model whose MoE layers replace
+dense MLPs at the same names (the Transformer LM and its dense twin); :func:`upcycle_vit` also reads timm ViT
+checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
-from moekit.moe import ExpertBank, moe_layers
+from moekit.moe import ExpertBank, MixtureOfDepths, depth_routers, moe_layers
 
 __all__ = ["upcycle", "upcycle_vit"]
 
@@ -42,6 +44,29 @@ def _dense_mlp(entries: Mapping[str, Tensor], prefix: str, offending: list[str])
             linear.bias = nn.Parameter(bias, requires_grad=False)
         mlp.add_module(child, linear)
     return mlp
+
+
+def _into_depth_blocks(model: nn.Module, source: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """``source`` named as in ``model``: a dense block's ``blocks.i.*`` becomes ``blocks.i.block.*`` where a
+    :class:`~moekit.moe.MixtureOfDepths` wraps block ``i``, and every Mixture-of-Depths router the weights lack keeps
+    ``model``'s fresh values. Also returns the names of those routers."""
+    wrapped = [f"{name}." for name, module in model.named_modules() if isinstance(module, MixtureOfDepths)]
+
+    def renamed(key: str) -> str:
+        prefix = next((p for p in wrapped if key.startswith(p)), None)
+        if prefix is None or key.startswith((f"{prefix}block.", f"{prefix}depth_router.")):
+            return key
+        return f"{prefix}block.{key[len(prefix) :]}"
+
+    source = {renamed(key): value for key, value in source.items()}
+    own = model.state_dict()
+    fresh = []
+    for name, _ in depth_routers(model):
+        keys = [k for k in own if k.startswith(f"{name}.")]
+        if not any(k in source for k in keys):
+            fresh.append(name)
+            source |= {k: own[k] for k in keys}
+    return source, fresh
 
 
 def _shape_check(bank: ExpertBank, mlp: nn.Module) -> None:
@@ -98,8 +123,9 @@ def upcycle(
     :class:`~moekit.models.TransformerLM`): ``dense`` is that model or its ``state_dict()``. Arguments, result and
     errors as :func:`upcycle_vit`'s (``caller`` names the function in the errors)."""
     source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
+    source, fresh_routers = _into_depth_blocks(moe_model, source)
     layers = {f"{name}.": layer for name, layer in moe_layers(moe_model)}
-    if not layers:
+    if not layers and not fresh_routers:
         raise ValueError(f"{caller}: {type(moe_model).__name__} has no MoE layer to upcycle into")
 
     def moe_prefix(key: str):
@@ -142,6 +168,14 @@ def upcycle(
     moe_model.load_state_dict({k: source[k] for k in target if moe_prefix(k) is None}, strict=False)
     for prefix, mlp in dense_mlps.items():
         layers[prefix].experts.load_dense_mlp(mlp, noise_std)
+    if fresh_routers:
+        log.info(
+            "upcycled %s: the Mixture-of-Depths routers of %s start fresh",
+            type(moe_model).__name__,
+            ", ".join(fresh_routers),
+        )
+    if not dense_mlps:
+        return moe_model
     log.info(
         "upcycled %s: the experts of %s copy the dense MLPs there (noise_std=%g), their routers (slots, shared "
         "experts) start fresh, every other weight is the dense model's",

@@ -42,7 +42,7 @@ from moekit.recipes.depth import DepthSpec
 
 from .base import RoutingModule
 from .losses import masked_mean
-from .routing import logit_checksum, router_logits
+from .routing import logit_checksum, router_logits, router_precision
 from .stats import REAL_TOKENS, real_tokens
 
 __all__ = ["DepthRouter", "MixtureOfDepths", "capacity_tokens", "depth_routers", "top_c_routing"]
@@ -82,7 +82,7 @@ class DepthRouter(RoutingModule):
         self.causal = causal
         self.top_c_in_eval = False
         self.weight = nn.Parameter(torch.empty(1, dim, device=device))
-        self.bias = nn.Parameter(torch.empty((), device=device))
+        self.bias = nn.Parameter(torch.empty(1, device=device))  # [1], not a scalar: FSDP2 shards no 0-dim tensor
         self.reset_parameters()
         self.predictor: nn.Sequential | None = None
         if causal and spec.causal_router == "predictor":
@@ -96,6 +96,13 @@ class DepthRouter(RoutingModule):
         """The projection from a truncated normal, the bias 0 (also for a router built on the meta device)."""
         nn.init.trunc_normal_(self.weight, std=ROUTER_INIT_STD)
         self.bias.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """Also loads the scalar bias of earlier checkpoints."""
+        bias = state_dict.get(prefix + "bias")
+        if isinstance(bias, Tensor) and bias.dim() == 0:
+            state_dict[prefix + "bias"] = bias.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def routes_top_c(self) -> bool:
@@ -111,11 +118,15 @@ class DepthRouter(RoutingModule):
 
     def _decision_logits(self, x_BSD: Tensor, logits_BS: Tensor) -> Tensor:
         """What the per-token decision thresholds at 0: the router logits, or the predictor's (it reads
-        the router's input with the gradient stopped, so its loss trains the predictor alone)."""
+        the router's input with the gradient stopped, so its loss trains the predictor alone). The predictor
+        computes as the router does, in (at least) float32 whatever the model's dtype (bf16, float64)."""
         if self.predictor is None:
             return logits_BS
+        first, act, last = self.predictor
         with torch.autocast(x_BSD.device.type, enabled=False):
-            return self.predictor(x_BSD.detach().float()).squeeze(-1)
+            x_BSD = router_precision(x_BSD.detach())
+            hidden_BSH = act(F.linear(x_BSD, first.weight.to(x_BSD.dtype), first.bias.to(x_BSD.dtype)))
+            return F.linear(hidden_BSH, last.weight.to(x_BSD.dtype), last.bias.to(x_BSD.dtype)).squeeze(-1)
 
     def route(self, x_BSD: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Top-C routing: ``(indices [B, C] in sequence order, gates [B, C] float32, taken [B, C] bool or None)``.

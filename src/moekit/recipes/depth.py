@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ __all__ = ["DepthSpec", "resolve_depth"]
 
 _GATES = ("logit", "sigmoid")
 _CAUSAL_ROUTERS = ("aux_loss", "predictor")
+_PLACEMENTS = "a placement ('every_2', 'all', 'last_<n>', 'every_<k>_last_<n>', ...) or a list of block indices"
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class DepthSpec:
             top-C choice and processes a token when its logit is positive; ``"predictor"`` trains a small MLP
             on the router's input (gradient stopped) with that cross-entropy and decides with it.
         aux_loss_weight: the weight of that cross-entropy in the training loss (> 0 for a causal model).
-        predictor_hidden: hidden size of the predictor MLP; None = ``dim // 4``.
+        predictor_hidden: hidden size of the predictor MLP (``causal_router="predictor"`` only); None = ``dim // 4``.
     """
 
     capacity: float = 0.125
@@ -50,6 +52,11 @@ class DepthSpec:
                 f"mod: capacity={capacity!r} must be a fraction in (0, 1] of each sequence's tokens that a routed "
                 "block processes, e.g. 0.125 (the paper's 12.5%); 1 processes every token"
             )
+        blocks = self.blocks
+        if not isinstance(blocks, str) and not (
+            isinstance(blocks, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in blocks)
+        ):
+            raise ValueError(f"mod: blocks={blocks!r} must be {_PLACEMENTS}")
         if self.gate not in _GATES:
             raise ValueError(f"mod: gate={self.gate!r}; allowed: {', '.join(map(repr, _GATES))}")
         if self.causal_router not in _CAUSAL_ROUTERS:
@@ -57,11 +64,17 @@ class DepthSpec:
                 f"mod: causal_router={self.causal_router!r}; allowed: {', '.join(map(repr, _CAUSAL_ROUTERS))}"
             )
         weight = self.aux_loss_weight
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-            raise ValueError(f"mod: aux_loss_weight={weight!r} must be a number >= 0")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise ValueError(f"mod: aux_loss_weight={weight!r} must be a finite number >= 0, e.g. 0.01")
         hidden = self.predictor_hidden
         if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1):
             raise ValueError(f"mod: predictor_hidden={hidden!r} must be a positive int, or None for dim // 4")
+        if hidden is not None and self.causal_router != "predictor":
+            raise ValueError(
+                f"mod: predictor_hidden={hidden} sizes the predictor of causal_router='predictor' and would not "
+                f"apply with causal_router={self.causal_router!r}; set causal_router=predictor or predictor_hidden "
+                "to null"
+            )
 
     def check_causal(self, model: str) -> None:
         """Refuse settings a causal model cannot decide with at inference."""
@@ -74,8 +87,8 @@ class DepthSpec:
 
 def resolve_depth(mod: DepthSpec | Mapping[str, Any] | None) -> DepthSpec | None:
     """``mod`` as a :class:`DepthSpec`. None, ``{}`` and ``{"name": "none"}`` (the template's ``mod=none``) mean
-    no Mixture-of-Depths; a ``name`` key is a label (the template's config file) and dropped. An unknown key is
-    a ``ValueError`` listing the allowed ones."""
+    no Mixture-of-Depths; another ``name`` is a label (the template's config file) and dropped, so that a named
+    config without settings is the defaults. An unknown key is a ``ValueError`` listing the allowed ones."""
     if mod is None or isinstance(mod, DepthSpec):
         return mod
     if not isinstance(mod, Mapping):
@@ -89,13 +102,13 @@ def resolve_depth(mod: DepthSpec | Mapping[str, Any] | None) -> DepthSpec | None
                 "(mod=interleaved) or drop them"
             )
         return None
-    if not mod:
+    if not mod and name is None:
         return None
     allowed = [f.name for f in dataclasses.fields(DepthSpec)]
     unknown = sorted(set(mod) - set(allowed))
     if unknown:
         raise ValueError(f"mod: unknown setting(s) {unknown}; allowed: {allowed}")
     blocks = mod.get("blocks", DepthSpec.blocks)
-    if not isinstance(blocks, str):
+    if isinstance(blocks, Iterable) and not isinstance(blocks, (str, Mapping)):
         blocks = tuple(blocks)
     return DepthSpec(**{**mod, "blocks": blocks})
