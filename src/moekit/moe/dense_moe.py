@@ -18,7 +18,7 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .expert_dropping import OverpoweringExperts, check_margin
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import logit_checksum, reset_own_parameters, router_logits, router_weight
+from .routing import logit_checksum, reset_own_parameters, router_logits, router_precision, router_weight
 from .stats import dense_mixture_stats
 
 __all__ = ["DenseMoE"]
@@ -70,11 +70,11 @@ class DenseMoE(MoELayer):
         reset_own_parameters(self, ("gate_hidden_weight", "router_weight"))
 
     def gate_logits(self, x_ND: Tensor) -> Tensor:
-        """The gating network's logits ``[N, E]`` in float32."""
+        """The gating network's logits ``[N, E]`` in float32 (float64 in a float64 layer)."""
         if self.gate_hidden_weight is None:
             return router_logits(x_ND, self.router_weight)
-        hidden_NH = torch.relu(router_logits(x_ND, self.gate_hidden_weight) + self.gate_hidden_bias.float())
-        return router_logits(hidden_NH, self.router_weight) + self.router_bias.float()
+        hidden_NH = torch.relu(router_logits(x_ND, self.gate_hidden_weight) + router_precision(self.gate_hidden_bias))
+        return router_logits(hidden_NH, self.router_weight) + router_precision(self.router_bias)
 
     @property
     def causal_safe(self) -> bool:

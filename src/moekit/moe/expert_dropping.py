@@ -18,9 +18,9 @@ checkpointing recomputes during backward drops the experts its original forward 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .routing import recomputing
+from .routing import Float32State, recomputing
 
 __all__ = ["OverpoweringExperts", "check_margin"]
 
@@ -33,18 +33,19 @@ def check_margin(margin: float | None) -> None:
         )
 
 
-class OverpoweringExperts(nn.Module):
+class OverpoweringExperts(Float32State):
     """The running gate-mass totals of ``num_experts`` experts and the experts they drop.
 
     ``keep_E()`` gives the ``[E]`` 0/1 mask of the experts allowed in this training forward (all ones in eval
-    mode); ``received(mass_E, num_tokens)`` adds a forward's gate mass (training only).
+    mode); ``received(mass_E, num_tokens)`` adds a forward's gate mass (training only). The totals stay float32 in a
+    layer cast to bf16 / fp16 (:class:`~moekit.moe.routing.Float32State`).
     """
 
     def __init__(self, num_experts: int, margin: float, device=None) -> None:
         super().__init__()
         check_margin(margin)
         self.margin = float(margin)
-        self.register_buffer("gate_mass_total", torch.zeros(num_experts, device=device))
+        self.register_buffer("gate_mass_total", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self._keep_E: Tensor | None = None  # the latest training forward's, for its recomputation
 
     @torch.no_grad()

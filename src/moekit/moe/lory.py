@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import logit_checksum, reset_own_parameters, router_logits, router_weight
+from .routing import logit_checksum, reset_own_parameters, router_logits, router_precision, router_weight
 from .stats import dense_mixture_stats
 
 __all__ = ["LoryMoE", "SegmentState"]
@@ -39,9 +39,11 @@ class SegmentState:
     """Where a sequence stands in its current segment (one per layer of a decoding cache).
 
     Attributes:
-        sum_BD: float32 sum of the current segment's (real) inputs so far, per sequence.
-        weights_BE: float32 merging weights of the current segment, per sequence.
-        count_B: float32 number of inputs in ``sum_BD`` (padding is not summed).
+        sum_BD: sum of the current segment's (real) inputs so far, per sequence.
+        weights_BE: merging weights of the current segment, per sequence.
+        count_B: number of inputs in ``sum_BD`` (padding is not summed).
+
+    All three in the routers' precision: float32, float64 for a float64 layer.
     """
 
     sum_BD: Tensor
@@ -98,12 +100,13 @@ class LoryMoE(MoELayer):
         return 1.0  # one merged expert per token (merging adds E / segment_len of that)
 
     def init_state(self, batch: int, like: Tensor) -> SegmentState:
-        """The state at position 0 of ``batch`` sequences (on ``like``'s device)."""
-        zeros = torch.zeros(batch, self.in_features, device=like.device, dtype=torch.float32)
-        return SegmentState(sum_BD=zeros, weights_BE=self._prior(batch), count_B=zeros[:, 0].clone())
+        """The state at position 0 of ``batch`` sequences (on ``like``'s device; float64 when ``like`` is)."""
+        dtype = torch.promote_types(like.dtype, torch.float32) if like.is_floating_point() else torch.float32
+        zeros = torch.zeros(batch, self.in_features, device=like.device, dtype=dtype)
+        return SegmentState(sum_BD=zeros, weights_BE=self._prior(batch).to(dtype), count_B=zeros[:, 0].clone())
 
     def _prior(self, batch: int) -> Tensor:
-        return torch.softmax(self.prior_logits.float(), dim=-1).expand(batch, -1)
+        return torch.softmax(router_precision(self.prior_logits), dim=-1).expand(batch, -1)
 
     def forward(
         self, x: Tensor, start: int = 0, state: SegmentState | None = None, padding_mask: Tensor | None = None
@@ -136,11 +139,11 @@ class LoryMoE(MoELayer):
             outputs.append(self.experts.merged(chunk_BTD, state.weights_BE))
             weights.append(state.weights_BE.unsqueeze(1).expand(-1, count, -1))
             if real_BT1 is None:
-                state.sum_BD = state.sum_BD + chunk_BTD.float().sum(dim=1)
+                state.sum_BD = state.sum_BD + router_precision(chunk_BTD).sum(dim=1)
                 state.count_B = state.count_B + count
             else:
                 real_BT1_chunk = real_BT1[:, done : done + count]
-                state.sum_BD = state.sum_BD + (chunk_BTD.float() * real_BT1_chunk).sum(dim=1)
+                state.sum_BD = state.sum_BD + (router_precision(chunk_BTD) * real_BT1_chunk).sum(dim=1)
                 state.count_B = state.count_B + real_BT1_chunk.sum(dim=(1, 2))
             done += count
         out_BTD = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]

@@ -65,7 +65,8 @@ class TopKRouter(Router):
     Loss-free balancing (Wang et al. 2024, DeepSeek-V3; ``bias_update_rate > 0``): a per-expert bias
     ``b`` is added to the scores for the *choice* of experts only (gates use the unbiased scores).
     Token counts accumulate during forwards; :meth:`balancing_step` applies
-    ``b_i += rate * sign(mean load - load_i)`` and is called once per optimizer step.
+    ``b_i += rate * sign(mean load - load_i)`` and is called once per optimizer step. The biases and counts stay
+    float32 in a layer cast to bf16 / fp16 (:class:`~moekit.moe.routing.Float32State`).
 
     Router jitter (Switch, ``jitter_eps > 0``): in training the router's input is multiplied by noise drawn
     uniformly from ``[1 - eps, 1 + eps]`` (the experts see the clean input). ``router_init="zeros"`` starts
@@ -194,14 +195,15 @@ class TopKRouter(Router):
             else OverpoweringExperts(config.num_experts, config.overpower_margin, device=device)
         )
         global_switch = config.switch_loss_weight > 0 and config.switch_loss_scope == "global_batch"
-        uniform = torch.full((config.num_experts,), 1.0 / config.num_experts, device=device)
+        state = {"device": device, "dtype": torch.float32}  # whatever the default dtype (Float32State)
+        uniform = torch.full((config.num_experts,), 1.0 / config.num_experts, **state)
         buffers = {
-            "expert_bias": torch.zeros(config.num_experts, device=device) if config.bias_update_rate > 0 else None,
+            "expert_bias": torch.zeros(config.num_experts, **state) if config.bias_update_rate > 0 else None,
             # f of the previous optimizer step's global batch
             "switch_fraction": uniform if global_switch else None,
             # token counts since the last optimizer step
             "pending_counts": (
-                torch.zeros(config.num_experts, device=device) if config.bias_update_rate > 0 or global_switch else None
+                torch.zeros(config.num_experts, **state) if config.bias_update_rate > 0 or global_switch else None
             ),
         }
         for name, value in buffers.items():

@@ -19,6 +19,7 @@ __all__ = [
     "count_ids",
     "Routing",
     "Router",
+    "Float32State",
     "logit_checksum",
     "router_logits",
     "router_precision",
@@ -112,7 +113,25 @@ def logit_checksum(*logits: Tensor) -> Tensor:
     return total
 
 
-class Router(nn.Module):
+class Float32State(nn.Module):
+    """A module whose floating-point buffers are state counted outside autograd (balancing counts and biases,
+    gate-mass totals): they stay float32 when the module is cast to a lower precision (``.to(torch.bfloat16)``,
+    ``.half()``, Lightning's ``bf16-true``), where the small updates of large totals would round away (bf16 holds
+    no odd integer above 256, and ``0.5 + 0.001`` is ``0.5`` in it); a cast to float64 applies."""
+
+    def _apply(self, fn, recurse=True):
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if old is None or new is None or not new.is_floating_point() or new.dtype.itemsize >= 4:
+                continue
+            source = new if old.is_meta else old  # materialised from the meta device: no values to keep
+            self._buffers[name] = source.to(device=new.device, dtype=torch.float32)
+        return self
+
+
+class Router(Float32State):
     """Base of the tokens-choice routers: ``forward(x [N, d], token_ids [N] or None, mask [N] or None) -> Routing``;
     ``mask`` (bool, False for padding) keeps padding out of the router's losses and balancing state.
 
