@@ -47,9 +47,12 @@ def test_layers_use_the_rule():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"capacity_factor": 0}, r"capacity_factor=0 must be a positive number, or null"),
-        ({"capacity_factor": -1.0}, r"capacity_factor=-1.0 must be a positive number"),
-        ({"eval_capacity_factor": "x"}, r"eval_capacity_factor='x' must be a positive number"),
+        ({"capacity_factor": 0}, r"capacity_factor=0 must be a positive finite number, or null"),
+        ({"capacity_factor": -1.0}, r"capacity_factor=-1.0 must be a positive finite number"),
+        ({"eval_capacity_factor": "x"}, r"eval_capacity_factor='x' must be a positive finite number"),
+        # inf passed, then every forward failed with "OverflowError: cannot convert float infinity to integer"
+        ({"capacity_factor": float("inf")}, r"capacity_factor=inf must be a positive finite number, or null"),
+        ({"eval_capacity_factor": float("inf")}, r"eval_capacity_factor=inf must be a positive finite number"),
         ({"capacity_scope": "sequence"}, r"capacity_scope='sequence'; allowed: 'batch', 'position', 'group'"),
         ({"capacity_scope": "group", "group_size": 0}, r"group_size=0 must be a positive int"),
         (
@@ -61,6 +64,25 @@ def test_layers_use_the_rule():
 def test_bad_capacity_settings_name_the_value(settings, message):
     with pytest.raises(ValueError, match=message):
         Capacity(**settings)
+
+
+@pytest.mark.parametrize("layer", [TopKMoE, ExpertsChoiceMoE])
+def test_an_infinite_factor_is_refused_when_the_layer_is_built(layer):
+    """Not at the first forward, with an OverflowError that names nothing."""
+    with pytest.raises(ValueError, match=r"capacity_factor=inf must be a positive finite number"):
+        layer(8, 16, num_experts=4, capacity_factor=float("inf"))
+
+
+@pytest.mark.parametrize("name", ["capacity_factor", "eval_capacity_factor"])
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), "1.25"])
+def test_setting_a_bad_factor_on_a_built_layer_is_refused_and_keeps_the_old_one(name, value):
+    """What the capacity tuner and a user's own code set; 0 would silently give a capacity of one token."""
+    layer = TopKMoE(8, 16, num_experts=4, capacity_factor=1.25, eval_capacity_factor=2.0)
+    with pytest.raises(ValueError, match=rf"{name}={value!r} must be a positive finite number"):
+        setattr(layer, name, value)
+    assert getattr(layer, name) == {"capacity_factor": 1.25, "eval_capacity_factor": 2.0}[name]
+    setattr(layer, name, 1.5)
+    assert getattr(layer, name) == 1.5
 
 
 def test_eval_capacity_factor_same_follows_the_training_factor():

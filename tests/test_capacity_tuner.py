@@ -145,6 +145,47 @@ def test_real_top_k_layer_settles_within_one_step_of_the_smallest_working_capaci
     assert all(h[""] == final for h in history[-200:])
 
 
+def test_the_drop_rate_is_over_the_real_tokens_of_the_window():
+    """A step of mostly padding weighs its few real tokens, not as much as a full batch (the all-padding step of a
+    tokens-choice layer records a dropped fraction of 1: it must not count at all)."""
+    torch.manual_seed(0)
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=0.5)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 3.0)  # decisive routing: the capacity binds
+    tuner = CapacityTuner(target_drop=0.05, window=3, update_every=3, patience=10**6)
+    tuner.bind(layer)
+    x = torch.randn(8, 12, 8)
+    masks = [torch.ones(8, 12, dtype=torch.bool), torch.zeros(8, 12, dtype=torch.bool), torch.zeros(8, 12).bool()]
+    masks[2][:, :3] = True  # 3 real tokens in each of 8 sequences
+    dropped = real = 0.0
+    for mask in masks:
+        with torch.no_grad():
+            layer(x, padding_mask=mask)
+        fraction, tokens = float(layer.stats["dropped_fraction"]), float(mask.sum())
+        dropped, real = dropped + fraction * tokens * 2, real + tokens * 2
+        tuner.step()
+    assert fraction > 0 and float(masks[1].sum()) == 0
+    assert tuner.drop_rates[""] == pytest.approx(dropped / real, rel=1e-6)
+
+
+def test_a_checkpoint_of_unweighted_windows_still_resumes_exactly():
+    def fresh() -> tuple[nn.Module, CapacityTuner]:
+        model = nn.Sequential(CurveLayer(exponential_curve(3.0)), CurveLayer(exponential_curve(6.0), 1.0))
+        return model, CapacityTuner(window=7, update_every=3, patience=2)
+
+    model_a, tuner_a = fresh()
+    tuner_a.bind(model_a)
+    run(tuner_a, model_a, 37)
+    state = tuner_a.state_dict()
+    assert state["buffer"].shape == (2, 2, 7) and bool((state["buffer"][1] == 1).all())  # no token counts: 1 a step
+    old = {**state, "buffer": state["buffer"][0]}  # the [layers, window] drop fractions of earlier versions
+    model_b, tuner_b = fresh()
+    tuner_b.bind(model_b)
+    tuner_b.load_state_dict(old)
+    assert run(tuner_a, model_a, 200) == run(tuner_b, model_b, 200)
+    assert tuner_a.drop_rates == tuner_b.drop_rates
+
+
 def test_experts_choice_layer_reaches_the_target_within_num_experts():
     torch.manual_seed(0)
     layer = ExpertsChoiceMoE(16, 32, num_experts=4, capacity_factor=0.5)
@@ -229,16 +270,37 @@ def test_refuses_a_model_without_capacity_limited_layer(model):
     ("kwargs", "match"),
     [
         (dict(target_drop=0.0), "target_drop=0.0"),
-        (dict(min_factor=2.0, max_factor=1.0), "max_factor=1.0 must be >= min_factor=2.0"),
+        (dict(min_factor=2.0, max_factor=1.0), "max_factor=1.0 must be a finite number >= min_factor=2.0"),
         (dict(decrease=1.0), "decrease=1.0"),
         (dict(increase=1.0), "increase=1.0"),
         (dict(window=0), "window=0"),
         (dict(hysteresis=1.5), "hysteresis=1.5"),
+        # what a YAML file hands over as readily as a number: these raised TypeError ('<' not supported ...)
+        (dict(eval_capacity_factor="same"), r"eval_capacity_factor='same' must be a finite number > 0, or null"),
+        (dict(target_drop="1%"), r"target_drop='1%' must be a fraction in \(0, 1\)"),
+        (dict(min_factor=None), "min_factor=None must be a finite number > 0"),
+        (dict(max_factor=math.inf), "max_factor=inf must be a finite number"),
+        (dict(window=True), "window=True must be an int >= 1"),
     ],
 )
 def test_bad_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CapacityTuner(**kwargs)
+
+
+def test_a_restored_factor_outside_the_bounds_is_clamped():
+    """A run resumed with a lower max_factor starts inside it, as a configured factor does; the window restarts."""
+    model = nn.Sequential(CurveLayer(lambda f: 0.5 if f < 3.0 else 0.0, capacity_factor=3.5))
+    tuner = CapacityTuner(max_factor=4.0, window=2, update_every=2, patience=10**6)
+    tuner.bind(model)
+    run(tuner, model, 41)
+    assert tuner.factors == {"0": 3.5}  # nothing dropped: it holds (no step down before patience)
+    resumed = CapacityTuner(max_factor=2.5, window=2, update_every=2, patience=10**6)
+    resumed.load_state_dict(tuner.state_dict())
+    resumed.bind(model)
+    assert resumed.factors == {"0": 2.5} and model[0].capacity_factor == 2.5
+    history = run(resumed, model, 40)
+    assert all(h["0"] == 2.5 for h in history), "at the bound and dropping: it stays there"
 
 
 # ---------------------------------------------------------------------------------------------

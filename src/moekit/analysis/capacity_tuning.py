@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moekit.analysis.figures import pyplot
+from moekit.loggers import read_metrics_csv
 
 __all__ = ["read_capacity_scalars", "plot_capacity_tuning", "summarize_capacity_tuning"]
 
@@ -15,7 +16,8 @@ Series = list[tuple[int, float]]
 
 def read_capacity_scalars(run_dir: Path) -> dict[str, dict[str, Series]]:
     """``{layer: {"factor": [(step, value)], "drop_rate": [...]}}`` from the TensorBoard event files
-    under ``run_dir`` (the ``capacity/<layer>/<name>`` scalars the tuner logs)."""
+    under ``run_dir`` (the ``capacity/<layer>/<name>`` scalars the tuner logs), or, without them, from its
+    ``metrics.csv`` files (``logger=csv``)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     history: dict[str, dict[str, Series]] = defaultdict(dict)
@@ -27,13 +29,26 @@ def read_capacity_scalars(run_dir: Path) -> dict[str, dict[str, Series]]:
                 layer, name = tag[len("capacity/") :].rsplit("/", 1)
                 history[layer][name] = [(event.step, event.value) for event in events.Scalars(tag)]
     if not history:
-        raise ValueError(f"no capacity/<layer>/... scalars under {run_dir}: was the run logged to TensorBoard?")
+        for path in sorted(run_dir.rglob("metrics.csv")):
+            header, rows = read_metrics_csv(path.read_text())
+            for column in header:
+                if column.startswith("capacity/"):
+                    layer, name = column[len("capacity/") :].rsplit("/", 1)
+                    series = [(int(float(row["step"])), float(row[column])) for row in rows if row.get(column)]
+                    history[layer][name] = series
+    if not history:
+        raise ValueError(
+            f"no capacity/<layer>/... scalars under {run_dir} (TensorBoard event files or metrics.csv): was the run "
+            "logged with logger=tensorboard or logger=csv, and did the capacity tuner decide at least once?"
+        )
     return dict(history)
 
 
-def plot_capacity_tuning(history: dict[str, dict[str, Series]], target: float, path: Path) -> None:
+def plot_capacity_tuning(
+    history: dict[str, dict[str, Series]], target: float, path: Path, title: str = "CapacityTuner"
+) -> None:
     """Drop rate (log scale down to 0.1%, with the target) above capacity factor, against the step,
-    one line per layer."""
+    one line per layer, under ``title``."""
     plt = pyplot()
     figure, (drops, factors) = plt.subplots(2, 1, sharex=True, figsize=(7.5, 6), constrained_layout=True)
     for (layer, series), style in zip(sorted(history.items()), itertools.cycle(["-", "--", ":", "-."])):
@@ -50,7 +65,7 @@ def plot_capacity_tuning(history: dict[str, dict[str, Series]], target: float, p
     factors.set_ylabel("capacity factor")
     factors.set_xlabel("training step")
     factors.grid(alpha=0.3)
-    figure.suptitle("CapacityTuner on the top-1 tokens-choice ViT (Fashion-MNIST)")
+    figure.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -8,9 +8,11 @@ layer: deeper layers route differently and need different capacities.
 Each training batch (a "step" below; a micro-batch under gradient accumulation) it reads
 ``layer.stats["dropped_fraction"]`` of every such layer - for tokens-choice
 the fraction of token -> expert assignments dropped by capacity, for experts-choice the fraction of
-tokens no expert picked - into a ring buffer on the layer's device (no host synchronisation). Every
-``update_every`` steps it reads the buffer once and decides, per layer, on the smoothed drop rate ``d``
-(the mean over the last ``window`` steps measured at the layer's current factor ``f``):
+tokens no expert picked, both over the real tokens - and the step's real tokens (``stats["real_tokens"]``) into a
+ring buffer on the layer's device (no host synchronisation). Every ``update_every`` steps it reads the buffer once
+and decides, per layer, on the smoothed drop rate ``d``: the dropped fraction of all real tokens of the last
+``window`` steps measured at the layer's current factor ``f`` (each step weighted by its real tokens, so that a
+batch of mostly padding counts for its few real tokens, as in :class:`~moekit.callbacks.ExpertLoadMonitor`):
 
 * **up** when ``d > target_drop``: ``f <- f * max(increase, r)`` with ``r`` the smallest scale that could
   bring the drop rate down to the target (tokens-choice: ``(1 - target) / (1 - d)``, because scaling every
@@ -38,7 +40,8 @@ Lightning logs the same batch's metrics at (as :class:`~moekit.callbacks.ExpertL
 
 The factors, windows and counters are saved in checkpoints (:meth:`CapacityTuner.state_dict`), so a
 resumed run continues exactly as an uninterrupted one (on one device; under data parallelism the
-windows are averaged over ranks at every update and rank 0's copy is saved).
+windows are averaged over ranks at every update - the drop rate is then over all ranks' real tokens, and every
+rank takes the same decision - and rank 0's copy is saved).
 
 The tuned factors live in the layers' attributes, not in their state dict: a checkpoint evaluated
 without the callback (``scripts/eval.py``) uses the model config's ``eval_capacity_factor``. Under
@@ -48,6 +51,7 @@ recompile it; an experts-choice layer's factor sets the shape of its top-C choic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -58,6 +62,7 @@ from torch import Tensor, nn
 
 from moekit.loggers import logging_step
 from moekit.moe import ExpertsChoiceMoE, MoELayer, moe_layers
+from moekit.moe.stats import REAL_TOKENS
 
 __all__ = ["CapacityTuner", "capacity_limited_layers"]
 
@@ -101,7 +106,8 @@ class CapacityTuner(Callback):
     Args:
         target_drop: the dropped fraction to stay at or below, in ``(0, 1)``.
         min_factor, max_factor: bounds of every factor (experts-choice layers also stop at
-            ``num_experts``). A layer's configured factor outside them is clamped at the start.
+            ``num_experts``). A layer's configured factor, or a factor restored from a checkpoint,
+            outside them is clamped at the start.
         window: steps in the moving average of the drop rate; also the cool-down after a change.
         update_every: steps between two decisions (and the only host reads of the drop rates).
         increase: smallest multiplicative step up (> 1).
@@ -130,22 +136,38 @@ class CapacityTuner(Callback):
         retry_after: int = 500,
         eval_capacity_factor: float | None = None,
     ) -> None:
+        def number(value: Any) -> bool:  # YAML hands over strings ("1%", "same") and nulls as readily as numbers
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        def count(value: Any, low: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
         checks = (
-            ("target_drop", target_drop, 0 < target_drop < 1, "a fraction in (0, 1), e.g. 0.01"),
-            ("min_factor", min_factor, min_factor > 0, "> 0"),
-            ("max_factor", max_factor, max_factor >= min_factor, f">= min_factor={min_factor}"),
-            ("window", window, isinstance(window, int) and window >= 1, "an int >= 1 (steps)"),
-            ("update_every", update_every, isinstance(update_every, int) and update_every >= 1, "an int >= 1"),
-            ("increase", increase, increase > 1, "> 1, e.g. 1.2"),
-            ("decrease", decrease, 0 < decrease < 1, "in (0, 1), e.g. 0.95"),
-            ("patience", patience, isinstance(patience, int) and patience >= 1, "an int >= 1"),
-            ("hysteresis", hysteresis, 0 < hysteresis <= 1, "in (0, 1], e.g. 0.8"),
-            ("retry_after", retry_after, isinstance(retry_after, int) and retry_after >= 0, "an int >= 0 (steps)"),
+            (
+                "target_drop",
+                target_drop,
+                number(target_drop) and 0 < target_drop < 1,
+                "a fraction in (0, 1), e.g. 0.01",
+            ),
+            ("min_factor", min_factor, number(min_factor) and min_factor > 0, "a finite number > 0"),
+            (
+                "max_factor",
+                max_factor,
+                number(max_factor) and number(min_factor) and max_factor >= min_factor,
+                f"a finite number >= min_factor={min_factor}",
+            ),
+            ("window", window, count(window, 1), "an int >= 1 (steps)"),
+            ("update_every", update_every, count(update_every, 1), "an int >= 1"),
+            ("increase", increase, number(increase) and increase > 1, "a finite number > 1, e.g. 1.2"),
+            ("decrease", decrease, number(decrease) and 0 < decrease < 1, "in (0, 1), e.g. 0.95"),
+            ("patience", patience, count(patience, 1), "an int >= 1"),
+            ("hysteresis", hysteresis, number(hysteresis) and 0 < hysteresis <= 1, "in (0, 1], e.g. 0.8"),
+            ("retry_after", retry_after, count(retry_after, 0), "an int >= 0 (steps)"),
             (
                 "eval_capacity_factor",
                 eval_capacity_factor,
-                eval_capacity_factor is None or eval_capacity_factor > 0,
-                "> 0, or None to keep the layers' own",
+                eval_capacity_factor is None or (number(eval_capacity_factor) and eval_capacity_factor > 0),
+                "a finite number > 0, or null to keep each layer's own eval_capacity_factor",
             ),
         )
         for name, value, ok, need in checks:
@@ -166,7 +188,8 @@ class CapacityTuner(Callback):
         self._model: nn.Module | None = None
         self._layers: dict[str, MoELayer] = {}
         self._states: dict[str, _LayerState] = {}
-        self._buffer: Tensor | None = None  # [layers, window] drop fractions on the layers' device
+        # [2, layers, window] on the layers' device: [0] dropped fraction x real tokens, [1] real tokens, per step
+        self._buffer: Tensor | None = None
         self._steps = 0  # training forwards observed
         self._pending_state: dict[str, Any] | None = None  # loaded before the model was bound
 
@@ -230,22 +253,28 @@ class CapacityTuner(Callback):
         return None
 
     def observe(self) -> None:
-        """Write every tuned layer's ``dropped_fraction`` of its latest forward into the window (on device)."""
+        """Write every tuned layer's ``dropped_fraction`` of its latest forward, weighted by the forward's real tokens,
+        and those tokens into the window (on device)."""
         if self._model is None:
             raise RuntimeError("CapacityTuner.observe() before bind(model)")
-        drops = []
+        drops, weights = [], []
         for name, layer in self._layers.items():
-            value = layer.stats.get("dropped_fraction")
+            stats = layer.stats
+            value = stats.get("dropped_fraction")
             if value is None:
                 raise ValueError(
                     f"CapacityTuner: layer '{name}' recorded no dropped_fraction in its latest forward; "
                     "build it with compute_stats=True (the default) and call step() after a training forward"
                 )
-            drops.append(value.detach().float().reshape(()))
-        stacked = torch.stack(drops)
+            value = value.detach().float().reshape(())
+            real = stats.get(REAL_TOKENS)  # padding counts in no statistic; a layer without the count: 1 per forward
+            weight = value.new_ones(()) if real is None else real.detach().float().reshape(()).to(value.device)
+            drops.append(value * weight)
+            weights.append(weight)
+        stacked = torch.stack([torch.stack(drops), torch.stack(weights)])  # [2, layers]
         if self._buffer is None:
-            self._buffer = stacked.new_zeros(len(drops), self.window)
-        self._buffer[:, self._steps % self.window] = stacked
+            self._buffer = stacked.new_zeros(2, len(drops), self.window)
+        self._buffer[:, :, self._steps % self.window] = stacked
         self._steps += 1
         for state in self._states.values():
             state.fresh += 1
@@ -263,7 +292,10 @@ class CapacityTuner(Callback):
             if measured == 0:
                 continue
             recent = [(self._steps - 1 - i) % self.window for i in range(measured)]
-            state.drop_rate = float(windows[row, recent].mean())
+            dropped, real = windows[:, row, recent].double().sum(dim=1).tolist()
+            if real <= 0:  # nothing but padding since the last change: nothing measured
+                continue
+            state.drop_rate = dropped / real
             metrics[f"capacity/{name}/factor"] = state.factor
             metrics[f"capacity/{name}/drop_rate"] = state.drop_rate
             if state.fresh >= self.window:
@@ -348,13 +380,19 @@ class CapacityTuner(Callback):
                 f"layers are {sorted(self._states)}; resume with the same model config"
             )
         self._states = {name: _LayerState(**saved[name]) for name in self._states}
+        for name, state in self._states.items():  # bounds changed since the checkpoint: clamp, as bind() does
+            factor = self._clamp(self._layers[name], state.factor)
+            if factor != state.factor:
+                state.factor, state.fresh, state.below = factor, 0, 0
         self._steps = int(state_dict["steps"])
         buffer = state_dict["buffer"]
         if buffer is not None:
-            if buffer.shape != (len(self._states), self.window):
+            if buffer.dim() == 2:  # a checkpoint of the unweighted windows: drop fractions, each step weighing 1
+                buffer = torch.stack([buffer, torch.ones_like(buffer)])
+            if buffer.shape != (2, len(self._states), self.window):
                 raise ValueError(
-                    f"CapacityTuner: the checkpoint's drop-rate window holds {buffer.shape[1]} steps but the callback "
-                    f"has window={self.window}; resume with window={buffer.shape[1]}"
+                    f"CapacityTuner: the checkpoint's drop-rate window holds {buffer.shape[-1]} steps but the callback "
+                    f"has window={self.window}; resume with window={buffer.shape[-1]}"
                 )
             device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
             buffer = buffer.to(device)

@@ -51,12 +51,12 @@ def _as_count(num_tokens: int | Tensor) -> int | Tensor:
 
 
 def check_factor(value, name: str, *, optional: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a positive number (or None when ``optional``)."""
+    """Raise ``ValueError`` unless ``value`` is a positive finite number (or None when ``optional``)."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         dropless = ", or null for no capacity limit (dropless)" if optional else ""
-        raise ValueError(f"{name}={value!r} must be a positive number{dropless}")
+        raise ValueError(f"{name}={value!r} must be a positive finite number{dropless}")
 
 
 def tokens_choice_capacity(

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
-from .capacity import Capacity, tokens_choice_capacity
+from .capacity import Capacity, check_factor, tokens_choice_capacity
 from .dispatch import DispatchPlan, combine, dispatch, plan_dispatch
 from .experts import ExpertsConfig
 from .hash_routing import HashRouter
@@ -118,6 +118,7 @@ class TokensChoiceMoE(MoELayer):
 
     @capacity_factor.setter
     def capacity_factor(self, value: float | None) -> None:
+        check_factor(value, "capacity_factor", optional=True)
         self.capacity.capacity_factor = value
         self._sync_factors()
 
@@ -127,6 +128,7 @@ class TokensChoiceMoE(MoELayer):
 
     @eval_capacity_factor.setter
     def eval_capacity_factor(self, value: float | None) -> None:
+        check_factor(value, "eval_capacity_factor", optional=True)
         self.capacity.eval_capacity_factor = value
         self._sync_factors()
 
