@@ -90,3 +90,19 @@ def test_sample_does_not_suggest_a_max_new_tokens_that_cannot_fit_a_long_prompt(
         sample(compose_config("sample", [*overrides, "max_new_tokens=3", f"prompt='{'a' * 20}'"], tmp_path / "run"))
     with pytest.raises(ValueError, match=r"\(10 tokens\) .* max_seq_len=16; lower max_new_tokens to 7, shorten"):
         sample(compose_config("sample", [*overrides, "max_new_tokens=8", f"prompt='{'a' * 10}'"], tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("prompt=1984", r"prompt=1984 is not text \(Hydra read it as int\); quote it: 'prompt=\"1984\"'"),
+        ("prompt=null", r"prompt=null; give the text to continue"),
+        ("num_samples=2.5", r"num_samples=2.5 must be an int >= 1"),  # was a TypeError from list * float
+        ("use_cache=maybe", r"use_cache='maybe' must be true or false"),  # was taken as true
+        ("top_k=0", r"top_k=0 must be an int >= 1"),
+    ],
+)
+def test_sample_refuses_settings_of_the_wrong_type_before_loading(lm_ckpt, tmp_path, override, message):
+    cfg = compose_config("sample", [f"ckpt_path={lm_ckpt}", override], tmp_path / "run")
+    with pytest.raises(ValueError, match=message):  # prompt=1984 was an AttributeError: 'int' has no 'encode'
+        sample(cfg)

@@ -102,6 +102,26 @@ def test_file_tokenizer_matches_trained_and_round_trips(trained_bpe, bpe_files):
     assert ids.count(trained_bpe.token_to_id(END_OF_TEXT)) == 1
 
 
+def test_a_tokenizer_file_saved_with_truncation_and_padding_encodes_whole_documents(bpe_files, tmp_path):
+    """A tokenizer.json saved with truncation (max_length 8) cut every document to 8 tokens, and its padding put pad
+    tokens into the corpus (encode_batch pads to the longest document)."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(bpe_files["json"]))
+    backend.enable_truncation(max_length=8)
+    backend.enable_padding(pad_id=0, pad_token=END_OF_TEXT)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = FileTokenizer(tmp_path / "tokenizer.json")
+    plain = FileTokenizer(bpe_files["json"])
+    assert tokenizer.encode(SAMPLE) == plain.encode(SAMPLE) and len(plain.encode(SAMPLE)) > 8
+    documents = [SAMPLE, "short"]
+    tokens, lengths = encode_corpus(tokenizer, documents)
+    expected_tokens, expected_lengths = encode_corpus(plain, documents)
+    assert torch.equal(tokens, expected_tokens) and torch.equal(lengths, expected_lengths)
+    assert tokenizer.decode(tokens) == "\n\n".join(documents)
+    assert tokenizer.hf_backend().truncation["max_length"] == 8, "the file's own settings are exported as they are"
+
+
 def test_gpt2_tokenizer_from_vocab_and_merges_equals_trained(trained_bpe, bpe_files, pydoc_documents):
     tokenizer = build_tokenizer("gpt2", vocab_file=bpe_files["vocab"], merges_file=bpe_files["merges"])
     assert isinstance(tokenizer, GPT2Tokenizer) and tokenizer.vocab_size == BPE_VOCAB
@@ -182,6 +202,17 @@ def test_files_source_reads_a_file_reached_twice_once(tmp_path):
     assert load_corpus("files", paths=[a, tmp_path / "docs"]) == ["A", "B"]
 
 
+def test_files_source_leaves_hidden_files_and_folders_out(tmp_path):
+    """A notebook's checkpoint copies and a repository's .git would put copies of documents in other splits."""
+    write(tmp_path / "docs" / "a.md", "A")
+    write(tmp_path / "docs" / ".ipynb_checkpoints" / "a-checkpoint.md", "A")
+    write(tmp_path / "docs" / ".git" / "description.txt", "git")
+    write(tmp_path / "docs" / ".draft.txt", "draft")
+    write(tmp_path / ".corpus" / "b.txt", "B")  # a hidden folder given by name is read
+    assert load_corpus("files", paths=tmp_path / "docs") == ["A"]
+    assert load_corpus("files", paths=[tmp_path / ".corpus", tmp_path / "docs" / ".draft.txt"]) == ["B", "draft"]
+
+
 def test_files_source_drops_a_byte_order_mark(tmp_path):
     bom = tmp_path / "bom.txt"
     bom.write_bytes(b"\xef\xbb\xbfhello")  # UTF-8 as Windows editors save it
@@ -207,8 +238,11 @@ def test_hf_source(tmp_path):
         load_corpus("hf", hf_dataset=tmp_path / "dict")
     with pytest.raises(ValueError, match=r"text_column='id' .* holds int values"):
         load_corpus("hf", hf_dataset=tmp_path / "flat", text_column="id")
-    with pytest.raises(FileNotFoundError, match=r"hf_dataset='.*nowhere' does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"hf_dataset='.*nowhere' does not exist; .*save_to_disk\(path\)"):
         load_corpus("hf", hf_dataset=str(tmp_path / "nowhere"))
+    a_file = write(tmp_path / "rows.parquet", "not a dataset folder")
+    with pytest.raises(FileNotFoundError, match=r"hf_dataset='.*rows.parquet' is a file, not a folder"):
+        load_corpus("hf", hf_dataset=str(a_file))  # was "does not exist"
     with pytest.raises(FileNotFoundError, match=r"is not a dataset saved with save_to_disk"):
         load_corpus("hf", hf_dataset=str(tmp_path))
 
@@ -232,6 +266,14 @@ def test_corpus_errors(tmp_path):
         load_corpus("files", paths=latin1)
     with pytest.raises(ValueError, match=r"paths='a.txt' is only read with source='files'"):
         load_corpus("pydoc", paths="a.txt")
+
+
+def test_an_empty_path_is_refused_not_read_as_the_working_directory(tmp_path, monkeypatch):
+    write(tmp_path / "notes.md", "not meant as training text")
+    monkeypatch.chdir(tmp_path)
+    for paths in ("", [str(tmp_path / "notes.md"), " "]):  # data.paths= gives ''; it read every text file below .
+        with pytest.raises(ValueError, match=r"paths=.* holds an empty path; give a file or folder"):
+            load_corpus("files", paths=paths)
 
 
 # --- windows and the DataModule -------------------------------------------------------------------
@@ -400,6 +442,8 @@ def test_lightning_skips_validation_without_val_split(small_corpus):
         ({"tokenizer": {"kind": "byte", "lowercase": True}}, r"tokenizer keys \['lowercase'\] are not supported"),
         ({"source": "files"}, r"source='files' needs paths="),
         ({"source": "hf"}, r"source='hf' needs hf_dataset="),
+        ({"drop_last": "no"}, r"drop_last='no' must be true or false"),  # was taken as true
+        ({"pin_memory": "no"}, r"pin_memory='no' must be true or false"),
     ],
 )
 def test_module_argument_errors(kwargs, message):
@@ -429,3 +473,38 @@ def test_hydra_configs_instantiate(small_corpus):
     module = instantiate(files, seed=0, seq_len=8, batch_size=4)
     module.setup()
     assert len(module.tokens) == len("\n\n".join(load_corpus("files", paths=str(small_corpus))).encode())
+
+
+def test_a_rebuilt_train_loader_continues_with_the_next_epochs_order(small_corpus):
+    """Lightning builds the loader again each epoch with trainer.reload_dataloaders_every_n_epochs=1: every epoch
+    replayed epoch 0's order."""
+
+    def epoch_inputs(loader) -> torch.Tensor:
+        return torch.cat([batch[0] for batch in loader])
+
+    module = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1)
+    loader = module.train_dataloader()
+    expected = [epoch_inputs(loader) for _ in range(3)]  # one loader, three epochs
+    assert not torch.equal(expected[0], expected[1])
+    rebuilt = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1)
+    assert all(torch.equal(epoch_inputs(rebuilt.train_dataloader()), epoch) for epoch in expected)
+
+
+@pytest.mark.parametrize("change", [{"batch_size": 8}, {"seq_len": 7}], ids=["batch_size", "windows"])
+def test_a_mid_epoch_resume_with_other_batches_or_windows_starts_the_next_epoch(small_corpus, change, caplog):
+    """The saved position counts batches of the saved loader: with another batch size it skipped other windows
+    (windows never seen that epoch, or seen twice), with another number of windows another order. Now the resumed
+    run starts the next epoch whole, with a warning, as it does for a changed world size."""
+    module = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1)
+    iterator = iter(module.train_dataloader())
+    [next(iterator) for _ in range(3)]
+    state = {"train_sampler": module._train_sampler.state_dict(consumed_batches=2, epoch_done=False)}
+    resumed = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1, **change)
+    resumed.load_state_dict(state)
+    with caplog.at_level("WARNING", logger="moekit"):
+        windows = [tuple(row.tolist()) for batch in resumed.train_dataloader() for row in batch[0]]
+    assert "continuing with epoch 1" in caplog.text
+    fresh = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1, **change)
+    loader = fresh.train_dataloader()
+    next_epoch = [[tuple(row.tolist()) for batch in loader for row in batch[0]] for _ in range(2)][1]
+    assert windows == next_epoch  # was the rest of epoch 0 counted in the old batches

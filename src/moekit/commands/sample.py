@@ -18,6 +18,8 @@ def sample(cfg: DictConfig) -> list[str]:
     """Generate ``num_samples`` continuations of ``prompt`` with a language-model checkpoint (the
     tokenizer comes from the checkpoint's data config). Prints and returns the texts; a single sample is
     printed as it is generated (``stream``)."""
+    _check_settings(cfg)
+    check_generation(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)  # before the checkpoint loads
     module = load_task(cfg.ckpt_path)
     if not isinstance(module, LanguageModel):
         raise ValueError(
@@ -28,9 +30,6 @@ def sample(cfg: DictConfig) -> list[str]:
     prompt_ids = tokenizer.encode(cfg.prompt)
     if not prompt_ids:
         raise ValueError(f"prompt={cfg.prompt!r} encodes to no tokens; give a prompt of at least one character")
-    if cfg.num_samples < 1:
-        raise ValueError(f"num_samples={cfg.num_samples} must be >= 1")
-    check_generation(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)  # before the stream prints
     max_seq_len = getattr(module.net, "max_seq_len", None)
     if not cfg.slide and max_seq_len is not None and tokens_run(len(prompt_ids), cfg.max_new_tokens) > max_seq_len:
         fits = len(prompt_ids) <= max_seq_len  # else no max_new_tokens helps
@@ -64,6 +63,22 @@ def sample(cfg: DictConfig) -> list[str]:
     for i, text in enumerate(texts):
         print(f"--- sample {i} ---\n{text}")
     return texts
+
+
+def _check_settings(cfg: DictConfig) -> None:
+    """The settings Hydra may have parsed into another type than the one meant, refused before the checkpoint loads."""
+    if cfg.prompt is None:
+        raise ValueError("prompt=null; give the text to continue, e.g. 'prompt=\"def \"'")
+    if not isinstance(cfg.prompt, str):  # prompt=1984 is an int
+        raise ValueError(
+            f"prompt={cfg.prompt!r} is not text (Hydra read it as {type(cfg.prompt).__name__}); quote it: "
+            f"'prompt=\"{cfg.prompt}\"'"
+        )
+    if isinstance(cfg.num_samples, bool) or not isinstance(cfg.num_samples, int) or cfg.num_samples < 1:
+        raise ValueError(f"num_samples={cfg.num_samples!r} must be an int >= 1")
+    for key in ("stream", "use_cache", "slide"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"{key}={cfg[key]!r} must be true or false")
 
 
 class _Stream:

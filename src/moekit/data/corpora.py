@@ -53,7 +53,8 @@ def _read_text_file(path: Path) -> str:
 
 
 def _text_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
-    """The files of ``paths`` in order: a file as given, a folder's text files recursively, sorted; a file reached
+    """The files of ``paths`` in order: a file as given, a folder's text files recursively, sorted, but for hidden ones
+    and those in hidden folders (``.git``, a notebook's ``.ipynb_checkpoints`` copies); a file reached
     twice (named and in a listed folder, or in two nested folders) only where it first comes, so that no document
     is in two splits."""
     entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
@@ -61,15 +62,23 @@ def _text_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
         raise ValueError("paths=[] lists no file or folder; give at least one (Hydra: data.paths=...)")
     files: list[Path] = []
     for entry in entries:
+        if not os.fspath(entry).strip():  # Path("") is the working directory: every text file below it
+            raise ValueError(f"paths={paths!r} holds an empty path; give a file or folder (Hydra: data.paths=...)")
         path = Path(os.fspath(entry)).expanduser()
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix.lower() in TEXT_FILE_SUFFIXES and p.is_file())
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.suffix.lower() in TEXT_FILE_SUFFIXES
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                and p.is_file()
+            )
             if not found:
                 raise FileNotFoundError(
                     f"folder {str(entry)!r} holds no text files ({', '.join('*' + s for s in TEXT_FILE_SUFFIXES)}, "
-                    "searched recursively); add some or give the files' paths explicitly"
+                    "searched recursively, hidden ones left out); add some or give the files' paths explicitly"
                 )
             files.extend(found)
         else:
@@ -87,8 +96,10 @@ def _hf_documents(hf_dataset: PathLike, text_column: str) -> list[str]:
         raise ImportError("source='hf' needs the datasets package: pip install datasets") from err
     folder = Path(os.fspath(hf_dataset)).expanduser()
     if not folder.is_dir():
+        state = "is a file, not a folder" if folder.exists() else "does not exist"
         raise FileNotFoundError(
-            f"hf_dataset={str(hf_dataset)!r} does not exist; give the folder written by Dataset.save_to_disk"
+            f"hf_dataset={str(hf_dataset)!r} {state}; give the folder written by Dataset.save_to_disk (moekit reads "
+            "no hub name and downloads nothing: save one with datasets.load_dataset(...).save_to_disk(path))"
         )
     try:
         loaded = datasets.load_from_disk(str(folder))

@@ -26,8 +26,8 @@ draws the same epoch order, pads it to a multiple of the world size by repeating
 every ``num_replicas``-th index from position ``rank``. It is a ``DistributedSampler`` subclass, so
 Lightning leaves it unwrapped. A checkpoint holds the random states of every rank (gathered when it is
 written) and each rank resumes with its own. A checkpoint written in the middle of an epoch resumes at
-the same position only with the same world size; at another one the run continues with the next epoch
-(a warning says so), at an epoch boundary any world size continues exactly.
+the same position only with the same world size, dataset size and batch size; with others the run continues
+with the next epoch (a warning says so), at an epoch boundary any of them continues exactly.
 """
 
 from __future__ import annotations
@@ -182,20 +182,23 @@ class ResumableRandomSampler(DistributedSampler):
         if self.num_replicas > 1 and dist.is_available() and dist.is_initialized():
             ranks = [None] * self.num_replicas
             dist.all_gather_object(ranks, own)
-        return {**state, "num_replicas": self.num_replicas, "ranks": ranks}
+        sizes = {"dataset_size": self.dataset_size, "batch_size": self.batch_size}
+        return {**state, **sizes, "num_replicas": self.num_replicas, "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (of :meth:`state_dict`) at the next iteration."""
         if "ranks" not in state:  # written by a single process before checkpoints held every rank
             state = {**state, "num_replicas": 1, "ranks": [{"rng": state["rng"], "batch_rng": state["batch_rng"]}]}
         saved_world = state["num_replicas"]
-        if state["batch"] and saved_world != self.num_replicas:
+        now = {"num_replicas": self.num_replicas, "dataset_size": self.dataset_size, "batch_size": self.batch_size}
+        changed = [f"{key} {state[key]} -> {value}" for key, value in now.items() if state.get(key, value) != value]
+        moved = bool(state["batch"] and changed)
+        if moved:  # data-parallel ranks, the windows or the batch size changed since
             log.warning(
-                "the checkpoint was written by %d data-parallel ranks in the middle of epoch %d; with %d ranks "
-                "that position does not exist: continuing with epoch %d",
-                saved_world,
+                "the checkpoint was written in the middle of epoch %d with other data settings (%s); that position "
+                "does not exist now: continuing with epoch %d",
                 state["epoch"],
-                self.num_replicas,
+                ", ".join(changed),
                 state["epoch"] + 1,
             )
             state = {**state, "epoch": state["epoch"] + 1, "batch": 0}
@@ -205,7 +208,7 @@ class ResumableRandomSampler(DistributedSampler):
                 f"{self.num_batches} batches; resume with the same dataset and batch size"
             )
         own = state["ranks"][self.rank] if saved_world == self.num_replicas else state["ranks"][0]
-        batch_rng = own["batch_rng"] if saved_world == self.num_replicas else None
+        batch_rng = own["batch_rng"] if saved_world == self.num_replicas and not moved else None
         self._next_epoch = int(state["epoch"])
         self._resume = {"batch": state["batch"], "rng": own["rng"], "batch_rng": batch_rng}
 
@@ -214,7 +217,8 @@ class ResumableTrainOrderMixin:
     """For a ``LightningDataModule``: saves and restores its :class:`ResumableRandomSampler` through the
     datamodule's ``state_dict`` / ``load_state_dict`` (which Lightning writes into every checkpoint).
 
-    The datamodule builds its training loader with :meth:`_train_sampler_for`.
+    The datamodule builds its training loader with :meth:`_train_sampler_for`; a loader built again (Lightning's
+    ``reload_dataloaders_every_n_epochs``) continues with the epoch after the last one the previous loader began.
     """
 
     _train_sampler: ResumableRandomSampler | None = None
@@ -226,6 +230,9 @@ class ResumableTrainOrderMixin:
         sampler = ResumableRandomSampler(
             num_samples, batch_size, seed, ranks.get("num_replicas", 1), ranks.get("rank", 0)
         )
+        previous = self._train_sampler
+        if previous is not None and previous.dataset_size == num_samples:  # a loader built again: where it was
+            sampler._next_epoch, sampler._resume = previous._next_epoch, previous._resume
         if self._pending_sampler_state is not None:
             sampler.load_state_dict(self._pending_sampler_state)
             self._pending_sampler_state = None

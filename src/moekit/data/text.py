@@ -168,6 +168,9 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
             raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
         if not isinstance(pack, bool):
             raise ValueError(f"pack={pack!r} must be true (windows of the token stream) or false (one document each)")
+        for name, value in (("drop_last", drop_last), ("pin_memory", pin_memory)):
+            if not isinstance(value, bool):  # data.drop_last=no is the string 'no', which a loader takes as true
+                raise ValueError(f"{name}={value!r} must be true or false")
         for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
             if value is not None and not (_is_int(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive integer")

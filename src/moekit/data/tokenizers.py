@@ -114,14 +114,24 @@ def _byte_characters() -> list[str]:
 class _BackendTokenizer:
     """A tokenizer backed by a ``tokenizers.Tokenizer`` (``self.backend``).
 
-    ``encode`` adds no special tokens (no post-processor template: the corpus is one token stream);
-    ``decode`` keeps special tokens, so ``decode(encode(text)) == text`` for lossless (byte-level) models.
+    ``encode`` adds no special tokens (no post-processor template: the corpus is one token stream) and neither
+    truncates nor pads, whatever the file sets (a ``tokenizer.json`` saved with truncation would cut every document
+    to its ``max_length``, and padding would put pad tokens into the corpus); ``decode`` keeps special tokens, so
+    ``decode(encode(text)) == text`` for lossless (byte-level) models. ``backend`` stays as given (what an export
+    writes).
     """
 
     name: str
 
     def __init__(self, backend) -> None:
         self.backend = backend
+        self._encoder = backend
+        if backend.truncation is not None or backend.padding is not None:
+            from tokenizers import Tokenizer
+
+            self._encoder = Tokenizer.from_str(backend.to_str())
+            self._encoder.no_truncation()
+            self._encoder.no_padding()
 
     @property
     def vocab_size(self) -> int:
@@ -129,7 +139,7 @@ class _BackendTokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self._encoder.encode(text, add_special_tokens=False).ids
 
     def hf_backend(self):
         """This tokenizer as a ``tokenizers.Tokenizer`` (for a transformers folder)."""
@@ -138,7 +148,7 @@ class _BackendTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``[encode(text) for text in texts]``, encoded in parallel by ``tokenizers``."""
         # encode_batch_fast (tokenizers >= 0.20) skips the offsets, which are not needed here.
-        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        encode = getattr(self._encoder, "encode_batch_fast", self._encoder.encode_batch)
         encodings = encode(list(texts), add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
