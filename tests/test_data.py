@@ -316,6 +316,8 @@ def test_limit_train_samples(fake_dir):
         ({"auto_augment": "rand-m9"}, r"auto_augment='rand-m9' applies to dataset='imagefolder' only"),
         ({"val_size": 1.5}, r"val_size=1.5 must be a count >= 0 or a fraction in \[0, 1\)"),
         ({"dataset": "imagefolder"}, r"dataset='imagefolder' needs root="),
+        ({"pin_memory": "no"}, r"pin_memory='no' must be true or false"),
+        ({"download": "no"}, r"download='no' must be true or false"),
     ],
 )
 def test_bad_arguments(kwargs, message):

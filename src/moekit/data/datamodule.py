@@ -142,6 +142,9 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
                             ("limit_train_samples", limit_train_samples)):  # fmt: skip
             if value is not None and not (_is_int(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name, value in (("download", download), ("pin_memory", pin_memory)):
+            if not isinstance(value, bool):  # data.pin_memory=no is the string 'no', which is true
+                raise ValueError(f"{name}={value!r} must be true or false")
         if not (_is_int(num_workers) and num_workers >= 0):
             raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0")
         if dataset == "imagefolder" and root is None:
