@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from moekit.checkpoint import TASK_KEY, load_task
 from moekit.commands.quantize import calibration_inputs
+from moekit.data.text import PAD_TARGET
 from moekit.quant import FORMATS, METHODS, QuantFormat, QuantSpec, expert_memory, quant_metadata, quantize_experts
 from moekit.quantized_checkpoint import save_quantized_task
 from moekit.tasks import LanguageModel
@@ -68,24 +69,35 @@ for path in sys.argv[1:]:
 """
 
 
+def _forward(net: nn.Module, x: Tensor | dict[str, Tensor]) -> Tensor:
+    """``net(x)``, or for unpacked text ``net(**x)`` with its padding mask."""
+    return net(**x) if isinstance(x, dict) else net(x)
+
+
+def _inputs(batch) -> Tensor | dict[str, Tensor]:
+    """What a test batch feeds the network: the images or token ids, with the padding mask of unpacked text."""
+    return batch[0] if len(batch) < 3 else {"input_ids": batch[0], "padding_mask": batch[2]}
+
+
 @torch.inference_mode()
 def _test_metric(
-    net: nn.Module, batches: list[tuple[Tensor, Tensor]], lm: bool, reference: list[Tensor] | None
+    net: nn.Module, batches: list[tuple[Tensor | dict[str, Tensor], Tensor]], lm: bool, reference: list[Tensor] | None
 ) -> tuple[float, float, list[Tensor]]:
-    """Accuracy of a classifier (or the perplexity of a language model) over ``batches``, the relative error of
-    its logits against ``reference`` (the float model's), and its logits."""
+    """Accuracy of a classifier (or the perplexity of a language model, over the real targets: padding left out)
+    over ``batches``, the relative error of its logits against ``reference`` (the float model's), and its logits."""
     total, count, err, norm, outputs = 0.0, 0, 0.0, 0.0, []
     for i, (x, y) in enumerate(batches):
-        logits = net(x)
+        logits = _forward(net, x)
         outputs.append(logits)
         if reference is not None:
             err += float((logits - reference[i]).pow(2).sum())
             norm += float(reference[i].pow(2).sum())
         if lm:
-            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD_TARGET, reduction="sum"))
+            count += int((y != PAD_TARGET).sum())
         else:
             total += float((logits.argmax(-1) == y).sum())
-        count += y.numel()
+            count += y.numel()
     metric = math.exp(total / count) if lm else total / count
     return metric, math.sqrt(err / norm) if norm else 0.0, outputs
 
@@ -111,8 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median reported)")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds={args.rounds} must be positive")
+    for flag in ("rounds", "group_size", "calibration_batches"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be positive")
     L.seed_everything(0, workers=True)
     float_task = load_task(str(args.ckpt))
     lm = isinstance(float_task, LanguageModel)
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     datamodule.setup("test")
     test = []
     for batch in datamodule.test_dataloader():
-        test.append((batch[0], batch[1]))
+        test.append((_inputs(batch), batch[1]))
         if args.test_batches and len(test) == args.test_batches:
             break
 
@@ -152,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             for _ in range(args.rounds):
                 for key, net in variants.items():
-                    net(test[0][0])  # warm-up
+                    _forward(net, test[0][0])  # warm-up
                     start = time.perf_counter()
-                    net(test[0][0])
+                    _forward(net, test[0][0])
                     times[key].append(time.perf_counter() - start)
         resident = dict(zip(files, _resident_bytes(list(files.values())), strict=True))
 
@@ -188,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append("| " + " | ".join(cells) + " |")
     machine = machine_info()
     lines = [
-        f"{args.ckpt} ({type(float_task.net).__name__}, {len(test)} test batches of {test[0][0].shape[0]}), "
+        f"{args.ckpt} ({type(float_task.net).__name__}, {len(test)} test batches of {test[0][1].shape[0]}), "
         f"calibration: {args.calibration_batches} training batches, group size {args.group_size}; "
         f"{machine.get('cpu', 'cpu')}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "",

@@ -31,13 +31,15 @@ __all__ = ["quantize", "calibration_inputs", "FORMAT_OF_BITS"]
 FORMAT_OF_BITS = {8: "int8", 4: "int4", 2: "int2", "ternary": "ternary"}
 
 
-def calibration_inputs(datamodule, batches: int) -> list[torch.Tensor]:
-    """The inputs of the first ``batches`` batches of ``datamodule``'s training split (its seeded shuffle)."""
+def calibration_inputs(datamodule, batches: int) -> list[torch.Tensor | dict[str, torch.Tensor]]:
+    """The inputs of the first ``batches`` batches of ``datamodule``'s training split (its seeded shuffle): the
+    images, or the token ids; for text with ``pack=false`` (batches ``(inputs, targets, padding_mask)``) the
+    keyword arguments ``input_ids`` and ``padding_mask``, so that padding reaches no expert's Hessian."""
     datamodule.prepare_data()
     datamodule.setup("fit")
     inputs = []
     for batch in datamodule.train_dataloader():
-        inputs.append(batch[0])
+        inputs.append(batch[0] if len(batch) < 3 else {"input_ids": batch[0], "padding_mask": batch[2]})
         if len(inputs) == batches:
             return inputs
     raise ValueError(
@@ -52,6 +54,8 @@ def quantize(cfg: DictConfig) -> Path:
         raise CheckpointError(
             f"ckpt_path={cfg.ckpt_path!r} is a safetensors file; quantize the training checkpoint (.ckpt) it came from"
         )
+    name = FORMAT_OF_BITS[cfg.bits]  # settings out of range fail here, before the checkpoint loads
+    spec = QuantSpec(QuantFormat(name, cfg.group_size), cfg.method, damping=cfg.damping, min_rows=cfg.min_rows)
     module = load_task(cfg.ckpt_path)
     if not expert_banks(module.net):
         raise ValueError(
@@ -60,15 +64,13 @@ def quantize(cfg: DictConfig) -> Path:
             "MoE experiment"
         )
     L.seed_everything(cfg.seed, workers=True)
-    name = FORMAT_OF_BITS[cfg.bits]
-    spec = QuantSpec(QuantFormat(name, cfg.group_size), cfg.method, damping=cfg.damping, min_rows=cfg.min_rows)
     default = Path(cfg.ckpt_path).with_suffix(f".{name}-{cfg.method}.safetensors")
     output = Path(cfg.output_path or default)
     check_output_file(output, default.name)
     check_writable_dir(output.parent, "the folder of output_path")
     float_bytes = expert_memory(module.net)
     inputs = None
-    if cfg.method == "gptq":  # calibration reads the images alone, whatever their labels
+    if cfg.method == "gptq":  # calibration reads the inputs alone (and a padding mask), whatever their labels
         inputs = calibration_inputs(datamodule_for(cfg, module, same_labels=False), cfg.calibration_batches)
     try:
         quantize_experts(module.net, spec, (lambda: inputs) if inputs else None, log=log.info)

@@ -72,7 +72,7 @@ class QuantizedWeight(nn.Module):
             tensors = {"scale": q.scale, "packed": pack_codes(q.codes, q.fmt.code_bits), "zero": q.zero}
             return cls(q.fmt, shape, tensors)
         counts = torch.bincount(q.codes.flatten().long(), minlength=3)
-        code = choose_code(counts, shape[1] * shape[2])
+        code = choose_code(counts, q.codes.numel())  # one decoding table serves all the experts of the matrix
         codewords, offsets = encode(q.codes.flatten(1), code)
         tensors = {
             "scale": q.scale,
@@ -99,14 +99,24 @@ class QuantizedWeight(nn.Module):
         return symbols.view(self.in_features, self.out_features)
 
     def dequantize(self, expert: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``[in, out]`` float weights of one expert."""
+        """``[in, out]`` float weights of one expert: computed in float32 (exact: a float16 scale times a small
+        integer) and rounded to ``dtype`` once, the weights :meth:`QuantizedCodes.dequantize` gives."""
         g = self.fmt.group_rows(self.in_features)
-        scale = self.scale[expert].to(dtype).repeat_interleave(g, dim=0)[: self.in_features]
-        codes = self.codes(expert).to(dtype)
+        scale = self.scale[expert].float().repeat_interleave(g, dim=0)[: self.in_features]
+        codes = self.codes(expert).float()
         if self.fmt.symmetric:
-            return (codes - 1) * scale
-        zero = self.zero[expert].to(dtype).repeat_interleave(g, dim=0)[: self.in_features]
-        return (codes - zero) * scale
+            return ((codes - 1) * scale).to(dtype)
+        zero = self.zero[expert].float().repeat_interleave(g, dim=0)[: self.in_features]
+        return ((codes - zero) * scale).to(dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves follow the module; dtype casts (``module.to(torch.bfloat16)``, ``trainer.precision=bf16-true``)
+        leave the float16 scales as they are: they are a part of the codes, not a float weight."""
+        scale = self.scale
+        super()._apply(fn, recurse)
+        if self.scale.dtype != scale.dtype:
+            self.scale = scale.to(self.scale.device)
+        return self
 
     def stored_bytes(self) -> int:
         """Bytes of the persistent buffers (what a checkpoint holds)."""

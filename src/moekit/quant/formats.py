@@ -90,9 +90,12 @@ class GroupQuantizer:
 
 
 def _half_at_least(scale: Tensor) -> Tensor:
-    """``scale`` rounded to a float16 value no smaller (the grid still spans the range), as float32."""
-    tiny = torch.finfo(torch.float16).tiny
-    return (scale.clamp(min=tiny) * (1 + 2**-10)).half().float()  # float16 rounds by at most 2^-11 relative
+    """``scale`` rounded up to the nearest float16 value (the grid still spans the range), as float32. Subnormal
+    float16 values serve small scales (down to 2^-24): the weights of a group spanning less than 255 x 2^-14 keep
+    all 256 levels of int8."""
+    nearest = scale.clamp(min=2**-24).half()
+    up = torch.nextafter(nearest, nearest.new_tensor(float("inf")))
+    return torch.where(nearest.float() < scale, up, nearest).float()
 
 
 def _grid(fmt: QuantFormat, lo: Tensor, hi: Tensor) -> GroupQuantizer:

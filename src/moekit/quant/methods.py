@@ -102,9 +102,16 @@ def gptq_quantize(
     diag.masked_fill_(dead, 1.0)
     W.masked_fill_(dead.unsqueeze(1), 0.0)
     diag.add_(damping * diag.mean(dim=1, keepdim=True))
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # [E, D, D]
+    L, info = torch.linalg.cholesky_ex(H)
+    if bool(info.any()):
+        raise ValueError(
+            f"with damping={damping} the Hessian of expert(s) {info.nonzero().flatten().tolist()} is not positive "
+            f"definite (their calibration inputs span fewer than the {D} input dimensions); raise damping (GPTQ's "
+            "default is 0.01)"
+        )
+    U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # [E, D, D]
 
-    codes = torch.empty(E, N, D, dtype=torch.uint8)
+    codes = torch.empty(E, N, D, dtype=torch.uint8, device=W.device)
     scales: list[Tensor] = []
     zeros: list[Tensor] = []
     grid: GroupQuantizer | None = None

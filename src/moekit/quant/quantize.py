@@ -9,7 +9,9 @@ calibration inputs as the banks before it (already quantized) pass them on, as G
 1. run the calibration inputs, and at the bank, add each expert's ``X^T X`` over the rows routed to it
    (the forward stops there);
 2. GPTQ on ``fc1`` with those Hessians; the bank now computes with the rounded ``fc1``;
-3. run again for the Hessians of what reaches ``fc2``, GPTQ on ``fc2``.
+3. run again for the Hessians of what reaches ``fc2``, GPTQ on ``fc2``;
+4. the quantized bank takes the float bank's place (whose weights are left as they were, to be put back if a
+   later bank fails).
 
 An expert that calibration reaches with fewer rows than its matrix has inputs (``min_rows``; the input size
 by default) has a rank-deficient Hessian: GPTQ would fit the rounding to those few rows. Such an expert is
@@ -19,7 +21,7 @@ rounded to nearest instead (an identity Hessian) and counted in the report.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,6 +71,18 @@ class QuantSpec:
             raise ValueError(f"method={self.method!r} is not one of {METHODS}")
         if not 0 <= self.damping < 1:
             raise ValueError(f"damping={self.damping} must be in [0, 1) (a fraction of the Hessian's mean diagonal)")
+        if not _positive_int(self.block_size):
+            raise ValueError(f"block_size={self.block_size!r} must be a positive int (rows per lazy GPTQ update)")
+        if self.min_rows is not None and not _positive_int(self.min_rows):
+            raise ValueError(
+                f"min_rows={self.min_rows!r} must be a positive int, or None (null in the config: the matrix's "
+                "input size); an expert with fewer calibration rows is rounded to nearest (with 0 rows GPTQ zeroes "
+                "its weights)"
+            )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -148,9 +162,19 @@ def _gram(x: Tensor, group_sizes: GroupSizes, experts: int) -> tuple[Tensor, Ten
     return torch.stack([(p.t() @ p).double() for p in parts]), counts
 
 
-def _hessians(
-    net: nn.Module, bank: ExpertBank, inputs: Callable[[], Iterable[Tensor]], fc2: bool
-) -> tuple[Tensor, Tensor]:
+Calibration = Callable[[], Iterable[Tensor | Mapping[str, Tensor]]]
+"""Returns the calibration inputs: a tensor is run as ``net(x)``, a mapping as ``net(**x)`` (e.g. token ids with the
+``padding_mask`` of unpacked text, so that padding reaches no expert)."""
+
+
+def _run(net: nn.Module, x: Tensor | Mapping[str, Tensor]) -> None:
+    if isinstance(x, Mapping):
+        net(**x)
+    else:
+        net(x)
+
+
+def _hessians(net: nn.Module, bank: ExpertBank, inputs: Calibration, fc2: bool) -> tuple[Tensor, Tensor]:
     """Summed ``X^T X`` per expert of the bank's ``fc1`` (or ``fc2``) inputs over the calibration inputs."""
     total: list[Tensor] = []
     rows: list[Tensor] = []
@@ -173,7 +197,7 @@ def _hessians(
         with torch.no_grad():
             for x in inputs():
                 try:
-                    net(x)
+                    _run(net, x)
                 except _Stop:
                     pass
     finally:
@@ -210,16 +234,17 @@ def _quantize_matrix(
 def quantize_experts(
     net: nn.Module,
     spec: QuantSpec,
-    calibration: Callable[[], Iterable[Tensor]] | None = None,
+    calibration: Calibration | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> list[BankReport]:
-    """Replace every expert bank of ``net`` (in eval mode) by its quantized form, in place.
+    """Replace every expert bank of ``net`` (in eval mode) by its quantized form, in place; an error (too few
+    calibration rows, ...) leaves ``net`` as it was.
 
     Args:
-        net: the network; ``net(x)`` for each ``x`` of ``calibration()`` runs a forward.
+        net: the network; ``net(x)`` (``net(**x)`` for a mapping) for each ``x`` of ``calibration()`` runs a forward.
         spec: format and method.
         calibration: a function returning an iterable of network inputs (called once per pass), needed by
-            ``gptq``: batches of the training split.
+            ``gptq``: batches of the training split; a mapping of keyword arguments passes e.g. a padding mask.
         log: receives a line per bank.
     """
     banks = expert_banks(net)
@@ -236,10 +261,29 @@ def quantize_experts(
         raise ValueError("method='gptq' needs calibration inputs (batches of the training split)")
     was_training = net.training
     net.eval()
-    reports, done = [], {}
-    for name, bank in banks:
-        report = BankReport(name, bank.num_experts)
-        matrices = {}
+    reports, done = [], {}  # done: the float banks already swapped out, swapped back if quantization fails
+    try:
+        for name, bank in banks:
+            reports.append(_quantize_bank(net, name, bank, spec, calibration, log))
+            done[name] = bank
+    except BaseException:
+        for name, bank in done.items():
+            net.set_submodule(name, bank)
+        raise
+    finally:
+        net.train(was_training)
+    return reports
+
+
+def _quantize_bank(
+    net: nn.Module, name: str, bank: ExpertBank, spec: QuantSpec, calibration: Calibration | None, log
+) -> BankReport:
+    """Quantize one bank and swap it into ``net`` for the float one, whose weights are left as they were: the
+    banks after it calibrate on what the quantized bank passes on."""
+    report = BankReport(name, bank.num_experts)
+    matrices = {}
+    fc1 = bank.fc1_weight.data
+    try:
         for fc in ("fc1", "fc2"):
             weight = getattr(bank, f"{fc}_weight")
             hessian = rows = None
@@ -250,23 +294,25 @@ def quantize_experts(
                 q, fallback = _quantize_matrix(weight.detach().cpu(), spec, hessian, rows)
             except CalibrationError as err:
                 raise CalibrationError(f"{name}.{fc}: {err}") from None
+            except ValueError as err:
+                raise ValueError(f"{name}.{fc}: {err}") from None
             if fallback:
                 report.rtn_fallback[fc] = fallback
-            weight.copy_(q.dequantize().to(weight))  # the banks after this one calibrate on the rounded weights
+            if fc == "fc1":  # fc2's inputs come from the rounded fc1
+                bank.fc1_weight.data = q.dequantize().to(weight)
             matrices[fc] = QuantizedWeight.from_codes(q)
-        biases = {k: b.detach().clone() for k in ("fc1_bias", "fc2_bias") if (b := getattr(bank, k)) is not None}
-        done[name] = QuantizedExpertBank(bank, matrices["fc1"], matrices["fc2"], biases)
-        note = ""
-        if report.rows_min is not None:
-            note += f", calibration rows per expert {report.rows_min}..{report.rows_max}"
-        if report.rtn_fallback:
-            note += f", rounded to nearest (too few rows): {report.rtn_fallback}"
-        log(f"{name}: {bank.num_experts} experts quantized ({spec.fmt.name}, {spec.method}){note}")
-        reports.append(report)
-    for name, quantized in done.items():
-        net.set_submodule(name, quantized.to(next(iter(net.parameters())).device))
-    net.train(was_training)
-    return reports
+    finally:
+        bank.fc1_weight.data = fc1
+    biases = {k: b.detach().clone() for k in ("fc1_bias", "fc2_bias") if (b := getattr(bank, k)) is not None}
+    quantized = QuantizedExpertBank(bank, matrices["fc1"], matrices["fc2"], biases)
+    net.set_submodule(name, quantized.to(bank.fc1_weight.device))
+    note = ""
+    if report.rows_min is not None:
+        note += f", calibration rows per expert {report.rows_min}..{report.rows_max}"
+    if report.rtn_fallback:
+        note += f", rounded to nearest (too few rows): {report.rtn_fallback}"
+    log(f"{name}: {bank.num_experts} experts quantized ({spec.fmt.name}, {spec.method}){note}")
+    return report
 
 
 def quant_metadata(spec: QuantSpec, net: nn.Module) -> str:
