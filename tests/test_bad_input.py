@@ -602,6 +602,12 @@ CASES = [
         ["calibration_batches=0", "positive int", "e.g. 32"],
     ),
     Case(
+        "quantize_no_calibration_rows",
+        "quantize.py",
+        ["ckpt_path={ckpt}", "min_rows=0"],
+        ["min_rows=0", "a positive int or null", "the matrix's input size"],
+    ),
+    Case(
         "quantize_too_few_calibration_rows",
         "quantize.py",
         ["ckpt_path={ckpt}", "calibration_batches=1", "min_rows=100000", "output_path={tmp}/q.safetensors"],

@@ -138,6 +138,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "group_size": (_count, "a positive int (input rows per scale)", "e.g. 128"),
     "calibration_batches": (_count, "a positive int", "GPTQ needs batches of the training split, e.g. 32"),
     "damping": (_fraction, "a number in [0, 1)", "GPTQ's default is 0.01"),
+    "min_rows": (_optional(_count), "a positive int or null", "null: the matrix's input size"),
 }
 
 _MISSING = object()

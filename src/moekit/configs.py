@@ -81,7 +81,7 @@ def compose(config_dir: str | Path, name: str, overrides: Sequence[str], output_
     return cfg
 
 
-QUANTIZE_KEYS = ("bits", "method", "group_size", "calibration_batches", "damping")
+QUANTIZE_KEYS = ("bits", "method", "group_size", "calibration_batches", "damping", "min_rows")
 """The top-level settings of ``scripts/quantize.py``, checked with the others before torch is imported."""
 
 
