@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from distributed import spawn
 from moekit.moe import ExpertsChoiceMoE, LoryMoE, SoftMoE, TopKMoE
-from moekit.parallel import new_expert_parallel_groups, shard_experts, sharded_expert_banks
+from moekit.parallel import ExpertParallelGroups, new_expert_parallel_groups, shard_experts, sharded_expert_banks
 
 pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
 
@@ -129,7 +129,7 @@ def test_merged_experts_are_refused_before_any_bank_is_sharded():
     """Lory merges every expert into one for each token: no rank could compute a token with a block of them."""
     model = torch.nn.Sequential(TopKMoE(DIM, HIDDEN, num_experts=EXPERTS), LoryMoE(DIM, HIDDEN, num_experts=EXPERTS))
     with pytest.raises(ValueError, match=r"cannot split 1 \(LoryMoE\): a layer that merges .*expert_parallel_size=1"):
-        shard_experts(model, groups=None)  # refused before the groups are used
+        shard_experts(model, ExpertParallelGroups(None, None, size=2, world_size=2))  # before any process group
     assert not sharded_expert_banks(model), "nothing may be sharded when the model is refused"
 
 

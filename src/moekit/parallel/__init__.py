@@ -3,6 +3,7 @@ strategies that combine it with data parallelism and FSDP (:mod:`moekit.parallel
 
 from .expert_parallel import (
     ExpertParallelGroups,
+    check_shardable,
     clip_grad_norm_,
     gather_expert_optimizer_state,
     gather_expert_state,
@@ -11,6 +12,7 @@ from .expert_parallel import (
     shard_expert_state,
     shard_experts,
     sharded_expert_banks,
+    share_non_finite_gradients,
     sync_expert_gradients,
 )
 from .strategies import MoEDDPStrategy, MoEFSDPStrategy, sharding_units
@@ -20,6 +22,7 @@ __all__ = [
     "MoEFSDPStrategy",
     "sharding_units",
     "ExpertParallelGroups",
+    "check_shardable",
     "clip_grad_norm_",
     "gather_expert_optimizer_state",
     "gather_expert_state",
@@ -28,5 +31,6 @@ __all__ = [
     "shard_expert_state",
     "shard_experts",
     "sharded_expert_banks",
+    "share_non_finite_gradients",
     "sync_expert_gradients",
 ]

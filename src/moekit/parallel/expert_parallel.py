@@ -9,7 +9,8 @@ Everything else (attention, routers, embeddings) stays replicated or is sharded 
 Gradients. Data parallel training averages gradients over the ``W`` ranks. An expert's gradient on
 its holder already sums the contributions of the ``P`` ranks of its group (the token exchange carries
 them back), so :func:`sync_expert_gradients` divides by ``W`` and sums over the replica group.
-Gradient clipping needs the norm over all experts of the group: :func:`clip_grad_norm_`.
+Gradient clipping needs the norm over all experts of the group: :func:`clip_grad_norm_`; a loss scaler's
+overflow check, an overflow on any rank: :func:`share_non_finite_gradients`.
 
 Checkpoints. :func:`gather_expert_state` / :func:`gather_expert_optimizer_state` turn local expert
 tensors into the full ones (what an unsharded model holds), :func:`shard_expert_state` /
@@ -32,9 +33,11 @@ from moekit.moe import ExpertBank, moe_layers
 __all__ = [
     "ExpertParallelGroups",
     "new_expert_parallel_groups",
+    "check_shardable",
     "shard_experts",
     "sharded_expert_banks",
     "sync_expert_gradients",
+    "share_non_finite_gradients",
     "clip_grad_norm_",
     "gather_expert_state",
     "gather_expert_optimizer_entries",
@@ -85,24 +88,58 @@ def new_expert_parallel_groups(size: int) -> ExpertParallelGroups:
     return ExpertParallelGroups(expert_group, replica_group, size, world)
 
 
-def _routed_banks(model: nn.Module) -> Iterable[ExpertBank]:
-    """Every MoE layer's routed experts (shared experts, applied to every token, stay replicated)."""
-    for _, layer in moe_layers(model):
+def _routed_banks(model: nn.Module) -> dict[str, ExpertBank]:
+    """``{qualified name: bank}``: every MoE layer's routed experts (shared experts, applied to every token, stay
+    replicated)."""
+    banks = {}
+    for name, layer in moe_layers(model):
         bank = getattr(layer, "experts", None)
         if isinstance(bank, ExpertBank):
-            yield bank
+            banks[f"{name}.experts" if name else "experts"] = bank
+    return banks
 
 
-def shard_experts(model: nn.Module, groups: ExpertParallelGroups) -> int:
-    """Shard the routed experts of every MoE layer of ``model`` over ``groups.expert_group``; returns
-    the number of banks sharded. Build the optimizer afterwards."""
+def check_shardable(model: nn.Module, size: int, world_size: int | None = None) -> None:
+    """Raise ``ValueError`` (naming the value and the fix) unless :func:`shard_experts` can split the routed
+    experts of ``model`` over groups of ``size`` ranks (of ``world_size``, where given): no layer merges its
+    experts, ``size`` divides the world size and every routed bank's expert count, no bank is still on the
+    meta device. Needs no process group: the strategies call it before any data or model work."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"expert_parallel_size={size!r} must be a positive int (1: experts replicated)")
+    if world_size is not None and world_size % size:
+        raise ValueError(
+            f"expert_parallel_size={size} must be a positive int dividing the world size {world_size} "
+            f"(the ranks of one expert group hold one copy of every expert between them)"
+        )
     merging = [f"{name} ({type(layer).__name__})" for name, layer in moe_layers(model) if layer.merges_experts]
     if merging:
         raise ValueError(
             f"expert parallelism cannot split {', '.join(merging)}: a layer that merges all of its experts into one "
             "for every token needs every expert on every rank; use expert_parallel_size=1 (data parallel) with it"
         )
-    banks = list(_routed_banks(model))
+    banks = _routed_banks(model)
+    odd = [f"{name}: num_experts={bank.num_experts}" for name, bank in banks.items() if bank.num_experts % size]
+    if odd:
+        raise ValueError(
+            f"{', '.join(odd)} cannot be split over expert-parallel groups of {size} ranks "
+            f"(expert_parallel_size={size}); choose an expert_parallel_size dividing every layer's num_experts"
+        )
+    meta = [name for name, bank in banks.items() if bank.fc1_weight.is_meta]
+    if meta and size > 1:
+        raise ValueError(
+            f"expert_parallel_size={size}: the experts of {', '.join(meta)} are on the meta device (e.g. built under "
+            "trainer.init_module(empty_init=True)); each rank would then initialise only its own block, with the same "
+            "draws as every other rank. Build the model with real weights (empty_init=False): every rank draws the "
+            "full bank and keeps its block"
+        )
+
+
+def shard_experts(model: nn.Module, groups: ExpertParallelGroups) -> int:
+    """Shard the routed experts of every MoE layer of ``model`` over ``groups.expert_group``; returns
+    the number of banks sharded. Build the optimizer afterwards. A model that cannot be split
+    (:func:`check_shardable`) is refused before any bank is sharded."""
+    check_shardable(model, groups.size)
+    banks = _routed_banks(model).values()
     for bank in banks:
         bank.shard_(groups.expert_group)
     return len(banks)
@@ -136,6 +173,24 @@ def sync_expert_gradients(parameters: Iterable[Tensor], groups: ExpertParallelGr
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def share_non_finite_gradients(parameters: Iterable[Tensor]) -> None:
+    """Make the gradients of sharded expert ``parameters`` non-finite on every rank where one is non-finite on any
+    rank (one scalar all-reduce over all ranks). A float16 GradScaler looks for overflows in its own rank's
+    gradients only: expert gradients are not all-reduced, so without this the ranks whose experts overflowed would
+    skip the step and lower their loss scale while the others took it, and the replicated weights drift apart."""
+    params = list(parameters)
+    if not params:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    bad = torch.zeros((), device=params[0].device)
+    if grads:
+        bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+    dist.all_reduce(bad)
+    if grads:
+        first = grads[0].view(-1)[:1]
+        first.copy_(torch.where(bad > 0, torch.full_like(first, float("inf")), first))
 
 
 def _squared_norm(grads: list[Tensor]) -> Tensor:

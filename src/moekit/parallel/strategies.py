@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
@@ -31,6 +32,7 @@ from moekit.moe import ExpertBank, MoELayer, moe_layers
 
 from .expert_parallel import (
     ExpertParallelGroups,
+    check_shardable,
     clip_grad_norm_,
     gather_expert_optimizer_entries,
     gather_expert_optimizer_state,
@@ -41,6 +43,7 @@ from .expert_parallel import (
     shard_expert_state,
     shard_experts,
     sharded_expert_banks,
+    share_non_finite_gradients,
     sync_expert_gradients,
 )
 
@@ -58,9 +61,15 @@ class _ExpertParallel:
     _expert_groups: ExpertParallelGroups | None = None
 
     def _check_expert_parallel_size(self, size: int) -> int:
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"expert_parallel_size={size!r} must be a positive int (1: experts replicated)")
         return size
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        if self.expert_parallel_size > 1 and module is not None:  # refused before the data and model setup
+            check_shardable(module, self.expert_parallel_size, self.world_size)
 
     def _shard_experts(self, lightning_module: nn.Module) -> list[nn.Parameter]:
         """Shard the routed experts (once); returns the sharded expert parameters."""
@@ -72,7 +81,36 @@ class _ExpertParallel:
                     "experts; use expert_parallel_size=1"
                 )
             self._expert_groups = groups
+            self._sync_expert_replicas(lightning_module)
+        if self._expert_groups is not None:
+            self._route_norm_clipping()
         return self._expert_parameters(lightning_module)
+
+    @torch.no_grad()
+    def _sync_expert_replicas(self, lightning_module: nn.Module) -> None:
+        """The ranks holding the same block of experts start from its first holder's weights (as DDP gives every
+        rank rank 0's replicated weights): ranks seeded differently drew different banks, and replicas that start
+        apart stay apart (they apply the same summed gradient)."""
+        replicas = self._expert_groups.replica_group
+        if replicas is None:
+            return
+        source = dist.get_global_rank(replicas, 0)
+        for param in self._expert_parameters(lightning_module):
+            buffer = param.detach().to(self.root_device)  # NCCL broadcasts device tensors only
+            dist.broadcast(buffer, src=source, group=replicas)
+            param.copy_(buffer)
+
+    def _route_norm_clipping(self) -> None:
+        """Send Lightning's own norm clipping (``LightningModule.clip_gradients``, what a module without moekit's
+        ``configure_gradient_clipping`` calls) through :meth:`clip_gradient_norm`: a rank's local norm misses the
+        experts of the other ranks, so each rank would clip by another factor (the replicated weights drift apart)."""
+        plugin = self.precision_plugin
+        self.precision_plugin = plugin  # kept (without a Trainer's, each read gives a new default plugin)
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            self.clip_gradient_norm(optimizer, float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # the plugin's clip_gradients calls it after unscaling
 
     @staticmethod
     def _expert_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -86,6 +124,8 @@ class _ExpertParallel:
         def closure_then_sync_experts():
             result = closure()  # forward + backward of the last micro-batch of the step
             sync_expert_gradients(expert_params, self._expert_groups)
+            if getattr(self.precision_plugin, "scaler", None) is not None:  # before the scaler's local overflow check
+                share_non_finite_gradients(expert_params)
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync_experts, model, **kwargs)
