@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 import torch
+from lightning import LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -56,8 +58,10 @@ def test_interval_figures_equal_hand_computed_values_on_a_crafted_routing():
     assert set(figures) == {"0"}
     f = figures["0"]
     assert f.forwards == 2 and f.tokens == 12
+    # the load is pooled: the interval's kept assignments [2, 2, 2, 0] + [0, 0, 0, 1] (not the token-weighted
+    # mean of the steps' fractions, [2, 2, 2, 3] / 9, which made expert 3, with 1 of 7 assignments, the busiest)
+    torch.testing.assert_close(f.expert_load, torch.tensor([2 / 7, 2 / 7, 2 / 7, 1 / 7]))
     # token-weighted (8 : 4) means of the two steps
-    torch.testing.assert_close(f.expert_load, torch.tensor([2 / 9, 2 / 9, 2 / 9, 3 / 9]))
     cv1, cv2 = 1 / math.sqrt(3), math.sqrt(3)  # std / mean of [2, 2, 2, 0] and of [0, 0, 0, 1]
     assert f.scalars["load_cv"] == pytest.approx((8 * cv1 + 4 * cv2) / 12)
     assert f.scalars["unused_experts"] == pytest.approx((8 * 0.25 + 4 * 0.75) / 12)
@@ -68,8 +72,8 @@ def test_interval_figures_equal_hand_computed_values_on_a_crafted_routing():
     assert f.scalars["router_entropy"] == pytest.approx(-(p * math.log(p) + 3 * q * math.log(q)), rel=1e-4)
     assert f.scalars["mean_top_gate"] == pytest.approx(p)
     assert f.scalars["aux/switch"] == pytest.approx((8 * switch_losses[0] + 4 * switch_losses[1]) / 12)
-    # the interval's own load [2, 2, 2, 3] / 9: every expert got tokens
-    assert f.scalars["interval_load_cv"] == pytest.approx(math.sqrt(3) / 9)
+    # the interval's own load [2, 2, 2, 1] / 7: every expert got tokens
+    assert f.scalars["interval_load_cv"] == pytest.approx(math.sqrt(3) / 7)
     assert f.scalars["interval_unused_experts"] == 0.0
 
     sums.reset()
@@ -111,7 +115,8 @@ def test_interval_mean_is_the_token_weighted_mean_of_the_steps():
     f = sums.compute()["0"]
     assert records[0]["expert_load"].ne(records[1]["expert_load"]).any(), "the two steps must differ"
     mean = {k: (weights[0] * records[0][k] + weights[1] * records[1][k]) / sum(weights) for k in records[0]}
-    torch.testing.assert_close(f.expert_load, mean["expert_load"])
+    kept = [r["expert_load"] * (1 - r["dropped_fraction"]) * w for r, w in zip(records, weights)]  # pooled
+    torch.testing.assert_close(f.expert_load, (kept[0] + kept[1]) / (kept[0] + kept[1]).sum())
     assert set(f.scalars) == set(mean) - {"expert_load"} | {"interval_load_cv", "interval_unused_experts"}
     for key, value in mean.items():
         if key != "expert_load":
@@ -222,6 +227,8 @@ def test_heatmap_colours_the_load_relative_to_uniform():
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="log_every_n_steps=0 must be a positive int"):
         ExpertLoadMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="log_every_n_steps=True must be a positive int"):
+        ExpertLoadMonitor(log_every_n_steps=True)  # a YAML `true` is no step count
     with pytest.raises(ValueError, match="tokens=0 for layer 'x'"):
         RoutingStatsSums().add("x", {"load_cv": torch.tensor(0.0)}, {}, tokens=0)
     with pytest.raises(ValueError, match="loads is empty"):
@@ -286,3 +293,120 @@ def test_training_run_writes_scalars_histograms_and_heatmaps(tmp_path):
     with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
         header = next(csv.reader(f))
     assert "moe/blocks.3.mlp/dropped_fraction" in header and "val_moe/blocks.3.mlp/aux/switch" in header
+
+
+# ---------------------------------------------------------------------------------------------
+class _TinyTask(LightningModule):
+    """A module whose ``net`` is one top-1 MoE layer, trained on 16 batches of 2 x 3 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(TopKMoE(4, 8, num_experts=4, top_k=1))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(32, 3, 4, generator=torch.Generator().manual_seed(0)))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+class _RowSteps(Logger):
+    """A logger that keeps the step of each row holding ``moe/`` figures."""
+
+    name, version, experiment = "rows", 0, None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if any(key.startswith("moe/") for key in metrics):
+            self.steps.append(step)
+
+
+def _fit_tiny(max_steps: int, tmp_path, ckpt_path=None, save=None) -> list[int]:
+    logger = _RowSteps()
+    trainer = Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        logger=logger,
+        callbacks=[ExpertLoadMonitor()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(_TinyTask(), ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return logger.steps
+
+
+def test_gradient_accumulation_logs_each_interval_once_also_after_a_resume(tmp_path):
+    """2 micro-batches a step, figures every 2 steps: rows at Lightning's steps 1, 3, 5. A run resumed from the
+    checkpoint of step 2 must not log a row of its own at step 2 (from its first micro-batch, still at
+    global_step 2): the first run's rows and the resumed run's together equal the uninterrupted run's."""
+    assert _fit_tiny(6, tmp_path / "whole") == [1, 3, 5]
+    ckpt = tmp_path / "step2.ckpt"
+    assert _fit_tiny(2, tmp_path / "first", save=ckpt) == [1]
+    assert _fit_tiny(6, tmp_path / "resumed", ckpt_path=ckpt) == [3, 5]
+
+
+def test_routing_report_figures_equal_a_hand_count_of_the_test_splits_assignments(tmp_path):
+    """Two test batches through the crafted top-1 layer (capacity 1 in evaluation too): kept [2, 2, 2, 0] of 8
+    tokens, then [0, 0, 0, 1] of 4. Over the split the experts took 2, 2, 2 and 1 of the 7 kept assignments:
+    the report's shares, load CV, max / mean and effective experts follow from those counts (the mean of the two
+    batches' fractions, [2, 2, 2, 3] / 9, made expert 3 the busiest), and the dropped fraction is 5 of the 12
+    assignments."""
+    from types import SimpleNamespace
+
+    from moekit.callbacks import RoutingReport
+
+    layer = _crafted_top1().eval()
+    module = SimpleNamespace(net=nn.Sequential(layer))
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True, datamodule=None)
+    report = RoutingReport(str(tmp_path))
+    report.on_test_epoch_start(trainer, module)
+    for index, x in enumerate([_routed_to([0, 0, 0, 1, 1, 2, 2, 2], (1, 8)), _routed_to([3, 3, 3, 3], (2, 2))]):
+        with torch.no_grad():
+            layer(x)
+        report.on_test_batch_end(trainer, module, None, (x,), index)
+    report.on_test_epoch_end(trainer, module)
+
+    r = report.layers["0"]
+    shares = torch.tensor([2, 2, 2, 1], dtype=torch.float64) / 7
+    assert r.expert_load == pytest.approx(shares.tolist())
+    assert r.tokens == 12 and r.unused_experts == 0 and r.dropped_fraction == pytest.approx(5 / 12)
+    assert r.max_over_mean == pytest.approx(4 * 2 / 7)
+    assert r.load_cv == pytest.approx(math.sqrt(3) / 7)
+    assert r.effective_experts == pytest.approx(math.exp(-(shares * shares.log()).sum().item()))
+    assert "| `0` | 4 | 12 | 0 | 0.247 | 1.14 | 3.86 | 0.417 |" in (tmp_path / "routing_report.md").read_text()
+
+
+def test_depth_routers_mean_gate_is_the_mean_over_every_processed_token_of_the_interval():
+    """A causal Mixture-of-Depths router in evaluation decides per token: 1 of 8 tokens processed in one forward
+    (gate 4), 6 of 8 in the next (gate 1 each). ``mean_gate`` is a mean over processed tokens: (4 + 6) / 7, not the
+    forwards' means (4 and 1) weighted by their 8 tokens each (2.5)."""
+    from moekit.moe.depth import DepthRouter
+    from moekit.recipes.depth import DepthSpec
+
+    router = DepthRouter(2, DepthSpec(capacity=0.5), causal=True).eval()
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor([[1.0, 0.0]]))  # logit = the first feature; processed when > 0
+    monitor, sums = ExpertLoadMonitor(), RoutingStatsSums()
+    monitor.watch(nn.Sequential(router))
+    for first in ([4.0] + [-1.0] * 7, [1.0] * 6 + [-1.0] * 2):
+        router.decide(torch.tensor(first).view(1, 8, 1).expand(1, 8, 2).contiguous())
+        monitor.accumulate(sums)
+    f = sums.compute()["0"]
+    assert f.scalars["processed_fraction"] == pytest.approx(7 / 16)
+    assert f.scalars["mean_gate"] == pytest.approx(10 / 7)
+    assert f.tokens == 16

@@ -68,3 +68,49 @@ def test_console_prints_each_message_once_without_advertisements_or_deprecations
     assert "Tip:" not in output and "deprecated" not in output and "weights_only" not in output
     assert "FLOPs / image" in output and "Total FLOPs" not in output
     assert "step 5/20" in output and "step 20/20" in output and "validation: val/loss" in output
+
+
+def test_progress_lines_with_gradient_accumulation_start_at_the_first_step_of_the_run(tmp_path, caplog):
+    """2 micro-batches a step, a line every 2 steps: lines at steps 2 and 4, none at step 0 (the first micro-batch,
+    before any optimizer step); a run resumed from step 2 logs step 4 only, not step 2 again."""
+    import torch
+    from lightning import LightningModule, Trainer
+
+    from moekit.callbacks import ProgressLog
+
+    class Task(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=2)
+
+    def fit(max_steps: int, ckpt_path=None, save=None) -> list[str]:
+        caplog.clear()
+        trainer = Trainer(
+            max_steps=max_steps,
+            accumulate_grad_batches=2,
+            logger=False,
+            callbacks=[ProgressLog(every_n_steps=2, when="always")],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        with caplog.at_level("INFO", logger="moekit"):
+            trainer.fit(Task(), ckpt_path=ckpt_path)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        lines = [r.getMessage() for r in caplog.records if r.name == "moekit" and r.getMessage().startswith("epoch")]
+        return [line.split()[3] for line in lines]
+
+    assert fit(4) == ["2/4", "4/4"]
+    assert fit(2, save=tmp_path / "step2.ckpt") == ["2/2"]
+    assert fit(4, ckpt_path=tmp_path / "step2.ckpt") == ["4/4"]

@@ -137,6 +137,48 @@ def test_bad_choices_are_named():
     module.net = dense
     with pytest.raises(ValueError, match="no Soft MoE layer"):
         SlotPictureLogger().setup(None, module, "fit")
+    # refused when the callback is built, not after the first validation epoch of a run
+    with pytest.raises(ValueError, match=r"alpha=1.5 must lie in \[0, 1\]"):
+        SlotPictureLogger(alpha=1.5)
+    with pytest.raises(ValueError, match="upscale=0 must be an int >= 1"):
+        SlotPictureLogger(upscale=0)
+
+
+def test_more_images_than_the_validation_split_holds_stop_the_run_before_training(tmp_path):
+    """``num_images=4`` of a 3-image validation split: refused at the sanity-check validation, before the first
+    training step, not once the first training epoch has ended."""
+    from lightning import LightningModule, Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Task(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_soft_moe_vit()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def loader(n: int) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(n, 1, 28, 28), torch.zeros(n, dtype=torch.long)), batch_size=3)
+
+    trainer = Trainer(
+        max_epochs=1,
+        logger=TensorBoardLogger(tmp_path),
+        callbacks=[SlotPictureLogger(num_images=4)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match=r"num_images=4 must be an int in \[1, 3\]"):
+        trainer.fit(Task(), loader(6), loader(3))
+    assert trainer.global_step == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,27 @@ def test_tokens_choice_stats_hand_computed():
     torch.testing.assert_close(stats["mean_top_gate"], torch.tensor((0.5 + 1.0 + 0.75) / 3))
 
 
+def test_mean_top_gate_is_each_tokens_largest_gate_whatever_the_order_of_the_choices():
+    """Loss-free balancing chooses by score + bias, so a token's first choice need not have its largest gate: a
+    top-2 layer whose bias favours expert 0 puts the smaller gate first on many tokens."""
+    from moekit.moe import TopKMoE
+
+    probs = torch.tensor([[0.3, 0.6, 0.1], [0.5, 0.2, 0.3]])
+    gates = torch.tensor([[0.3, 0.6], [0.5, 0.3]])  # token 0: expert 0 first (by its bias), expert 1's gate larger
+    stats = tokens_choice_stats(probs, torch.tensor([1, 1, 0]), gates, torch.ones(2, 2, dtype=torch.bool))
+    torch.testing.assert_close(stats["mean_top_gate"], torch.tensor((0.6 + 0.5) / 2))
+
+    torch.manual_seed(0)
+    layer = TopKMoE(4, 8, num_experts=4, top_k=2, bias_update_rate=0.001, capacity_factor=None)
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.tensor([0.5, 0.0, 0.0, 0.0]))
+    x = torch.randn(1, 64, 4)
+    layer(x)
+    gates = layer.router(x.reshape(64, 4)).gates
+    assert (gates[:, 0] < gates[:, 1]).any(), "the bias must reorder some tokens' choices"
+    torch.testing.assert_close(layer.stats["mean_top_gate"], gates.max(dim=-1).values.mean())
+
+
 def test_experts_choice_stats_hand_computed():
     probs = torch.full((4, 2), 0.5)
     experts_per_token = torch.tensor([2, 0, 1, 1])

@@ -26,11 +26,13 @@ under ``val_moe/``; the sanity-check validation is not logged.
 Weighting: each forward counts with its number of real tokens (``stats["real_tokens"]``: padding counts in no
 statistic; ``MoELayer.forward_tokens`` for a router that does not record it). The interval
 figure of a per-token mean (router entropy, mean top gate, dropped fraction) is then the mean over
-all tokens of the interval, and ``expert_load`` the token-weighted mean of the per-forward fractions
-(for dropless routing exactly the share of the interval's assignments each expert got). Figures of a
-whole forward (``load_cv``, ``unused_experts``) are averaged with the same weights: the value of a
-typical forward, not of the interval as one batch - that is what ``interval_load_cv`` and
-``interval_unused_experts`` give.
+all tokens of the interval. ``expert_load`` is pooled: each forward's fractions count with the work it
+routed (real tokens x ``mean_experts_per_token``, else x ``1 - dropped_fraction``), so the interval's load is
+the share of all the interval's (kept) assignments each expert got, also when capacity drops a different
+fraction in different forwards; so is a Mixture-of-Depths router's ``mean_gate`` (each forward counts with
+the tokens its block processed). Figures of a whole forward (``load_cv``, ``unused_experts``) are averaged
+with the token weights: the value of a typical forward, not of the interval as one batch - that is what
+``interval_load_cv`` and ``interval_unused_experts`` give.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class LayerFigures:
     """The figures of one MoE layer over an interval (or a validation epoch), over all ranks.
 
     Attributes:
-        expert_load: ``[E]`` float CPU tensor, the token-weighted mean fraction of tokens per expert;
-            None when the layer records no ``expert_load``.
+        expert_load: ``[E]`` float CPU tensor, the share of the forwards' (kept) assignments each expert
+            got, pooled over the forwards; None when the layer records no ``expert_load``.
         scalars: ``{name: value}``: every scalar statistic and ``aux/<loss>``, token-weighted means
             over the forwards, plus ``interval_load_cv`` and ``interval_unused_experts`` when
             ``expert_load`` is known.
@@ -103,7 +105,7 @@ class RoutingStatsSums:
         """Add one forward of ``layer``: its ``stats`` (``expert_load [E]`` and scalars), its weighted
         ``aux_losses`` (scalars; detached here) and its number of ``tokens`` (the weight). The weight is the
         forward's real tokens, ``stats["real_tokens"]`` (a device scalar: padding counts in no statistic), where
-        the layer records it, else ``tokens``."""
+        the layer records it, else ``tokens``; ``expert_load``'s is the work it routed (:func:`_routed_work`)."""
         if not (isinstance(tokens, int) and tokens > 0):
             raise ValueError(
                 f"RoutingStatsSums.add: tokens={tokens!r} for layer {layer!r} must be a positive int "
@@ -111,12 +113,17 @@ class RoutingStatsSums:
             )
         real = stats.get(REAL_TOKENS)
         weight = tokens if real is None else real.detach().float()
+        # a mean over a subset of the tokens counts with that subset: pooled over the interval
+        subset_weights = {LOAD_KEY: _routed_work(stats, weight)}
+        if "processed_fraction" in stats:  # Mixture-of-Depths: the mean gate of the processed tokens
+            subset_weights["mean_gate"] = stats["processed_fraction"].detach().float() * weight
         sums = self._sums.setdefault(layer, {})
         weights = self._tokens.setdefault(layer, {})
         entries = [(k, v) for k, v in stats.items() if k != REAL_TOKENS]
         entries += [(AUX_PREFIX + name, value) for name, value in aux_losses.items()]
         for key, value in entries:
-            value = value.detach().float() * weight
+            w = subset_weights.get(key, weight)
+            value = value.detach().float() * w
             if key in sums:
                 if sums[key].shape != value.shape:
                     raise ValueError(
@@ -124,10 +131,10 @@ class RoutingStatsSums:
                         f"{tuple(sums[key].shape)}; a layer's statistics must keep their shape within an interval"
                     )
                 sums[key].add_(value)
-                weights[key] = weights[key] + weight
+                weights[key] = weights[key] + w
             else:
                 sums[key] = value  # a new tensor: never an alias of the layer's own record
-                weights[key] = weight
+                weights[key] = w
         self._forwards[layer] = self._forwards.get(layer, 0) + 1
 
     def compute(self, sum_over_ranks: SumOverRanks | None = None) -> dict[str, LayerFigures]:
@@ -157,9 +164,10 @@ class RoutingStatsSums:
         forwards = dict(zip(layers, (round(n) for n in reduced_weights[len(layout) :])))
         figures = {layer: LayerFigures(expert_load=None, forwards=forwards[layer]) for layer in layers}
         for (layer, key), total, weight in zip(layout, values, reduced_weights):
-            mean = (total / weight).float()
+            mean = (total / weight if weight > 0 else torch.zeros_like(total)).float()  # load: nothing kept
             figure = figures[layer]
-            figure.tokens = max(figure.tokens, round(weight))
+            if key not in ("mean_gate", LOAD_KEY):  # these count a subset of the tokens
+                figure.tokens = max(figure.tokens, round(weight))
             if key == LOAD_KEY:
                 figure.expert_load = mean
             elif mean.numel() == 1:
@@ -170,6 +178,15 @@ class RoutingStatsSums:
                 figure.scalars["interval_load_cv"] = (load.std(unbiased=False) / load.mean()).item()
                 figure.scalars["interval_unused_experts"] = (load == 0).double().mean().item()
         return figures
+
+
+def _routed_work(stats: Mapping[str, Tensor], tokens: float | Tensor) -> float | Tensor:
+    """The assignments a forward of ``tokens`` real tokens routed, up to a factor fixed per layer (top-k): the
+    weight of its ``expert_load``, which makes the interval's load the pooled share of the assignments."""
+    per_token = stats.get("mean_experts_per_token")  # experts-choice, strictly balanced gating
+    if per_token is None and "dropped_fraction" in stats:  # tokens-choice: of the assignments (0 for Soft MoE)
+        per_token = 1.0 - stats["dropped_fraction"]
+    return tokens if per_token is None else per_token.detach().float() * tokens
 
 
 # Diverging colour map of the heatmap: blue (no tokens) - light grey (uniform load) - red (2x uniform or more).
@@ -221,7 +238,8 @@ class ExpertLoadMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
-        if log_every_n_steps is not None and not (isinstance(log_every_n_steps, int) and log_every_n_steps > 0):
+        valid = isinstance(log_every_n_steps, int) and not isinstance(log_every_n_steps, bool) and log_every_n_steps > 0
+        if log_every_n_steps is not None and not valid:
             raise ValueError(
                 f"ExpertLoadMonitor: log_every_n_steps={log_every_n_steps!r} must be a positive int, "
                 "or None (null) for the trainer's log_every_n_steps"
@@ -256,7 +274,9 @@ class ExpertLoadMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.watch(pl_module)
         self.train_sums.reset()
-        self._last_logged_step = -1
+        # The step training starts from (a resumed run's) was logged before, or is 0: with gradient accumulation
+        # its micro-batches before the first optimizer step of this run must not log a row of their own.
+        self._last_logged_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         every = self.log_every_n_steps or trainer.log_every_n_steps

@@ -66,6 +66,7 @@ class ProgressLog(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.active = trainer.is_global_zero and (self.when == "always" or not sys.stdout.isatty())
         self._start_time, self._start_step = time.monotonic(), trainer.global_step
+        self._last_step = trainer.global_step  # no line before this run's first optimizer step (accumulation)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step

@@ -303,6 +303,11 @@ class SlotPictureLogger(Callback):
             raise ValueError(f"SlotPictureLogger: num_images={num_images!r} must be an int >= 1")
         if not (isinstance(every_n_epochs, int) and every_n_epochs >= 1):
             raise ValueError(f"SlotPictureLogger: every_n_epochs={every_n_epochs!r} must be an int >= 1")
+        # checked here, not when the first validation epoch has ended and the pictures are drawn
+        if not (isinstance(upscale, int) and not isinstance(upscale, bool) and upscale >= 1):
+            raise ValueError(f"SlotPictureLogger: upscale={upscale!r} must be an int >= 1 (pixels per image pixel)")
+        if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0.0 <= alpha <= 1.0):
+            raise ValueError(f"SlotPictureLogger: alpha={alpha!r} must lie in [0, 1] (the heat map's opacity)")
         self.num_images = num_images
         self.slots = slots if isinstance(slots, int) else list(slots)
         self.layer = layer
@@ -328,6 +333,12 @@ class SlotPictureLogger(Callback):
             loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
             self._images = pick_images(loader.dataset, self.num_images)
         return self._images
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Pick the images at the first validation (the sanity check before training): a ``num_images`` the
+        validation split cannot give stops the run there, not after its first training epoch."""
+        if self._images is None and any(isinstance(logger, TensorBoardLogger) for logger in trainer.loggers):
+            self._validation_images(trainer)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Draw the slot pictures and log them to the TensorBoard loggers, at the step Lightning logs its

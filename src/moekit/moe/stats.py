@@ -60,7 +60,7 @@ def tokens_choice_stats(
         "dropped_fraction": 1.0 - kept / total,
         "tokens_fully_dropped": masked_mean((~keep.any(dim=-1)).float(), mask),
         "router_entropy": masked_mean(entropy(router_probs.float()), mask),
-        "mean_top_gate": masked_mean(gates[:, 0].float(), mask),
+        "mean_top_gate": masked_mean(gates.float().amax(dim=-1), mask),  # not gates[:, 0]: a balancing bias reorders
         REAL_TOKENS: real_tokens(router_probs, router_probs.shape[0], mask),
     }
 
