@@ -144,5 +144,5 @@ def test_bad_settings_are_refused():
         StrictlyBalancedMoE(8, 16, num_experts=4, top_k=5)
     with pytest.raises(ValueError, match="balance_scope='sequence'; allowed: 'batch', 'position'"):
         StrictlyBalancedMoE(8, 16, balance_scope="sequence")
-    with pytest.raises(ValueError, match="threshold_loss_weight=-1 must be a number >= 0"):
+    with pytest.raises(ValueError, match="threshold_loss_weight=-1 must be a finite number >= 0"):
         StrictlyBalancedMoE(8, 16, threshold_loss_weight=-1)

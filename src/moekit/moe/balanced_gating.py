@@ -23,6 +23,7 @@ Shapes: ``B`` batch, ``T`` tokens per sequence, ``N = B * T``, ``D`` width, ``E`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -70,8 +71,8 @@ class StrictlyBalancedMoE(MoELayer):
                 raise ValueError(f"balance_scope={self.balance_scope!r}; allowed: 'batch', 'position' (causal)")
             for name in ("threshold_loss_weight", "z_loss_weight"):
                 value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                    raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns it off)")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                    raise ValueError(f"{name}={value!r} must be a finite number >= 0 (0 turns it off)")
 
     configs = (Config, ExpertsConfig)
 
@@ -84,7 +85,12 @@ class StrictlyBalancedMoE(MoELayer):
         self.threshold_loss_weight = config.threshold_loss_weight
         self.z_loss_weight = config.z_loss_weight
         self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
-        self.thresholds = nn.Parameter(torch.zeros(self.num_experts, device=device, dtype=torch.float32))
+        # Trained by L_batchwise alone: with its weight 0 they keep their first-batch values and take no gradient
+        # (a parameter without one stops DDP without find_unused_parameters).
+        self.thresholds = nn.Parameter(
+            torch.zeros(self.num_experts, device=device, dtype=torch.float32),
+            requires_grad=bool(config.threshold_loss_weight),
+        )
         self.register_buffer("thresholds_set", torch.zeros((), dtype=torch.bool, device=device))
         self._thresholds_set = False  # host copy of the buffer, so that forwards never read it from the device
         self.register_load_state_dict_post_hook(_read_host_flag)
@@ -145,8 +151,11 @@ class StrictlyBalancedMoE(MoELayer):
         num_tokens = scores_NE.shape[0]
         if num_tokens == 0:
             return
-        below = max(num_tokens - self.tokens_per_expert(num_tokens), 1)
-        self.thresholds.copy_(scores_NE.t().kthvalue(below, dim=-1).values)
+        below = num_tokens - self.tokens_per_expert(num_tokens)
+        if below > 0:
+            self.thresholds.copy_(scores_NE.t().kthvalue(below, dim=-1).values)
+        else:  # every expert took every token: no score was left out, the threshold lets every token in
+            self.thresholds.zero_()
         if dist.is_available() and dist.is_initialized():  # every rank starts from the same thresholds
             dist.all_reduce(self.thresholds)
             self.thresholds /= dist.get_world_size()

@@ -23,7 +23,7 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, experts_choice_capacity
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import count_ids, logit_checksum, reset_own_parameters, router_logits, router_weight
+from .routing import check_loss_weights, count_ids, logit_checksum, reset_own_parameters, router_logits, router_weight
 from .stats import experts_choice_stats
 
 __all__ = ["ExpertsChoiceMoE"]
@@ -57,8 +57,7 @@ class ExpertsChoiceMoE(MoELayer):
                 self.eval_capacity_factor = self.capacity_factor
             check_factor(self.capacity_factor, "capacity_factor")
             check_factor(self.eval_capacity_factor, "eval_capacity_factor")
-            if not self.z_loss_weight >= 0:
-                raise ValueError(f"z_loss_weight={self.z_loss_weight!r} must be >= 0")
+            check_loss_weights(z_loss_weight=self.z_loss_weight)
             size = self.group_size
             if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
                 raise ValueError(f"group_size={size!r} must be a positive int (tokens per group) or null (all)")
@@ -151,7 +150,9 @@ class ExpertsChoiceMoE(MoELayer):
         return out.view(batch, tokens, -1)
 
     def expert_rows_per_token(self, num_tokens: int) -> float:
-        return self.tokens_per_expert(num_tokens) * self.num_experts / num_tokens
+        # per group: its C tokens for each expert over its size (a group may span sequences of num_tokens tokens)
+        size = self.group_size or num_tokens
+        return self._capacity_per_group(size) * self.num_experts / size
 
     def extra_repr(self) -> str:
         return (

@@ -52,6 +52,8 @@ class HashRouter(Router):
                 )
             if self.hash_method not in HASH_METHODS:
                 raise ValueError(f"hash_method={self.hash_method!r}; allowed: {', '.join(map(repr, HASH_METHODS))}")
+            if isinstance(self.hash_seed, bool) or not isinstance(self.hash_seed, int):
+                raise ValueError(f"hash_seed={self.hash_seed!r} must be an int (the seed of the random table)")
 
     def __init__(self, in_features: int, config: Config, device=None, dtype=None) -> None:
         super().__init__()
@@ -97,7 +99,8 @@ class HashRouter(Router):
     @torch.no_grad()
     def fit_frequency(self, token_counts: Tensor) -> None:
         """Balance the experts' token counts: ``token_counts [vocab_size]`` occurrences of each id in the corpus.
-        Greedy longest-processing-time assignment (one pass over the vocabulary, at setup)."""
+        Greedy longest-processing-time assignment (one pass over the vocabulary, at setup). The ids the corpus never
+        shows add nothing to a count: each goes to the expert with the fewest ids, so that they spread evenly."""
         if self.hash_method != "frequency":
             raise ValueError(f"fit_frequency is for hash_method='frequency'; this router's is {self.hash_method!r}")
         if token_counts.shape != (self.vocab_size,):
@@ -106,12 +109,19 @@ class HashRouter(Router):
             )
         counts = token_counts.detach().double().cpu()
         order = torch.sort(counts, descending=True, stable=True).indices.tolist()
-        loads = [(0.0, e) for e in range(self.num_experts)]  # a heap of (total count, expert)
+        loads = [(0.0, 0, e) for e in range(self.num_experts)]  # a heap of (total count, ids, expert)
         table = torch.empty(self.vocab_size, dtype=torch.long)
-        for token in order:
-            load, expert = heapq.heappop(loads)
+        seen = int((counts > 0).sum())
+        for token in order[:seen]:
+            load, ids, expert = heapq.heappop(loads)
             table[token] = expert
-            heapq.heappush(loads, (load + counts[token].item(), expert))
+            heapq.heappush(loads, (load + counts[token].item(), ids + 1, expert))
+        sizes = [(ids, load, expert) for load, ids, expert in loads]  # the unseen ids: a heap of (ids, count, expert)
+        heapq.heapify(sizes)
+        for token in order[seen:]:
+            ids, load, expert = heapq.heappop(sizes)
+            table[token] = expert
+            heapq.heappush(sizes, (ids + 1, load, expert))
         self._set_table(table)
 
     @torch.no_grad()

@@ -97,8 +97,11 @@ class SoftMoE(MoELayer):
             slots = self.slots_per_expert
             if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
                 raise ValueError(f"slots_per_expert={slots!r} must be a positive int")
-            if not 0 <= self.noise_std < math.inf:
-                raise ValueError(f"noise_std={self.noise_std!r} must be a finite number >= 0 (0 turns it off)")
+            noise = self.noise_std
+            if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < math.inf:
+                raise ValueError(f"noise_std={noise!r} must be a finite number >= 0 (0 turns it off)")
+            if not isinstance(self.normalize, bool):
+                raise ValueError(f"normalize={self.normalize!r} must be true or false (l2-normalised logits)")
 
         def slots(self, num_experts: int) -> int:
             """Slots per expert ``p``."""
@@ -162,11 +165,7 @@ class SoftMoE(MoELayer):
         logits_BMS = self.compute_logits(x)
         if self.training and self.noise_std > 0:
             logits_BMS = logits_BMS + self.noise_std * torch.randn_like(logits_BMS)
-        if padding_mask is not None and padding_mask.shape != (batch, tokens):
-            raise ValueError(
-                f"SoftMoE: padding_mask of shape {tuple(padding_mask.shape)} - expected [batch, tokens] = "
-                f"{[batch, tokens]} (bool, True for real tokens)"
-            )
+        self._token_mask(padding_mask, batch, tokens)  # a bool [batch, tokens] mask, or a message naming it
         checksum = logit_checksum(logits_BMS)
         return dispatch_weights(logits_BMS, padding_mask), combine_weights(logits_BMS, padding_mask), checksum
 
