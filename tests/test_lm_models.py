@@ -646,3 +646,22 @@ def test_bad_lm_inputs():
         LSTMMoELM(**TINY_LSTM, moe=None)
     with pytest.raises(ValueError, match="num_groups=3 must divide num_experts=16"):
         LSTMMoELM(**TINY_LSTM, moe=dict(recipe="hierarchical", num_experts=16, num_groups=3))
+
+
+def test_a_runs_summary_measures_a_batch_wide_capacity_as_training_routes_it():
+    """Strictly balanced gating over each position gives each expert R(k B / E) tokens of the B at a position, at
+    least one: at 2 sequences every token took 16 of the 32 experts; from 8 on, the recipe's k = 4."""
+    from types import SimpleNamespace
+
+    from moekit.commands.train import _summary
+    from moekit.tasks import LanguageModel
+
+    net = {
+        "_target_": "moekit.models.TransformerLM",
+        **TINY_TRANSFORMER,
+        "moe": {"recipe": "strictly_balanced", "balance_scope": "position"},
+    }
+    task = LanguageModel(net=net, vocab_size=VOCAB)
+    recorded = _summary(task, SimpleNamespace(batch_size=64, seq_len=16))
+    assert recorded.flops_per_token == lm_summary(task.net, seq_len=16, batch_size=64).flops_per_token
+    assert recorded.flops_per_token < lm_summary(task.net, seq_len=16, batch_size=2).flops_per_token

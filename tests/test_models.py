@@ -516,3 +516,41 @@ def test_export_round_trip_through_timm_pretrained(tmp_path, name, overrides, in
     arch = {k: v for k, v in overrides.items() if k != "num_classes"}
     from_file = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **arch)
     assert from_file.num_classes == model.num_classes
+
+
+def test_export_and_pretrained_loading_errors_name_the_value(tmp_path):
+    model = timm.create_model("vit_tiny_patch4_28", depth=1)
+    with pytest.raises(ValueError, match=r"metadata \{'epoch': 3\}: a safetensors header holds strings only"):
+        export_safetensors(model, tmp_path / "model.safetensors", metadata={"epoch": 3, "name": "ok"})
+    assert not (tmp_path / "model.safetensors").exists()
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not a safetensors file")
+    with pytest.raises(ValueError, match=r"file='.*junk.safetensors' is not a readable safetensors file"):
+        timm.create_model("vit_tiny_patch4_28", pretrained=True, pretrained_cfg_overlay=dict(file=str(junk)))
+
+
+@pytest.mark.parametrize(
+    "name, dataset, image_size",
+    [
+        ("soft_moe_vit_small_patch16_224", "imagefolder", (300, 260)),
+        ("soft_moe_vit_base_patch16_224", "imagefolder", (300, 260)),
+        ("vmoe_vit_small_patch16_224", "imagefolder", (300, 260)),
+        ("ec_moe_vit_small_patch16_224", "imagefolder", (300, 260)),
+        ("vit_tiny_patch4_32", "cifar10", (32, 32)),  # the dataset's own size: no resize
+    ],
+)
+def test_a_models_timm_preprocessing_is_that_of_the_data_it_trains_on(name, dataset, image_size):
+    """An exported model loaded with timm is fed as ``timm.data.resolve_data_config`` says: the transform of its
+    cfg must prepare an image as moekit's evaluation split did in training (mean, std, resize, crop)."""
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config
+
+    from moekit.data.datamodule import eval_images
+
+    model = timm.create_model(name, device="meta")
+    transform = create_transform(**resolve_data_config({}, model=model))
+    pixels = torch.randint(256, (*image_size, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    image = Image.fromarray(pixels.numpy())
+    torch.testing.assert_close(
+        transform(image), eval_images(dataset, [image], model.pretrained_cfg["input_size"][-1])[0]
+    )

@@ -221,7 +221,7 @@ class RunResult:
         fit_seconds: wall time of training (validation included).
         batch_seconds: mean time of a training batch (data loading included).
         throughput: mean training examples per second.
-        examples_seen: training examples (images or tokens) of the run.
+        examples_seen: training examples (images, or tokens without padding) of the run, before a resume too.
         step_key: :func:`step_time_key` of its model, batch size and precision (None for a record
             without its config).
         bench_step_seconds, bench_examples_per_step: the benchmarked step time of its model and the

@@ -28,6 +28,12 @@ from .common import choose_precision, floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
+SUMMARY_BATCH = 16
+"""The largest batch the run's model summary measures its FLOPs on: routing whose capacity counts a whole batch or
+position (experts-choice, strictly balanced gating, position-scope capacities) measures nearer its training
+work than at 2 sequences (at 2, a capacity's minimum of one token can give every token several times k experts),
+and the measurement stays cheap."""
+
 __all__ = ["run", "train"]
 
 
@@ -144,13 +150,15 @@ def _remove_stale_checkpoint_writes(output_dir: Path, ckpt_path: str | None) -> 
 
 def _summary(module: MoETask, datamodule: LightningDataModule) -> ModelSummary | LMSummary | None:
     """The network's parameters and forward FLOPs per image (:func:`~moekit.models.summary.model_summary`)
-    or per token (:func:`~moekit.models.summary.lm_summary`); None when they cannot be measured (the
-    summary is informative: the run goes on)."""
+    or per token (:func:`~moekit.models.summary.lm_summary`), measured on a batch of the training batch size up to
+    ``SUMMARY_BATCH`` (a capacity over the whole batch or its positions routes as in training); None when they
+    cannot be measured (the summary is informative: the run goes on)."""
+    batch = min(datamodule.batch_size, SUMMARY_BATCH)
     try:
         if isinstance(module, ImageClassifier):
             size = (datamodule.in_chans, datamodule.img_size, datamodule.img_size)
-            return model_summary(module.net, input_size=size)
-        return lm_summary(module.net, seq_len=datamodule.seq_len)
+            return model_summary(module.net, input_size=size, batch_size=batch)
+        return lm_summary(module.net, seq_len=datamodule.seq_len, batch_size=batch)
     except Exception as err:
         log.warning("model summary unavailable: %s: %s", type(err).__name__, err)
         return None

@@ -34,6 +34,9 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
     """
+    bad = {k: v for k, v in (metadata or {}).items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise ValueError(f"metadata {bad!r}: a safetensors header holds strings only; pass str(value) (or json.dumps)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors, seen = {}, set()

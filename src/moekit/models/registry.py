@@ -31,6 +31,8 @@ S is 512 wide and 8 deep) with a class token and MoE layers in the last 5 of eve
 e.g. MNIST: 49 patch tokens; 32 px, CIFAR-10: 64) use average pooling and no class token; their Soft MoE
 layers size their slots from the tokens as the recipe does (0.653 slots per token).
 
+Each cfg's preprocessing (mean, std, crop, interpolation: ``timm.data.resolve_data_config``) is the evaluation
+transform of moekit's data for it: Fashion-MNIST, CIFAR-10, an ImageNet folder (``data=imagefolder``).
 No cfg has weights; ``pretrained=True`` loads a local file given as
 ``pretrained_cfg_overlay=dict(file=path)`` (e.g. from :func:`moekit.models.export_safetensors`). For a
 safetensors file the class count is read from its ``head.weight``, so a checkpoint exported with
@@ -43,7 +45,8 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import register_model
 from timm.models._builder import build_model_with_cfg
 from timm.models._registry import generate_default_cfgs
@@ -69,13 +72,16 @@ _FASHION_MNIST_CFG = dict(
 _CIFAR10_CFG = dict(
     input_size=(3, 32, 32), num_classes=10, crop_pct=1.0, interpolation="bilinear", mean=CIFAR10_MEAN, std=CIFAR10_STD
 )
+# What moekit's imagefolder data evaluates with (timm's create_transform defaults: resize to 256, centre crop 224,
+# bilinear, ImageNet mean and std), not timm's ViT cfg (0.5 mean and std, crop 0.9, bicubic).
+_IMAGENET_CFG = dict(crop_pct=0.875, interpolation="bilinear", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
 
 default_cfgs = generate_default_cfgs(
     {
-        "soft_moe_vit_small_patch16_224": _cfg(),
-        "soft_moe_vit_base_patch16_224": _cfg(),
-        "vmoe_vit_small_patch16_224": _cfg(),
-        "ec_moe_vit_small_patch16_224": _cfg(),
+        "soft_moe_vit_small_patch16_224": _cfg(**_IMAGENET_CFG),
+        "soft_moe_vit_base_patch16_224": _cfg(**_IMAGENET_CFG),
+        "vmoe_vit_small_patch16_224": _cfg(**_IMAGENET_CFG),
+        "ec_moe_vit_small_patch16_224": _cfg(**_IMAGENET_CFG),
         "soft_moe_vit_tiny_patch4_28": _cfg(**_FASHION_MNIST_CFG),
         "top2_moe_vit_tiny_patch4_28": _cfg(**_FASHION_MNIST_CFG),
         "ec_moe_vit_tiny_patch4_28": _cfg(**_FASHION_MNIST_CFG),
@@ -105,10 +111,16 @@ def _with_file_num_classes(overlay: dict[str, Any] | None) -> dict[str, Any] | N
     (the cfg describes the checkpoint, and timm drops a checkpoint's head whose size differs from it)."""
     if not overlay or "num_classes" in overlay or not str(overlay.get("file", "")).endswith(".safetensors"):
         return overlay
-    with safe_open(overlay["file"], framework="pt") as checkpoint:
-        if "head.weight" not in checkpoint.keys():
-            return overlay
-        num_classes = checkpoint.get_slice("head.weight").get_shape()[0]
+    try:
+        with safe_open(overlay["file"], framework="pt") as checkpoint:
+            if "head.weight" not in checkpoint.keys():
+                return overlay
+            num_classes = checkpoint.get_slice("head.weight").get_shape()[0]
+    except SafetensorError as err:
+        raise ValueError(
+            f"pretrained_cfg_overlay file={overlay['file']!r} is not a readable safetensors file ({err}); give one "
+            "that moekit.models.export_safetensors or scripts/export.py wrote"
+        ) from None
     return {**overlay, "num_classes": num_classes}
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from moekit.moe import DepthRouter, ExpertBank, MoELayer, depth_routers, moe_layers, top_c_routing
+from moekit.moe import DepthRouter, ExpertBank, MoELayer, SoftMoE, depth_routers, moe_layers, top_c_routing
 from moekit.moe.depth import capacity_tokens
 from moekit.utils.format import si
 
@@ -43,7 +43,8 @@ class MoELayerSummary:
         layer: registry name of the layer type (``"soft_moe"``, ``"top_k"``, ...).
         num_experts: routed experts.
         tokens: tokens per sequence the layer saw in the measured forward.
-        expert_rows_per_token: expert-MLP applications per token (``layer.expert_rows_per_token(tokens)``).
+        expert_rows_per_token: expert-MLP applications per token in the measured forward: Soft MoE's slots and a
+            group-scope capacity per sequence, experts-choice and batch-wide capacities over all its tokens.
         expert_params: parameters of all its experts (shared experts included).
         params_per_expert: parameters of one routed expert.
         active_params_per_token: ``params_per_expert * expert_rows_per_token``.
@@ -69,7 +70,8 @@ class DepthBlockSummary:
     Attributes:
         name: qualified name of the routed block, e.g. ``"blocks.1"``.
         tokens: tokens per sequence its router chose among.
-        processed_fraction: ``C / tokens``, the share of them the block processes.
+        processed_fraction: the share of a sequence's tokens the block processes: ``C / tokens``, or
+            ``(P + C) / (P + tokens)`` with ``P`` prefix tokens (a class token) that always go through it.
         active_params_per_token: the block's parameters one processed token uses (its MoE layers counted
             by their active parameters); a token uses them with probability ``processed_fraction``.
     """
@@ -224,8 +226,8 @@ def _param_count(params) -> int:
     return sum(p.numel() for p in params)
 
 
-def _first_tensor(inputs: Sequence) -> Tensor | None:
-    return next((x for x in inputs if isinstance(x, Tensor)), None)
+def _positive_ints(*values) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
 
 
 @torch.no_grad()
@@ -237,8 +239,8 @@ def model_summary(model: nn.Module, input_size: Sequence[int], batch_size: int =
     Layers whose compute depends on the batch (capacity factors over all tokens of a forward) are
     measured at ``batch_size``.
     """
-    if len(input_size) != 3:
-        raise ValueError(f"input_size={tuple(input_size)} must be (channels, height, width)")
+    if not isinstance(input_size, Sequence) or len(input_size) != 3 or not _positive_ints(*input_size, batch_size):
+        raise ValueError(f"input_size={input_size!r}, batch_size={batch_size!r}: give positive ints, (C, H, W) and B")
     device, dtype = _device_and_dtype(model)
     measured = _measure(model, torch.randn(batch_size, *input_size, device=device, dtype=dtype))
     return ModelSummary(
@@ -314,8 +316,8 @@ def lm_summary(model: nn.Module, seq_len: int, batch_size: int = 2) -> LMSummary
     vocab_size = getattr(model, "vocab_size", None)
     if not isinstance(vocab_size, int):
         raise ValueError(f"{type(model).__name__} has no int vocab_size attribute; lm_summary needs a language model")
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r} must be a positive int")
+    if not _positive_ints(seq_len, batch_size):
+        raise ValueError(f"seq_len={seq_len!r} and batch_size={batch_size!r} must be positive ints")
     max_seq_len = getattr(model, "max_seq_len", None)
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; measure at most that")
@@ -355,12 +357,12 @@ def _measure(model: nn.Module, example: Tensor) -> _Measured:
     FLOPs are per example (divided by ``batch``)."""
     batch_size = example.shape[0]
     layers = list(moe_layers(model))
-    tokens: dict[str, int] = {}
+    shapes: dict[str, tuple[int, int]] = {}  # (batch, tokens) of each layer's input
 
     def record_tokens(name: str):
         def hook(module: nn.Module, inputs) -> None:
-            x = _first_tensor(inputs)
-            tokens[name] = x.shape[1] if x is not None and x.dim() == 3 else 0
+            x = next((x for x in inputs if isinstance(x, Tensor)), None)
+            shapes[name] = tuple(x.shape[:2]) if x is not None and x.dim() == 3 else (0, 0)
 
         return hook
 
@@ -374,7 +376,7 @@ def _measure(model: nn.Module, example: Tensor) -> _Measured:
         flops = counter.get_flop_counts()
         root = type(model).__name__
         layer_summaries = tuple(
-            _summarize_layer(name, layer, tokens.get(name, 0), flops.get(f"{root}.{name}", {}), batch_size)
+            _summarize_layer(name, layer, shapes.get(name, (0, 0)), flops.get(f"{root}.{name}", {}), batch_size)
             for name, layer in layers
         )
     finally:
@@ -417,18 +419,22 @@ def _summarize_depth_block(
         if id(p) not in router_params
     )
     inner = sum(s.active_params_per_token for s in layers if s.name.startswith(f"{name}."))
+    prefix = getattr(block, "prefix_tokens", 0)  # a ViT's class token: always processed
     return DepthBlockSummary(
         name=name,
         tokens=tokens,
-        processed_fraction=capacity_tokens(router.capacity, tokens) / tokens if tokens else 0.0,
+        processed_fraction=(prefix + capacity_tokens(router.capacity, tokens)) / (prefix + tokens) if tokens else 0.0,
         active_params_per_token=own + inner,
     )
 
 
-def _summarize_layer(name: str, layer: MoELayer, tokens: int, flops: dict, batch_size: int) -> MoELayerSummary:
+def _summarize_layer(name: str, layer: MoELayer, shape: tuple[int, int], flops: dict, batch_size: int):
     routed = layer.experts
     params_per_expert = _param_count(routed.parameters()) // routed.num_experts
-    rows = float(layer.expert_rows_per_token(tokens)) if tokens else 0.0
+    batch, tokens = shape
+    scope = getattr(getattr(layer, "capacity", None), "capacity_scope", None)
+    per_sequence = isinstance(layer, SoftMoE) or scope == "group"  # slots / a capacity per sequence (or group)
+    rows = float(layer.expert_rows_per_token(tokens if per_sequence else batch * tokens)) if tokens else 0.0
     return MoELayerSummary(
         name=name,
         layer=getattr(layer, "registry_name", type(layer).__name__),
