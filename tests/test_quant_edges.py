@@ -198,7 +198,10 @@ def test_quantize_refuses_a_bad_min_rows_before_loading_the_checkpoint(tmp_path)
     from conftest import compose_config
     from moekit.commands.quantize import quantize
 
-    cfg = compose_config("quantize", [f"ckpt_path={tmp_path}/missing.ckpt", "min_rows=0"], tmp_path / "run")
+    with pytest.raises(ValueError, match=r"min_rows=0 must be a positive int or null"):  # the config check
+        compose_config("quantize", [f"ckpt_path={tmp_path}/missing.ckpt", "min_rows=0"], tmp_path / "run")
+    cfg = compose_config("quantize", [f"ckpt_path={tmp_path}/missing.ckpt"], tmp_path / "run")
+    cfg.min_rows = 0  # a config built in Python, past the composition's check: refused before the checkpoint loads
     with pytest.raises(ValueError, match=r"min_rows=0 must be a positive int, or None \(null in the config"):
         quantize(cfg)
 
