@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from moekit.moe.dropout import Dropout, dropout
 
+from .lm_common import check_positive_int
 from .rotary import RotaryEmbedding
 
 __all__ = ["CausalSelfAttention", "attention_with_dropout"]
@@ -36,6 +37,27 @@ def attention_with_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, p: flo
     return torch.bmm(probs_ZTK, v_ZKd).view(batch, heads, tokens, hd)
 
 
+def _check_heads(dim: int, num_heads: int, num_kv_heads: int | None, rope: RotaryEmbedding | None) -> None:
+    """Refuse head counts that do not split ``dim`` (or ``num_heads``), and a rotary table of another head size."""
+    name = "CausalSelfAttention"
+    check_positive_int(dim, "dim", name)
+    check_positive_int(num_heads, "num_heads", name)
+    if dim % num_heads:
+        raise ValueError(f"{name}: dim={dim} is not divisible by num_heads={num_heads}; pick a divisor of dim")
+    if num_kv_heads is not None:
+        check_positive_int(num_kv_heads, "num_kv_heads", name)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{name}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}; pick a divisor of "
+                "num_heads (or None: one key/value head per query head)"
+            )
+    if rope is not None and rope.head_dim != dim // num_heads:
+        raise ValueError(
+            f"{name}: the rotary embedding has head_dim={rope.head_dim} but dim / num_heads = {dim // num_heads}; "
+            f"build it with RotaryEmbedding({dim // num_heads}, max_seq_len)"
+        )
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``F.scaled_dot_product_attention``; with ``num_kv_heads`` below
     ``num_heads``, grouped-query attention (each key/value head serves ``num_heads / num_kv_heads`` query heads).
@@ -61,6 +83,7 @@ class CausalSelfAttention(nn.Module):
         rope: RotaryEmbedding | None,
     ) -> None:
         super().__init__()
+        _check_heads(dim, num_heads, num_kv_heads, rope)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = dim // num_heads
