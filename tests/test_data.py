@@ -246,7 +246,7 @@ def test_batches_shape_dtype_and_normalisation(fake_dir):
     # The fake set has Fashion-MNIST's pixel mean and std: normalised data has mean ~0, std ~1.
     everything = torch.cat([batch for batch, _ in module.train_dataloader()])
     assert abs(everything.mean().item()) < 0.02 and abs(everything.std().item() - 1) < 0.02
-    test_images, test_labels = module.test_arrays()
+    test_images, test_labels = map(torch.cat, zip(*module.test_dataloader()))
     assert test_images.shape == (N_TEST, 1, 28, 28)
     assert torch.equal(test_labels, read_fashion_mnist(fake_dir).test_labels)
     resized = make_module(fake_dir, img_size=32, eval_batch_size=50)
@@ -369,7 +369,7 @@ def test_cifar_layout_and_normalisation(tmp_path, monkeypatch):
     images, labels = next(iter(module.train_dataloader()))
     assert module.label_names == tuple(FakeCIFAR10.classes), "the dataset's names, for checkpoints and predict.py"
     assert images.shape == (8, 3, 32, 32) and labels.dtype == torch.int64
-    test_images, _ = module.test_arrays()
+    test_images = torch.cat([images for images, _ in module.test_dataloader()])
     expected = [(value - mean) / std for value, mean, std in zip((0.0, 1.0, 0.0), module.mean, module.std, strict=True)]
     torch.testing.assert_close(test_images.mean(dim=(0, 2, 3)), torch.tensor(expected), atol=1e-4, rtol=0)
 

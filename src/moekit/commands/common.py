@@ -64,8 +64,9 @@ def choose_precision(cfg: DictConfig) -> None:
 
 def datamodule_for(cfg: DictConfig, module: MoETask, same_labels: bool = True) -> LightningDataModule:
     """``cfg.data`` when given, else the dataset the checkpoint was trained on. With ``same_labels`` (what testing
-    the checkpoint's classifier needs), a dataset whose class names are known before it is read (imagefolder: its
-    class folders) must name label i as the checkpoint does."""
+    the checkpoint's classifier needs), the dataset must have the checkpoint's class count, and one whose class names
+    are known before it is read (imagefolder: its class folders) must name label i as the checkpoint does; without
+    (a probe, calibration, pictures) any class count serves."""
     data_cfg = cfg.get("data")
     if data_cfg is None:
         run_config = module.hparams.get("run_config") or {}
@@ -82,9 +83,13 @@ def datamodule_for(cfg: DictConfig, module: MoETask, same_labels: bool = True) -
             "checkpoint's own dataset"
         )
     datamodule = instantiate(data_cfg, _convert_="all")
-    # A dataset other than the checkpoint's must have the shapes its network was built for.
+    # A dataset other than the checkpoint's must have the shapes its network was built for (and its classes, where
+    # the checkpoint's classifier is what is evaluated).
     net_cfg = module.hparams.get("net") or {}
-    for key in ("num_classes", "in_chans", "img_size", "vocab_size"):
+    keys = (
+        ("num_classes", "in_chans", "img_size", "vocab_size") if same_labels else ("in_chans", "img_size", "vocab_size")
+    )
+    for key in keys:
         trained, given = net_cfg.get(key), getattr(datamodule, key, None)
         if trained is not None and given is not None and trained != given:
             raise ValueError(

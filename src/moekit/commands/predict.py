@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from moekit.checkpoint import load_task
 from moekit.data.datamodule import eval_images
-from moekit.data.imagefolder import read_rgb_image
+from moekit.data.imagefolder import UnreadableImageError, read_rgb_image
 from moekit.errors import check_writable_dir
 from moekit.tasks import ImageClassifier
 from moekit.utils.atomic import write_text_atomic
@@ -48,7 +48,9 @@ def image_paths(inputs: str) -> list[Path]:
 def predict(cfg: DictConfig) -> list[dict]:
     """Classify the images of ``cfg.inputs`` with the checkpoint's network, prepared like its dataset's evaluation
     split; log a table of each image's ``top_k`` classes and write them to ``<output_dir>/predictions.csv``.
-    Returns the rows (``file, rank, label, class, probability``)."""
+    A file that is not an image PIL can decode (truncated, or a macOS ``._*`` resource fork beside the photos) is
+    skipped with a warning naming it; none readable is an error. Returns the rows (``file, rank, label, class,
+    probability``)."""
     module = load_task(cfg.ckpt_path)
     if not isinstance(module, ImageClassifier):
         raise ValueError(
@@ -68,16 +70,32 @@ def predict(cfg: DictConfig) -> list[dict]:
     k = min(cfg.top_k, num_classes)
     device = inference_device(cfg.device)
     module.to(device)
-    rows = []
+    rows, unreadable = [], []
     for start in range(0, len(paths), cfg.batch_size):
-        batch = paths[start : start + cfg.batch_size]
-        images = eval_images(dataset, [read_rgb_image(str(p)) for p in batch], img_size).to(device)
+        batch, pictures = [], []
+        for path in paths[start : start + cfg.batch_size]:
+            try:
+                pictures.append(read_rgb_image(str(path)))
+                batch.append(path)
+            except UnreadableImageError as err:
+                log.warning("%s; skipped it", err)
+                unreadable.append(path)
+        if not batch:
+            continue
+        images = eval_images(dataset, pictures, img_size).to(device)
         with torch.inference_mode():
             probabilities = module(images).float().softmax(dim=-1)  # [B, num_classes]
         top = probabilities.topk(k, dim=-1)
         for path, values, labels in zip(batch, top.values.tolist(), top.indices.tolist(), strict=True):
             for rank, (p, label) in enumerate(zip(values, labels, strict=True), start=1):
                 rows.append({"file": str(path), "rank": rank, "label": label, "class": names[label], "probability": p})
+    if not rows:
+        raise ValueError(
+            f"inputs={cfg.inputs!r}: none of its {len(paths)} image file(s) could be read (the first: "
+            f"{unreadable[0]}); give images PIL can open"
+        )
+    if unreadable:
+        log.warning("skipped %d of %d files that are not readable images", len(unreadable), len(paths))
     write_text_atomic(output_dir / PREDICTIONS_FILE, _csv(rows))
     log.info("%s\n  predictions: %s", _table(rows, k), output_dir / PREDICTIONS_FILE)
     return rows

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from moekit.checkpoint import load_task
 from moekit.tasks import ImageClassifier
-from moekit.tasks.fewshot import fewshot_linear_probe
+from moekit.tasks.fewshot import check_shots, fewshot_linear_probe
 
 from .common import datamodule_for
 
@@ -20,6 +20,7 @@ __all__ = ["linear_probe"]
 
 def linear_probe(cfg: DictConfig) -> float:
     """Few-shot linear probe of a checkpoint's frozen network (see :mod:`moekit.tasks.fewshot`)."""
+    check_shots(cfg.shots)  # before loading the checkpoint
     module = load_task(cfg.ckpt_path)
     if not isinstance(module, ImageClassifier):
         raise ValueError(

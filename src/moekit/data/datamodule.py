@@ -354,10 +354,3 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
             chosen.append(members[torch.randperm(len(members), generator=generator)[:shots]])
         return self._stack(Subset(self._train_eval_set, torch.cat(chosen).tolist()))
 
-    def test_arrays(self) -> tuple[Tensor, Tensor]:
-        """The whole test split: ``(images [N, C, S, S] float32 normalised, labels [N] int64)``.
-
-        Takes ``N * C * S * S * 4`` bytes (Fashion-MNIST at 28 px: 31 MB).
-        """
-        self._require_setup()
-        return self._stack(self.test_set)
