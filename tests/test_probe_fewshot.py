@@ -130,7 +130,10 @@ def test_a_probe_takes_data_of_another_class_count_and_testing_does_not():
            "num_heads": 2, "num_classes": 10}  # fmt: skip
     module = ImageClassifier(net=net, num_classes=10)
     cfg = OmegaConf.create(
-        {"ckpt_path": "run.ckpt", "data": {"_target_": "moekit.data.ImageClassificationDataModule", "dataset": "cifar100"}}
+        {
+            "ckpt_path": "run.ckpt",
+            "data": {"_target_": "moekit.data.ImageClassificationDataModule", "dataset": "cifar100"},
+        }
     )
     assert datamodule_for(cfg, module, same_labels=False).num_classes == 100
     with pytest.raises(ValueError, match=r"has num_classes=100 but the checkpoint 'run.ckpt' was trained with num_cl"):

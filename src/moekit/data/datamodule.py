@@ -353,4 +353,3 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
                 )
             chosen.append(members[torch.randperm(len(members), generator=generator)[:shots]])
         return self._stack(Subset(self._train_eval_set, torch.cat(chosen).tolist()))
-
