@@ -124,10 +124,11 @@ class _Data(L.LightningDataModule):
         return DataLoader(TensorDataset(torch.randn(8, 5, DIM)), batch_size=2)
 
 
-def _fit_refused(rank: int, world: int, strategy_name: str) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # processes started outside
+def _trainer(rank: int, world: int, strategy_name: str, **options) -> L.Trainer:
+    """One step of a Lightning trainer with experts split over 2 of the ``world`` CPU processes started outside."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     strategy = {"ddp": MoEDDPStrategy, "fsdp": MoEFSDPStrategy}[strategy_name]
-    trainer = L.Trainer(
+    return L.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy(expert_parallel_size=2, process_group_backend="gloo"),
@@ -136,7 +137,12 @@ def _fit_refused(rank: int, world: int, strategy_name: str) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **options,
     )
+
+
+def _fit_refused(rank: int, world: int, strategy_name: str) -> None:
+    trainer = _trainer(rank, world, strategy_name)
     log: list[str] = []
     with pytest.raises(ValueError, match=r"net\.1\.experts: num_experts=3 cannot be split .*expert_parallel_size=2"):
         trainer.fit(_Task(num_experts=3), datamodule=_Data(log))
@@ -171,7 +177,6 @@ class _Regression(L.LightningModule):
 def _sgd_step(rank: int, world: int, strategy_name: str, accumulate: int) -> None:
     """One optimizer step of SGD with clipping through Lightning: every weight moves as the full model's
     weight does under the clipped gradient of the mean loss over all ranks' batches."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 5, DIM, generator=generator), torch.randn(8, 5, DIM, generator=generator)
     max_norm = 0.01
@@ -182,19 +187,7 @@ def _sgd_step(rank: int, world: int, strategy_name: str, accumulate: int) -> Non
         for param in reference.parameters():
             param -= param.grad
 
-    strategy = {"ddp": MoEDDPStrategy, "fsdp": MoEFSDPStrategy}[strategy_name]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy(expert_parallel_size=2, process_group_backend="gloo"),
-        max_steps=1,
-        gradient_clip_val=max_norm,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(rank, world, strategy_name, gradient_clip_val=max_norm, accumulate_grad_batches=accumulate)
     module = _Regression()
     loader = DataLoader(TensorDataset(x, y), batch_size=8 // world // accumulate)  # rank r: samples r, r + 2, ...
     trainer.fit(module, loader)

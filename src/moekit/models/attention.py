@@ -37,9 +37,8 @@ def attention_with_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, p: flo
     return torch.bmm(probs_ZTK, v_ZKd).view(batch, heads, tokens, hd)
 
 
-def _check_heads(dim: int, num_heads: int, num_kv_heads: int | None, rope: RotaryEmbedding | None) -> None:
-    """Refuse head counts that do not split ``dim`` (or ``num_heads``), and a rotary table of another head size."""
-    name = "CausalSelfAttention"
+def check_heads(dim: int, num_heads: int, num_kv_heads: int | None, name: str) -> None:
+    """Refuse head counts that do not split ``dim`` (or ``num_heads``), naming ``name``'s values and the fix."""
     check_positive_int(dim, "dim", name)
     check_positive_int(num_heads, "num_heads", name)
     if dim % num_heads:
@@ -49,12 +48,17 @@ def _check_heads(dim: int, num_heads: int, num_kv_heads: int | None, rope: Rotar
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"{name}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}; pick a divisor of "
-                "num_heads (or None: one key/value head per query head)"
+                "num_heads (or None / null: one key/value head per query head)"
             )
+
+
+def _check_heads(dim: int, num_heads: int, num_kv_heads: int | None, rope: RotaryEmbedding | None) -> None:
+    """:func:`check_heads`, and a rotary table of another head size."""
+    check_heads(dim, num_heads, num_kv_heads, "CausalSelfAttention")
     if rope is not None and rope.head_dim != dim // num_heads:
         raise ValueError(
-            f"{name}: the rotary embedding has head_dim={rope.head_dim} but dim / num_heads = {dim // num_heads}; "
-            f"build it with RotaryEmbedding({dim // num_heads}, max_seq_len)"
+            f"CausalSelfAttention: the rotary embedding has head_dim={rope.head_dim} but dim / num_heads = "
+            f"{dim // num_heads}; build it with RotaryEmbedding({dim // num_heads}, max_seq_len)"
         )
 
 

@@ -31,7 +31,7 @@ from moekit.moe.dropout import Dropout, use_fast_dropout
 from moekit.recipes import check_fits, resolve_recipe, routes_by_position
 from moekit.recipes.depth import DepthSpec, resolve_depth
 
-from .attention import CausalSelfAttention
+from .attention import CausalSelfAttention, check_heads
 from .lm_common import (
     INIT_STD,
     check_cache_batch,
@@ -275,15 +275,7 @@ class TransformerLM(nn.Module):
             ("num_heads", num_heads),
         ):
             check_positive_int(value, key, name)
-        if dim % num_heads:
-            raise ValueError(f"{name}: dim={dim} is not divisible by num_heads={num_heads}; pick a divisor of dim")
-        if num_kv_heads is not None:
-            check_positive_int(num_kv_heads, "num_kv_heads", name)
-            if num_heads % num_kv_heads:
-                raise ValueError(
-                    f"{name}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}; pick a divisor "
-                    "of num_heads (or null: one key/value head per query head)"
-                )
+        check_heads(dim, num_heads, num_kv_heads, name)
         for key, value in (("norm_eps", norm_eps), ("rope_base", rope_base)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name}: {key}={value!r} must be a positive number")
