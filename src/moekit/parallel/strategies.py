@@ -66,10 +66,12 @@ class _ExpertParallel:
         return size
 
     def setup_environment(self) -> None:
-        super().setup_environment()
+        # Refused before any process group exists (a rank that raised after creating one could leave the others
+        # waiting on it) and before the data and model setup.
         module = self.lightning_module
-        if self.expert_parallel_size > 1 and module is not None:  # refused before the data and model setup
-            check_shardable(module, self.expert_parallel_size, self.world_size)
+        if self.expert_parallel_size > 1 and module is not None:
+            check_shardable(module, self.expert_parallel_size, self.num_nodes * self.num_processes)
+        super().setup_environment()
 
     def _shard_experts(self, lightning_module: nn.Module) -> list[nn.Parameter]:
         """Shard the routed experts (once); returns the sharded expert parameters."""
