@@ -250,17 +250,7 @@ def test_a_loss_scale_overflow_in_one_ranks_experts_is_skipped_on_every_rank():
 def _replicas_start_alike(rank: int, world: int) -> None:
     """4 ranks, experts split over groups of 2, each rank seeded differently (no seed_everything): the two
     ranks holding each block of experts start training from the same weights."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=MoEDDPStrategy(expert_parallel_size=2, process_group_backend="gloo"),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(rank, world, "ddp")
     torch.manual_seed(rank)
     module = _Task(num_experts=4)
     trainer.fit(module, datamodule=_Data([]))
