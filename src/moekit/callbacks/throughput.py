@@ -74,19 +74,11 @@ class ThroughputMonitor(Callback):
 
     @property
     def examples(self) -> int:
-        return int(self._examples)
-
-    @examples.setter
-    def examples(self, value: int) -> None:
-        self._examples = value
+        return int(self._examples)  # read from the device once the counts are tensors
 
     @property
     def timed_examples(self) -> int:
         return int(self._timed_examples)
-
-    @timed_examples.setter
-    def timed_examples(self, value: int) -> None:
-        self._timed_examples = value
 
     @property
     def mean_throughput(self) -> float | None:
@@ -125,10 +117,10 @@ class ThroughputMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         state, self._restored = self._restored, None
         if state:
-            self.examples, self.batches = int(state["examples"]), int(state["batches"])
+            self._examples, self.batches = int(state["examples"]), int(state["batches"])
             self._earlier_fit_seconds = float(state["fit_seconds"])
             self.timed_seconds = float(state["timed_seconds"])
-            self.timed_examples, self.timed_batches = int(state["timed_examples"]), int(state["timed_batches"])
+            self._timed_examples, self.timed_batches = int(state["timed_examples"]), int(state["timed_batches"])
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._last_batch_end is not None:  # a validation within a training epoch: stop the clock

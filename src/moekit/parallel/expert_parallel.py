@@ -33,6 +33,7 @@ from moekit.moe import ExpertBank, moe_layers
 __all__ = [
     "ExpertParallelGroups",
     "new_expert_parallel_groups",
+    "check_expert_parallel_size",
     "check_shardable",
     "shard_experts",
     "sharded_expert_banks",
@@ -99,13 +100,19 @@ def _routed_banks(model: nn.Module) -> dict[str, ExpertBank]:
     return banks
 
 
+def check_expert_parallel_size(size: int) -> int:
+    """``size``, or a ``ValueError`` naming it unless it is a positive int."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"expert_parallel_size={size!r} must be a positive int (1: experts replicated)")
+    return size
+
+
 def check_shardable(model: nn.Module, size: int, world_size: int | None = None) -> None:
     """Raise ``ValueError`` (naming the value and the fix) unless :func:`shard_experts` can split the routed
     experts of ``model`` over groups of ``size`` ranks (of ``world_size``, where given): no layer merges its
     experts, ``size`` divides the world size and every routed bank's expert count, no bank is still on the
     meta device. Needs no process group: the strategies call it before any data or model work."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"expert_parallel_size={size!r} must be a positive int (1: experts replicated)")
+    check_expert_parallel_size(size)
     if world_size is not None and world_size % size:
         raise ValueError(
             f"expert_parallel_size={size} must be a positive int dividing the world size {world_size} "

@@ -32,6 +32,7 @@ from moekit.moe import ExpertBank, MoELayer, moe_layers
 
 from .expert_parallel import (
     ExpertParallelGroups,
+    check_expert_parallel_size,
     check_shardable,
     clip_grad_norm_,
     gather_expert_optimizer_entries,
@@ -59,11 +60,6 @@ class _ExpertParallel:
 
     expert_parallel_size: int
     _expert_groups: ExpertParallelGroups | None = None
-
-    def _check_expert_parallel_size(self, size: int) -> int:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"expert_parallel_size={size!r} must be a positive int (1: experts replicated)")
-        return size
 
     def setup_environment(self) -> None:
         # Refused before any process group exists (a rank that raised after creating one could leave the others
@@ -162,7 +158,7 @@ class MoEDDPStrategy(_ExpertParallel, DDPStrategy):
 
     def __init__(self, expert_parallel_size: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.expert_parallel_size = self._check_expert_parallel_size(expert_parallel_size)
+        self.expert_parallel_size = check_expert_parallel_size(expert_parallel_size)
 
     def parallelize(self, lightning_module: nn.Module) -> None:
         """Shard the experts; DDP then leaves them out of its gradient all-reduce and its broadcasts."""
@@ -249,7 +245,7 @@ class MoEFSDPStrategy(_ExpertParallel, ModelParallelStrategy):
                 "supported; use state_dict_type=full (a checkpoint that also loads at other world sizes)"
             )
         super().__init__(save_distributed_checkpoint=state_dict_type == "sharded", **kwargs)
-        self.expert_parallel_size = self._check_expert_parallel_size(expert_parallel_size)
+        self.expert_parallel_size = check_expert_parallel_size(expert_parallel_size)
         self.activation_checkpointing = activation_checkpointing
         self.param_dtype = _DTYPES[param_dtype]
         self.reduce_dtype = _DTYPES[reduce_dtype]
