@@ -139,6 +139,26 @@ def test_a_layer_on_the_gpu_gives_the_cpus_outputs_and_gradients(name):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
 
 
+@needs_cuda
+def test_the_gpus_patch_embedding_is_the_cpus_convolution():
+    """ViT-S/16's patch embedding on the GPU (the matmul, moekit.models.stem.PATCHIFY_KERNELS) against the CPU's
+    convolution: outputs and gradients, float32."""
+    from moekit.models.stem import PATCHIFY_KERNELS, MatmulPatchEmbed
+
+    assert PATCHIFY_KERNELS["cuda"] == "matmul"
+    embed = MatmulPatchEmbed(img_size=224, patch_size=16, in_chans=3, embed_dim=384)
+    x = torch.randn(4, 3, 224, 224)
+    results = []
+    for device in ("cpu", DEVICE):
+        layer, x_dev = embed.to(device), x.to(device).requires_grad_(True)
+        layer.zero_grad()
+        out = layer(x_dev)
+        out.square().mean().backward()
+        results.append([t.detach().cpu() for t in (out, x_dev.grad, layer.proj.weight.grad, layer.proj.bias.grad)])
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "switch", "soft_moe", "experts_choice"])
 def test_a_compiled_layer_gives_the_eager_outputs(name):
     layer, x, kwargs = _layer_and_inputs(name)

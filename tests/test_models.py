@@ -381,6 +381,73 @@ def test_conv_stem_errors_name_the_channels(kwargs, message):
         timm.create_model("vit_tiny_patch4_28", **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, hw",
+    [
+        (dict(img_size=32, patch_size=4, in_chans=3, embed_dim=24), (32, 32)),
+        (dict(img_size=None, patch_size=(4, 8), in_chans=2, embed_dim=24, bias=False), (30, 35)),  # remainders
+        (
+            dict(img_size=32, patch_size=8, in_chans=3, embed_dim=24, strict_img_size=False, dynamic_img_pad=True),
+            (27, 34),
+        ),
+    ],
+)
+def test_matmul_patch_embed_is_timms_patch_embed(kwargs, hw, monkeypatch):
+    from timm.layers import PatchEmbed
+
+    from moekit.models.stem import PATCHIFY_KERNELS, MatmulPatchEmbed, PatchProjection
+
+    torch.manual_seed(0)
+    ref = PatchEmbed(**kwargs).double()
+    torch.manual_seed(0)
+    ours = MatmulPatchEmbed(**kwargs).double()
+    assert isinstance(ours.proj, PatchProjection)
+    # the same parameters, drawn alike: checkpoints and seeded runs are timm's
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value), key
+    x = torch.randn(3, kwargs["in_chans"], *hw, dtype=torch.float64, requires_grad=True)
+    monkeypatch.setitem(PATCHIFY_KERNELS, "cpu", "matmul")  # the CUDA path, here on the CPU
+    y, y_ref = ours(x), ref(x)
+    torch.testing.assert_close(y, y_ref)
+    assert y.is_contiguous(), "the flatten to [B, tokens, E] is a view"
+    g = torch.randn_like(y)
+    (x_grad,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    (x_grad_ref,) = torch.autograd.grad(y_ref, x, g, retain_graph=True)
+    torch.testing.assert_close(x_grad, x_grad_ref)
+    y.backward(g, inputs=list(ours.parameters()))
+    y_ref.backward(g, inputs=list(ref.parameters()))
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    monkeypatch.setitem(PATCHIFY_KERNELS, "cpu", "conv")
+    assert torch.equal(ours(x), y_ref), "the convolution where the table says so"
+
+
+def test_matmul_patch_embed_keeps_the_matmul_through_timms_patch_resize(monkeypatch):
+    from timm.layers import PatchEmbed
+
+    from moekit.models.stem import PATCHIFY_KERNELS, MatmulPatchEmbed, PatchProjection
+
+    monkeypatch.setitem(PATCHIFY_KERNELS, "cpu", "matmul")
+
+    ref, ours = PatchEmbed(32, 8, 3, 16), MatmulPatchEmbed(32, 8, 3, 16)
+    ours.load_state_dict(ref.state_dict())
+    ref.set_input_size(patch_size=4)
+    ours.set_input_size(patch_size=4)
+    assert isinstance(ours.proj, PatchProjection) and ours.grid_size == ref.grid_size == (8, 8)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(ours(x), ref(x))
+    with pytest.raises(ValueError, match="kernel is its stride"):
+        PatchProjection.of(nn.Conv2d(3, 8, 3, stride=3, padding=1))
+
+
+def test_patch_stem_vits_patchify_by_matmul():
+    from moekit.models.stem import MatmulPatchEmbed
+
+    assert type(timm.create_model("vit_tiny_patch4_28").patch_embed) is MatmulPatchEmbed
+    assert type(timm.create_model("soft_moe_vit_small_patch16_224", num_classes=3).patch_embed) is MatmulPatchEmbed
+
+
 def test_summary_of_the_dense_tiny_vit_matches_the_hand_count():
     model = timm.create_model("vit_tiny_patch4_28")
     summary = model_summary(model, (1, 28, 28))

@@ -52,7 +52,7 @@ from timm.models._builder import build_model_with_cfg
 from timm.models._registry import generate_default_cfgs
 from timm.models.vision_transformer import VisionTransformer, _cfg, checkpoint_filter_fn
 
-from .stem import ConvStemPatchEmbed
+from .stem import ConvStemPatchEmbed, MatmulPatchEmbed
 from .vit import create_moe_vit
 
 __all__: list[str] = []  # timm's register_model appends every registered name
@@ -137,8 +137,9 @@ def _moe_override(default: Mapping[str, Any] | None, moe: Any) -> Any:
 def _create(variant: str, pretrained: bool, vit_args: dict[str, Any], moe_args: dict[str, Any], **kwargs):
     """Build ``variant`` from its ViT and MoE defaults and the user's overrides with timm's builder
     (pretrained cfg, weight loading through timm's ViT checkpoint filter, ``features_only``).
-    ``stem="conv"`` swaps the patchify projection for :class:`~moekit.models.stem.ConvStemPatchEmbed`
-    (``stem_channels``: its convolutions' channels)."""
+    ``stem="patch"`` patchifies with :class:`~moekit.models.stem.MatmulPatchEmbed` (timm's ``PatchEmbed`` as one
+    matmul), ``stem="conv"`` with :class:`~moekit.models.stem.ConvStemPatchEmbed` (``stem_channels``: its
+    convolutions' channels)."""
     if "moe" in kwargs:
         moe_args = {**moe_args, "moe": _moe_override(moe_args["moe"], kwargs.pop("moe"))}
     kwargs = {**vit_args, **moe_args, **kwargs}
@@ -151,7 +152,9 @@ def _create(variant: str, pretrained: bool, vit_args: dict[str, Any], moe_args: 
             f"stem_channels={stem_channels!r} needs stem='conv' (got stem={stem!r}); with stem={stem!r} set "
             "stem_channels=None (model.stem_channels=null)"
         )
-    elif stem != "patch":
+    elif stem == "patch":
+        kwargs["embed_layer"] = MatmulPatchEmbed
+    else:
         raise ValueError(f"stem={stem!r}; allowed: 'patch' (timm's linear patchify), 'conv' (convolutional stem)")
     if pretrained:
         kwargs["pretrained_cfg_overlay"] = _with_file_num_classes(kwargs.get("pretrained_cfg_overlay"))
