@@ -20,15 +20,15 @@ def _run(tmp_path, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_a_section_that_does_not_exist_is_named_with_the_choices(tmp_path):
-    result = _run(tmp_path, GPU_CHECK_SECTIONS="compiled batches")
+    result = _run(tmp_path, GPU_CHECK_SECTIONS="compiled batch")
     assert result.returncode == 2
-    assert "no section 'batches'; choose from: tier models compiled layers batch" in result.stderr
+    assert "no section 'batch'; choose from: tier models compiled layers" in result.stderr
     assert not (tmp_path / "report.md").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the check would run")
 def test_without_cuda_it_stops_before_writing_a_report(tmp_path):
-    result = _run(tmp_path, GPU_CHECK_SECTIONS="compiled batch")
+    result = _run(tmp_path, GPU_CHECK_SECTIONS="compiled layers")
     assert result.returncode == 1
     assert "make gpu-check needs a CUDA device" in result.stderr + result.stdout
     assert not (tmp_path / "report.md").exists()
