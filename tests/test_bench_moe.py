@@ -110,10 +110,11 @@ def test_the_dropout_table_times_moekit_against_torch(capsys):
     ]
     for rows in (activation, attention):
         assert rows[0][2] == "1.00x" and all(float(row[1]) > 0 for row in rows)
-        for row in rows[1:]:  # each ratio is its time over the first row's (both rounded to 0.1 ms)
-            assert float(row[2][:-1]) == pytest.approx(
-                float(row[1]) / float(rows[0][1]), abs=0.01 + 0.1 / float(rows[0][1])
-            )
+        first = float(rows[0][1])
+        for row in rows[1:]:  # each ratio is its time over the first row's; the times shown are rounded to 0.1 ms
+            time = float(row[1])
+            low, high = (time - 0.05) / (first + 0.05), (time + 0.05) / max(first - 0.05, 1e-9)
+            assert low - 0.005 <= float(row[2][:-1]) <= high + 0.005, (row, rows[0])
 
 
 def test_a_layers_flops_are_its_forward_and_backward_matmuls():

@@ -3,6 +3,7 @@
 import multiprocessing
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -121,3 +122,56 @@ def test_the_loop_kernel_on_threads_equals_the_reference(two_threads, monkeypatc
     ref.backward(grad)
     for g, r in zip(got, (ref.detach(), x.grad, w.grad, b.grad)):
         torch.testing.assert_close(g, r)
+
+
+def test_an_error_reaches_the_caller_only_after_every_share_has_ended(two_threads):
+    """A failing expert stops its own share; the other shares still run to their end before the error is raised, so
+    no worker writes the outputs once the caller handles the error (an out-of-memory retry, say)."""
+    experts = 4 * MIN_EXPERTS_PER_THREAD
+    first_share = shares([1] * experts, 2)[0]
+    failed, done = threading.Event(), []
+
+    def work(e):
+        if e == first_share.start:
+            failed.set()
+            raise MemoryError(f"expert {e}")
+        if e not in first_share:
+            failed.wait(timeout=60)  # the other share runs on after the failure
+            time.sleep(0.001)
+            done.append(e)
+
+    with pytest.raises(MemoryError, match=f"expert {first_share.start}"):
+        for_each_expert(work, [1] * experts, CPU)
+    assert len(done) == experts - len(first_share), "the other share ended before the error reached the caller"
+
+
+def test_python_threads_with_different_thread_counts_keep_their_own_workers(two_threads, monkeypatch):
+    """Two Python threads whose torch thread counts differ (two models set up with their own) each use workers of
+    their count; one starting its workers does not shut down those the other is about to use."""
+    cpu_threads = sys.modules["moekit.moe.cpu_threads"]
+    get_workers, other_done = cpu_threads._get_workers, threading.Event()
+    results = {}
+
+    def between_lookup_and_use(n):
+        workers = get_workers(n)
+        if n == 2 and not other_done.is_set():  # the 2-thread caller, between finding its workers and using them,
+            other = threading.Thread(target=caller, args=(3,))  # lets a 3-thread caller run in full
+            other.start()
+            other.join()
+            other_done.set()
+        return workers
+
+    def caller(n):
+        torch.set_num_threads(n)
+        out = torch.zeros(16 * n)
+        try:
+            for_each_expert(lambda e: out[e].fill_(e), [1] * len(out), CPU)
+            results[n] = torch.equal(out, torch.arange(len(out), dtype=out.dtype))
+        except RuntimeError as err:
+            results[n] = repr(err)
+
+    monkeypatch.setattr(cpu_threads, "_get_workers", between_lookup_and_use)
+    first = threading.Thread(target=caller, args=(2,))
+    first.start()
+    first.join()
+    assert results == {2: True, 3: True}

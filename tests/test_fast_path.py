@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -250,3 +251,140 @@ def test_the_experiments_train_in_the_machines_precision_and_record_it(fake_fash
     expected, why = resolve_precision("auto", "cpu")
     assert f"trainer.precision=auto: {expected} ({why})" in caplog.text
     assert cfg.trainer.precision == expected
+
+
+# What a restarted program reports: its arguments, the interpreter's -W options and the allocator; exits with status 3.
+REPORT = (
+    "import sys\nfrom moekit.utils.allocator import active_allocator, use_fast_allocator\nuse_fast_allocator()\n"
+    "print(repr(sys.argv[1:]), sys.warnoptions, active_allocator())\nraise SystemExit(3)\n"
+)
+
+
+@pytest.mark.skipif(find_tcmalloc() is None, reason="restarts with tcmalloc")
+def test_a_restart_under_tcmalloc_runs_the_same_command_line(tmp_path):
+    """``python -c``, ``python -m package.module`` (relative imports) and the interpreter's options survive the restart,
+    as do arguments with spaces, quotes and non-ASCII and the exit status; a program read from stdin, which cannot run
+    again, is not restarted (glibc's malloc is tuned instead)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text("from . import __name__ as _package\n" + REPORT)
+    args = ["a b", 'say "hi"', "ü…"]
+
+    def report(*command: str, stdin: str | None = None) -> str:
+        run = subprocess.run(
+            [sys.executable, "-W", "ignore::UserWarning", *command, *args],
+            cwd=tmp_path,
+            env=_clean_env(),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 3, run.stderr
+        return run.stdout.strip()
+
+    assert report("-c", REPORT) == f"{args!r} ['ignore::UserWarning'] tcmalloc"
+    assert report("-m", "pkg.mod") == f"{args!r} ['ignore::UserWarning'] tcmalloc"
+    assert report("-", stdin=REPORT) == f"{args!r} ['ignore::UserWarning'] {TUNED}"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's malloc")
+@pytest.mark.parametrize("library", ["missing", "not a library"])
+def test_a_tcmalloc_that_does_not_load_leaves_glibcs_malloc_tuned(tmp_path, library):
+    """A script restarted with a tcmalloc the loader cannot load (missing, broken) runs on glibc's malloc, tuned, and
+    says so."""
+    path = tmp_path / "libtcmalloc_minimal.so.4"
+    if library == "not a library":
+        path.write_bytes(b"\0" * 64)
+    script = tmp_path / "script.py"
+    script.write_text(
+        f"import moekit.utils.allocator as allocator\nallocator.find_tcmalloc = lambda: {str(path)!r}\n" + REPORT
+    )
+    run = subprocess.run([sys.executable, str(script)], env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3, run.stderr
+    assert run.stdout.strip().endswith(f"[] {TUNED}"), run.stdout + run.stderr
+
+
+def _small_library() -> Path | None:
+    """A shared library that does nothing when preloaded (glibc's libdl stub), or None."""
+    dirs = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/lib64", "/usr/lib64")
+    return next((Path(d) / "libdl.so.2" for d in dirs if (Path(d) / "libdl.so.2").is_file()), None)
+
+
+@pytest.mark.skipif(_small_library() is None or not Path("/proc/self/maps").exists(), reason="needs Linux's libdl")
+def test_a_jemalloc_the_user_preloaded_is_kept_and_named(tmp_path):
+    """A script started with jemalloc in ``LD_PRELOAD`` keeps it (no restart putting tcmalloc before it) and records
+    ``jemalloc``, not the system malloc."""
+    jemalloc = tmp_path / "libjemalloc.so.2"  # stands in for jemalloc: its name is what the loader maps
+    shutil.copy(_small_library(), jemalloc)
+    script = tmp_path / "script.py"
+    script.write_text("import os\n" + REPORT.replace("sys.warnoptions", "os.environ['LD_PRELOAD']"))
+    run = subprocess.run(
+        [sys.executable, str(script)], env=_clean_env(LD_PRELOAD=str(jemalloc)), capture_output=True, text=True
+    )
+    assert run.returncode == 3, run.stderr
+    assert run.stdout.split() == ["[]", str(jemalloc), "jemalloc"], run.stdout + run.stderr
+
+
+def test_precision_auto_takes_float16_on_gpus_that_only_emulate_bf16(monkeypatch):
+    """A V100 or T4 (compute capability 7.x) runs bf16 only emulated, slower than float16: ``16-mixed`` there."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert resolve_precision("auto", "gpu") == ("16-mixed", "Tesla T4 has no bf16")
+    assert resolve_precision("auto", "auto")[0] == "16-mixed"
+
+
+@pytest.mark.skipif(find_tcmalloc() is None, reason="restarts with tcmalloc")
+def test_no_restart_where_the_loader_ignores_ld_preload(tmp_path):
+    """macOS's loader ignores ``LD_PRELOAD``: a restart there would run on the system malloc, recorded as tcmalloc
+    (the run record could not check). The script runs on, with glibc's malloc tuned where there is one."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys\nsys.platform = 'darwin'\n" + REPORT.replace("sys.warnoptions", "'LD_PRELOAD' in os.environ")
+    )
+    run = subprocess.run([sys.executable, str(script)], env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3, run.stderr
+    assert run.stdout.strip().split(" ", 2)[1:] == [
+        "False",
+        TUNED if platform.libc_ver()[0] == "glibc" else "system malloc",
+    ]
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_containers_memory_limit_bounds_what_the_layers_may_allocate(tmp_path, monkeypatch, version):
+    """In a container or batch job whose cgroup limits memory below the host's, a layer too large for the limit is
+    refused with the limit's figure (the host's MemAvailable would let it reach the OOM killer); the file cache,
+    less shared memory, counts as free."""
+    from moekit.utils import machine
+
+    mib = 1 << 20  # limits far below any host's free memory
+    if version == "v2":  # the job's own cgroup, under a parent without a limit
+        cgroup, folder = "0::/job.slice/step\n", tmp_path / "job.slice" / "step"
+        files = {
+            "memory.max": 64 * mib,
+            "memory.current": 24 * mib,
+            "memory.stat": f"anon 5\nfile {10 * mib}\nshmem {2 * mib}\n",
+        }
+        folder.mkdir(parents=True)
+        (tmp_path / "memory.max").write_text("max\n")
+    else:  # a container without a cgroup namespace: its cgroup is the mount's root
+        cgroup, folder = "4:memory:/docker/0123abcd\n1:cpu:/\n", tmp_path / "memory"
+        files = {
+            "memory.limit_in_bytes": 64 * mib,
+            "memory.usage_in_bytes": 16 * mib,
+            "memory.stat": "cache 5\ntotal_cache 0\n",
+        }
+        folder.mkdir()
+    for name, value in files.items():
+        (folder / name).write_text(f"{value}\n")
+    (tmp_path / "self_cgroup").write_text(cgroup)
+    monkeypatch.setattr(machine, "_CGROUP_ROOT", tmp_path, raising=False)
+    monkeypatch.setattr(machine, "_PROC_CGROUP", tmp_path / "self_cgroup", raising=False)
+    assert machine.available_memory("cpu") == 48 * mib
+    with pytest.raises(ValueError, match="but 48.0 MiB are available on cpu"):
+        machine.check_fits_in_memory(49 * mib, "cpu", "256 experts", "use fewer experts")
+    machine.check_fits_in_memory(47 * mib, "cpu", "256 experts", "use fewer experts")

@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 import moekit.commands.train as train_command
 from conftest import TINY_NET, compose_config, small_overrides
 from moekit.callbacks import NonFiniteGuard, NonFiniteTrainingError
+from moekit.callbacks.guard import BadStep
 from moekit.commands.train import train
 from moekit.models import TransformerLM
 from moekit.moe import ExpertsChoiceMoE, MoELayer, SoftMoE, TopKMoE, get_moe_layer, list_moe_layers, moe_layers
@@ -189,6 +190,25 @@ def test_guard_state_survives_a_checkpoint():
     restored = NonFiniteGuard()
     restored.load_state_dict(guard.state_dict())
     assert (restored.skipped_steps, restored.scaler_skipped_steps, restored.consecutive_bad_steps) == (4, 7, 2)
+
+
+def test_a_streak_of_bad_steps_goes_on_across_a_checkpoint(tmp_path):
+    """Two bad steps in a row, a checkpoint, a resume, a third: the resumed guard stops with the message of the
+    guard that never stopped (the streak's first step and its cause)."""
+    first = BadStep(10, math.inf, False, None, None, None)
+    second = BadStep(11, 2.5, True, "blocks.1.mlp", True, None, True)
+    third = BadStep(12, 2.5, True, None, None, "net.head.weight")
+    guard = NonFiniteGuard(max_consecutive_bad_steps=3)
+    guard.skipped_steps, guard.consecutive_bad_steps, guard.first_of_streak, guard.last_bad_step = 2, 2, first, second
+    torch.save(guard.state_dict(), tmp_path / "guard.pt")
+    restored = NonFiniteGuard(max_consecutive_bad_steps=3)
+    restored.load_state_dict(torch.load(tmp_path / "guard.pt", weights_only=True))
+    assert (restored.first_of_streak, restored.last_bad_step) == (first, second)
+    for g in (guard, restored):  # the third bad step, as _check_step records it
+        g.skipped_steps, g.consecutive_bad_steps = g.skipped_steps + 1, g.consecutive_bad_steps + 1
+        g.first_of_streak, g.last_bad_step = g.first_of_streak or third, third
+    assert restored._stop_message(3) == guard._stop_message(3)
+    assert "steps 10-12" in restored._stop_message(3) and "input batch" in restored._stop_message(3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,3 +114,39 @@ def test_progress_lines_with_gradient_accumulation_start_at_the_first_step_of_th
     assert fit(4) == ["2/4", "4/4"]
     assert fit(2, save=tmp_path / "step2.ckpt") == ["2/2"]
     assert fit(4, ckpt_path=tmp_path / "step2.ckpt") == ["4/4"]
+
+
+def test_progress_lines_on_data_of_no_length_show_no_total_and_no_time_left(caplog):
+    """Streamed training data (an ``IterableDataset`` of no length) and no ``max_steps``: Lightning estimates -1 steps.
+    The lines give the step alone, without a total or a time left (not ``step 2/-1  ETA -1:59:59``)."""
+    import torch
+    from lightning import LightningModule, Trainer
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from moekit.callbacks import ProgressLog
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(torch.randn(8, 4).unbind())
+
+    class Task(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = Trainer(
+        max_epochs=1, logger=False, callbacks=[ProgressLog(every_n_steps=2, when="always")], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with caplog.at_level("INFO", logger="moekit"):
+        trainer.fit(Task(), DataLoader(Stream(), batch_size=2))
+    assert trainer.estimated_stepping_batches == -1
+    lines = [r.getMessage() for r in caplog.records if r.name == "moekit" and r.getMessage().startswith("epoch")]
+    assert [line.split()[2:4] for line in lines] == [["step", "2"], ["step", "4"]], lines
+    assert not any("ETA" in line or "/-1" in line for line in lines), lines

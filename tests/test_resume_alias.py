@@ -146,9 +146,47 @@ def test_an_unreadable_checkpoint_error_quotes_a_whole_sentence(tmp_path):
     assert cause in str(err.value) and "likelihood" not in str(err.value)
 
 
-def _module(experiment: str, tmp_path: Path):
+@pytest.mark.parametrize(
+    "content,cause",
+    [
+        (b"", "EOFError: Ran out of input"),  # a copy that never got its bytes
+        (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n", "UnpicklingError"),  # a Git LFS pointer
+    ],
+    ids=["empty", "lfs-pointer"],
+)
+def test_a_file_that_is_no_checkpoint_is_named_by_its_own_error(content, cause, tmp_path):
+    """Not torch's mmap advice to save the file again with _use_new_zipfile_serialization=True."""
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        read_training_checkpoint(path)
+    assert f"could not be read ({cause}" in str(err.value) and "mmap" not in str(err.value)
+    assert "corrupt, truncated or not a PyTorch checkpoint" in str(err.value)
+
+
+def test_a_checkpoint_in_torchs_legacy_format_is_read(tmp_path):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    path.parent.mkdir()
+    saved = {"state_dict": {"net.w": torch.arange(4.0)}, "optimizer_states": [], "epoch": 3}
+    torch.save(saved, path, _use_new_zipfile_serialization=False)
+    checkpoint = read_training_checkpoint(path)
+    assert checkpoint["epoch"] == 3 and torch.equal(checkpoint["state_dict"]["net.w"], saved["state_dict"]["net.w"])
+    assert find_resume_checkpoint("last", tmp_path, None) == (path, [])
+
+
+def test_a_folder_given_as_ckpt_path_is_called_a_folder_and_its_checkpoints_named(runs):
+    folder = runs / "2026-01-02_10-00-00" / "checkpoints"
+    expected = "is a folder, not a checkpoint .* the checkpoints in it: last.ckpt, epoch_001.ckpt, epoch_000.ckpt"
+    with pytest.raises(CheckpointError, match=expected) as err:
+        check_ckpt_path(str(folder), sharded_ok=True)
+    assert "does not exist" not in str(err.value) and "give the path of a .ckpt file" in str(err.value)
+    with pytest.raises(CheckpointError, match="is a folder, not a checkpoint \\(a sharded one would hold meta.pt\\);"):
+        check_ckpt_path(str(runs / "2026-01-03_10-00-00"))
+
+
+def _module(experiment: str, tmp_path: Path, *extra: str):
     """The task ``experiment=<experiment> debug=tiny`` builds, as scripts/train.py builds it."""
-    cfg = compose_config("train", [f"experiment={experiment}", "debug=tiny"], tmp_path / experiment)
+    cfg = compose_config("train", [f"experiment={experiment}", "debug=tiny", *extra], tmp_path / experiment)
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     return instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
 
@@ -185,6 +223,16 @@ def test_a_checkpoint_of_another_task_is_refused_naming_both(saved, resumed, exp
     with pytest.raises(CheckpointError, match=expected) as err:
         check_resume_checkpoint(str(path), _module(resumed, tmp_path))
     assert "task.init_from" not in str(err.value) and "model._target_" not in str(err.value)
+
+
+def test_a_sharded_checkpoint_is_refused_by_a_run_without_fsdp(tmp_path):
+    """trainer.fit would fail on the folder with IsADirectoryError; a trainer=fsdp run reads it."""
+    folder = write_sharded(tmp_path / "old" / "checkpoints" / "last.ckpt")
+    with pytest.raises(
+        CheckpointError, match="is a sharded checkpoint .*strategy: 'auto'.*resume it with trainer=fsdp"
+    ):
+        check_resume_checkpoint(str(folder), _module("soft_moe_vit", tmp_path))
+    check_resume_checkpoint(str(folder), _module("soft_moe_vit", tmp_path, "trainer=fsdp"))
 
 
 def test_a_folder_of_corrupt_checkpoints_is_named(tmp_path):

@@ -10,6 +10,8 @@ one rank of two: test_parallel_train.py.
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import re
 import shlex
@@ -23,6 +25,7 @@ import torch
 from lightning import Callback
 
 import moekit.commands.train as train_module
+import moekit.utils.atomic as atomic_module
 from conftest import compose_config, small_overrides
 from moekit.callbacks import PreemptionCheckpoint
 from moekit.checkpoint import WRITE_DELAY_ENV, AtomicCheckpointIO, CheckpointError, atomic_torch_save, first_non_finite
@@ -169,6 +172,55 @@ def test_atomic_save_keeps_the_old_file_when_the_write_fails(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"step": 3}, path)
     assert torch.load(path, weights_only=True) == {"step": 3}
     assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640])
+def test_a_rewritten_checkpoint_keeps_its_permissions(mode, tmp_path):
+    """As open(path, "w") would: a checkpoint made private stays private when the next one replaces it."""
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1}, path)
+    path.chmod(mode)
+    atomic_torch_save({"step": 2}, path)
+    assert torch.load(path, weights_only=True) == {"step": 2}
+    assert path.stat().st_mode & 0o777 == mode
+
+
+class _DiskFullAfter(io.RawIOBase):
+    """A file that takes ``room`` bytes, then fails every write as a full disk does."""
+
+    def __init__(self, path: str, room: int):
+        self.raw, self.room = io.FileIO(path, "wb"), room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self.raw.tell() + len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.raw.write(data)
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def test_a_full_disk_during_a_checkpoint_write_raises_its_oserror_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """The disk fills while torch.save writes: the error is the OSError of the write (ENOSPC, naming the
+    checkpoint), which the scripts turn into one paragraph, not torch's zip-writer RuntimeError."""
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1}, path)
+    monkeypatch.setattr(
+        atomic_module, "open", lambda name, mode, **_: io.BufferedWriter(_DiskFullAfter(name, 4096)), raising=False
+    )
+    with pytest.raises(OSError) as info:
+        AtomicCheckpointIO().save_checkpoint({"step": 2, "w": torch.randn(100_000)}, path)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], "no temporary file is left behind"
 
 
 @pytest.mark.parametrize("where", ["weights", "optimizer"])

@@ -94,3 +94,38 @@ def test_a_frozen_backbone_stays_in_eval_mode_while_the_head_trains():
     assert changed == []
     unfrozen = ImageClassifier(net=net, num_classes=10)  # the same backbone trained: every module trains
     assert all(m.training for m in unfrozen.modules())
+
+
+def test_training_epoch_cross_entropy_of_padded_documents_is_the_mean_over_real_tokens():
+    """``data.pack=false`` batches hold different amounts of padding: the training epoch's ``train/ce_epoch`` is the
+    mean negative log-likelihood over the epoch's real target tokens (as ``val/ce`` is over the split's), not a mean
+    of batch means weighed by positions, padding included. Learning rate 0: the weights of every batch are the
+    start's; the checkpoint holds the count of real tokens, for a resumed epoch to go on from."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from moekit.tasks import LanguageModel
+
+    net = {"_target_": "moekit.models.TransformerLM", "vocab_size": 32, "max_seq_len": 8, "dim": 16, "depth": 1}
+    net |= {"num_heads": 2, "dropout": 0.0, "moe": {"recipe": "mixtral", "num_experts": 4}}
+    task = LanguageModel(net=net, vocab_size=32, optimizer={"lr": 0.0, "weight_decay": 0.0})
+    lengths = torch.tensor([8, 1, 2, 8, 3, 8])  # batches of two: 9, 10 and 11 real targets of 16 positions
+    mask = torch.arange(8) < lengths[:, None]
+    inputs = torch.where(mask, torch.randint(1, 32, (6, 8)), 0)
+    targets = torch.where(mask, torch.randint(0, 32, (6, 8)), -100)
+    data = DataLoader(TensorDataset(inputs, targets, mask), batch_size=2)
+    trainer = L.Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(task, data, data)
+    with torch.no_grad():
+        logits = task.eval()(inputs, mask)
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / mask.sum()
+    metrics = trainer.callback_metrics
+    torch.testing.assert_close(metrics["val/ce"], nll)
+    torch.testing.assert_close(metrics["train/ce_epoch"], nll)
+    checkpoint = {}
+    task.on_save_checkpoint(checkpoint)
+    counts = [count for _, count in checkpoint["moekit_epoch_means"]["sums"].values()]
+    assert counts and all(int(count) == mask.sum() for count in counts)

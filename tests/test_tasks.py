@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning import Callback
 from torch import nn
 
 from conftest import TINY_NET
@@ -150,3 +151,70 @@ def test_loss_free_balancing_updates_once_per_optimizer_step():
     task.optimizer_step(0, 0, torch.optim.SGD(task.parameters(), lr=0.0), optimizer_closure=lambda: None)
     assert layer.router.pending_counts.sum() == 0, "the counts were consumed by the step"
     assert layer.router.expert_bias.abs().sum() > 0
+
+
+class _StopAfter(Callback):
+    """Stops the fit after ``steps`` optimizer steps (nothing else limits the runs below)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        trainer.should_stop = trainer.global_step >= self.steps
+
+
+def _fit_without_limits(scheduler: dict, steps: int = 3, max_epochs: int = -1, iterable: bool = False) -> list[float]:
+    """Fit the tiny classifier with ``max_steps=-1`` and ``max_epochs=-1`` (a run that ``max_time`` would stop), or
+    on ``iterable`` data of no length, for ``steps`` optimizer steps; the learning rate of each step."""
+    import lightning as L
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(TensorDataset(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))))
+
+    task = ImageClassifier(net=TINY_NET, num_classes=10, optimizer={"lr": 0.1}, scheduler=scheduler)
+    rates = []
+    task.on_before_optimizer_step = lambda optimizer: rates.append(optimizer.param_groups[0]["lr"])
+    dataset = Stream() if iterable else TensorDataset(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)))
+    trainer = L.Trainer(
+        max_epochs=max_epochs, max_steps=-1, callbacks=[_StopAfter(steps)], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(task, DataLoader(dataset, batch_size=4))
+    return rates
+
+
+def test_a_run_with_no_step_limit_trains_with_a_schedule_that_needs_none():
+    """``trainer.max_epochs=-1`` and ``max_steps=-1`` (``max_time`` ends the run): Lightning estimates infinitely many
+    steps (-1 for training data of no length and no ``max_steps``). A constant schedule (or rsqrt) trains, warming up
+    over its whole number of steps; one that needs the total (cosine, a fractional warmup, a cooldown) is refused
+    naming the setting and the fix, where it would have decayed over one step."""
+    assert _fit_without_limits({"name": "constant", "warmup_steps": 2}) == pytest.approx([0.05, 0.1, 0.1])
+    rsqrt = _fit_without_limits({"name": "rsqrt", "warmup_steps": 1}, steps=4)
+    assert rsqrt == pytest.approx([0.1, 0.1, 0.1 * math.sqrt(1 / 2), 0.1 * math.sqrt(1 / 3)])
+    for scheduler, named in (
+        ({"name": "cosine", "warmup_steps": 2}, "name='cosine'"),
+        ({"name": "constant", "warmup_steps": 0.1}, "warmup_steps=0.1"),
+        ({"name": "rsqrt", "warmup_steps": 2, "cooldown_steps": 5}, "cooldown_steps=5"),
+    ):
+        with pytest.raises(ValueError, match=rf"scheduler {named}.*set trainer.max_steps"):
+            _fit_without_limits(scheduler)
+    with pytest.raises(ValueError, match="scheduler name='cosine'"):  # Lightning counts -1 steps: no total either
+        _fit_without_limits({"name": "cosine", "warmup_steps": 0}, max_epochs=1, iterable=True)
+
+
+def test_training_float16_weights_without_a_scaler_is_refused_with_the_precisions_that_work():
+    """``trainer.precision=16-true``: float16 weights, no float32 copy, no loss scaling; AdamW's first update turns
+    the weights NaN (every step then skipped by the guard). Refused before the first step, naming what works."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    task = ImageClassifier(net=TINY_NET, num_classes=10, optimizer={"lr": 1e-3})
+    trainer = L.Trainer(max_steps=1, precision="16-true", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    data = DataLoader(TensorDataset(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))), batch_size=4)
+    with pytest.raises(
+        ValueError, match=r"trainer.precision=16-true trains float16 weights.*=16-mixed.*bf16-mixed or bf16-true"
+    ):
+        trainer.fit(task, data)

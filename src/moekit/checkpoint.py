@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import warnings
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,11 +97,38 @@ def _write_delay() -> float:
     return delay
 
 
+class _WriteErrors:
+    """A binary file's ``write`` and ``flush`` that remember the ``OSError`` a write raised: ``torch.save`` turns a
+    failed write (a full disk, a quota) into a ``RuntimeError`` of its zip writer that has lost the ``errno``."""
+
+    def __init__(self, file: Any):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save(obj, path)`` through :func:`moekit.utils.atomic.atomic_write` (pausing
-    ``MOEKIT_CHECKPOINT_WRITE_DELAY`` seconds before the rename). Returns the path."""
+    ``MOEKIT_CHECKPOINT_WRITE_DELAY`` seconds before the rename). Returns the path. A write that fails (a full
+    disk) raises its ``OSError``, with ``path`` as its file name, and leaves the file at ``path`` as it was."""
     with atomic_write(path, "wb", pause=_write_delay()) as file:
-        torch.save(obj, file)
+        writer = _WriteErrors(file)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            err = writer.error
+            raise OSError(err.errno, err.strerror or str(err), os.fspath(path)) from None
     return Path(path)
 
 
@@ -292,8 +320,15 @@ def check_ckpt_path(ckpt_path: str | None, sharded_ok: bool = False) -> None:
             "(with trainer=fsdp). Save full checkpoints to evaluate or export: trainer.strategy.state_dict_type=full"
         )
     if ckpt_path and not Path(ckpt_path).is_file():
+        inside = [p.name for p in checkpoints_in(Path(ckpt_path))]  # a folder: the run's checkpoints/ maybe
+        what = (
+            f"is a folder, not a checkpoint (a sharded one would hold {SHARDED_METADATA}"
+            + (f"; the checkpoints in it: {', '.join(inside)})" if inside else ")")
+            if Path(ckpt_path).is_dir()
+            else "does not exist"
+        )
         raise CheckpointError(
-            f"ckpt_path={ckpt_path!r} does not exist; give the path of a .ckpt file (e.g. "
+            f"ckpt_path={ckpt_path!r} {what}; give the path of a .ckpt file (e.g. "
             "<run>/checkpoints/last.ckpt), or ckpt_path=last for the newest checkpoint of this task's runs"
         )
 
@@ -316,9 +351,10 @@ def _written_at(path: Path) -> float:
 
 
 def read_training_checkpoint(ckpt_path: str | Path) -> dict:
-    """A Lightning training checkpoint as a dict (tensors memory-mapped), or a :class:`CheckpointError` that
-    names the checkpoints beside it. A sharded checkpoint folder reads as its :data:`SHARDED_METADATA` (all but the
-    weights and optimizer states), once its shards are checked against their index (:func:`_check_shards`)."""
+    """A Lightning training checkpoint as a dict (the tensors of a zip-format file memory-mapped), or a
+    :class:`CheckpointError` that names the checkpoints beside it. A sharded checkpoint folder reads as its
+    :data:`SHARDED_METADATA` (all but the weights and optimizer states), once its shards are checked against their
+    index (:func:`_check_shards`)."""
     path = Path(ckpt_path)
     beside = [p.name for p in checkpoints_in(path.parent) if p.name != path.name]
     others = f"; the checkpoints beside it: {', '.join(beside)}" if beside else ""
@@ -327,7 +363,9 @@ def read_training_checkpoint(ckpt_path: str | Path) -> dict:
             _check_shards(path)
             checkpoint = torch.load(path / SHARDED_METADATA, map_location="cpu", weights_only=False)
         else:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            # mmap reads torch.save's zip format only: any other file (an empty one, a download's HTML page, the
+            # legacy format) is read whole, so that it loads or fails with its own error, not mmap's advice
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path))
     except Exception as err:
         raise CheckpointError(
             f"ckpt_path={str(path)!r} could not be read ({_first_sentence(err)}). It is corrupt, truncated or not a "

@@ -8,6 +8,7 @@ its own progress and a foreign or changed run is refused before ``trainer.fit`` 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,14 +74,17 @@ def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) 
 
 def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
     """A checkpoint to resume from must be a readable Lightning checkpoint of this very task and network, built
-    with the same settings: say so in one line instead of failing inside ``trainer.fit`` with a traceback. (The
-    weights of a sharded checkpoint folder are checked by torch.distributed.checkpoint when they load.)"""
+    with the same settings: say so in one line instead of failing inside ``trainer.fit`` with a traceback. (A sharded
+    checkpoint folder needs a fully sharded run; its weights are checked by torch.distributed.checkpoint when they
+    load.)"""
     checkpoint = read_training_checkpoint(ckpt_path)
     _check_same_task(ckpt_path, checkpoint, module)
     saved = (checkpoint.get("hyper_parameters") or {}).get("run_config")
     current = module.hparams.get("run_config")
     if isinstance(saved, Mapping) and isinstance(current, Mapping):
         _check_resume_overrides(ckpt_path, saved, current)
+    if is_sharded_checkpoint(ckpt_path) and isinstance(current, Mapping):
+        _check_reads_sharded(ckpt_path, (current.get("trainer") or {}).get("strategy") or "auto")
     if not is_sharded_checkpoint(ckpt_path):
         state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
         load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
@@ -104,6 +108,29 @@ def _check_same_task(ckpt_path: str, checkpoint: Mapping[str, Any], module: MoET
         f"ckpt_path={ckpt_path!r} holds {_a(saved_task or 'task')} of {_a(_model_name(saved) or 'unknown model')} "
         f"(task_name {task_name or 'not recorded'}), but this run builds {_a(type(module).__name__)} of "
         f"{_a(type(module.net).__name__)}: resume it with {fix}, or drop ckpt_path to train this run afresh"
+    )
+
+
+def _check_reads_sharded(ckpt_path: str, strategy: Any) -> None:
+    """A sharded checkpoint folder loads only under a strategy that reads one (``trainer=fsdp``): any other fails
+    inside ``trainer.fit`` with ``IsADirectoryError``. ``strategy``: the run config's ``trainer.strategy``."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    target = strategy.get("_target_") if isinstance(strategy, Mapping) else None
+    if isinstance(strategy, str) and strategy.startswith("fsdp"):
+        return
+    if isinstance(target, str):
+        module_name, _, name = target.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            return  # instantiating the trainer names the bad target
+        if isinstance(cls, type) and issubclass(cls, (FSDPStrategy, ModelParallelStrategy)):
+            return
+    raise CheckpointError(
+        f"ckpt_path={ckpt_path!r} is a sharded checkpoint (one file per rank), which only a fully sharded run reads "
+        f"(this run's strategy: {target or strategy!r}); resume it with trainer=fsdp, or write full checkpoints "
+        "(trainer.strategy.state_dict_type=full) to resume under another strategy"
     )
 
 

@@ -37,11 +37,15 @@ class Stat:
 
 
 def summarize(values: Iterable[float | None]) -> Stat | None:
-    """:class:`Stat` of the values that are not None (None when none is)."""
+    """:class:`Stat` of the values that are not None (None when none is). A NaN among them (a seed whose metric
+    diverged) makes every field NaN, whatever the order of the runs: a mean, a median or a range that left it out
+    would read as the configuration's result."""
     present = [float(v) for v in values if v is not None]
     if not present:
         return None
     n = len(present)
+    if any(math.isnan(v) for v in present):
+        return Stat(mean=math.nan, median=math.nan, low=math.nan, high=math.nan, std=math.nan, n=n)
     mean = sum(present) / n
     std = math.sqrt(sum((v - mean) ** 2 for v in present) / (n - 1)) if n > 1 else 0.0
     return Stat(mean=mean, median=statistics.median(present), low=min(present), high=max(present), std=std, n=n)

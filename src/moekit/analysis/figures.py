@@ -219,10 +219,12 @@ def plot_ablations(results: Sequence[RunResult], out: Path) -> Path:
         values = [s for _, s in shown]
         ax.bar(range(len(values)), [s.mean * metric.scale for s in values], yerr=_errors(values, metric.scale))
         ax.set_xticks(range(len(values)), labels, fontsize=8)
-        low = min(s.low for s in values) * metric.scale
-        high = max(s.high for s in values) * metric.scale
-        margin = max(high - low, abs(high) * 0.01, 1e-6)
-        ax.set_ylim(low - margin, high + margin)
+        finite = [s for s in values if math.isfinite(s.low) and math.isfinite(s.high)]  # a NaN bar sets no limit
+        if finite:
+            low = min(s.low for s in finite) * metric.scale
+            high = max(s.high for s in finite) * metric.scale
+            margin = max(high - low, abs(high) * 0.01, 1e-6)
+            ax.set_ylim(low - margin, high + margin)
         ax.set_ylabel(metric.label)
         ax.set_title(task.removeprefix("results_"))
         ax.grid(True, axis="y", alpha=0.3)
@@ -231,12 +233,18 @@ def plot_ablations(results: Sequence[RunResult], out: Path) -> Path:
 
 
 def _short_label(label: str) -> str:
-    """``"normalize=false"`` from ``"moe.normalize=false"``; one line per override."""
+    """``"normalize=false"`` from ``"moe.normalize=false"``; one line per override (a list or dict value such as
+    ``model.stem_channels=[32,64]`` stays whole: only the commas outside brackets part the overrides)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(label):
+        depth += (char in "[{(") - (char in "]})")
+        if char == "," and depth == 0:
+            parts.append(label[start:i])
+            start = i + 1
+    parts.append(label[start:])
     return (
         "\n".join(
-            part.split("=", 1)[0].rsplit(".", 1)[-1] + "=" + part.split("=", 1)[1]
-            for part in label.split(",")
-            if "=" in part
+            part.split("=", 1)[0].rsplit(".", 1)[-1] + "=" + part.split("=", 1)[1] for part in parts if "=" in part
         )
         or label
     )

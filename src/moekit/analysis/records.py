@@ -203,6 +203,16 @@ def _parse_override(override: str) -> tuple[str, str]:
     return key, value
 
 
+_NOT_SETTING = frozenset({"seed", "results", "data.root", "ckpt_path", "skip_finished"})
+"""Overrides that say where a run reads and writes or how it was started, not what it trains: the keys Hydra
+leaves out of a sweep job's folder name (``configs/hydra/default.yaml``, with every ``paths.*``), and the seed. A
+job resumed with ``ckpt_path=auto`` or rerun with ``skip_finished=false`` stays a seed of its configuration."""
+
+
+def _in_setting(key: str) -> bool:
+    return key not in _NOT_SETTING and not key.startswith("paths.")
+
+
 @dataclass(frozen=True)
 class RunResult:
     """One run, read from its ``results.json``.
@@ -212,8 +222,9 @@ class RunResult:
         task_name: the experiment's ``task_name`` (``results_pareto``, ...).
         family: :func:`model_family` of its network.
         seed: the run's seed.
-        setting: its overrides but the seed, as sorted ``(key, value)`` pairs: runs with the same
-            ``task_name`` and setting are seeds of one configuration.
+        setting: its overrides but the seed and where it reads and writes (``ckpt_path``, ``paths.*``, ...), as
+            sorted ``(key, value)`` pairs: runs with the same ``task_name`` and setting are seeds of one
+            configuration.
         num_experts: the most experts of any MoE layer (0 for a dense network).
         total_params, active_params: parameters in all, and used per token.
         forward_flops: forward FLOPs per example (image or token).
@@ -266,7 +277,7 @@ class RunResult:
             task_name=str(record.get("task_name")),
             family=record["model"]["family"],
             seed=record.get("seed"),
-            setting=tuple(sorted((k, v) for k, v in pairs if k != "seed")),
+            setting=tuple(sorted((k, v) for k, v in pairs if _in_setting(k))),
             num_experts=int(record["model"].get("num_experts", 0)),
             total_params=record["params"].get("total"),
             active_params=record["params"].get("active_per_token"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -124,7 +124,8 @@ class NonFiniteGuard(Callback):
     Lightning turns ``16-mixed`` into ``bf16-mixed``, which has no scaler.)
 
     Logs ``train/skipped_steps`` (the total of bad steps skipped) every step, and
-    ``train/scaler_skipped_steps`` when a scaler is in use. The counts are kept in checkpoints.
+    ``train/scaler_skipped_steps`` when a scaler is in use. The counts, and the first and last bad steps
+    of the current streak (for the message that stops it), are kept in checkpoints.
 
     Args:
         max_consecutive_bad_steps: stop after this many bad steps in a row; None skips bad steps
@@ -293,16 +294,23 @@ class NonFiniteGuard(Callback):
             pl_module.log("train/scaler_skipped_steps", float(self.scaler_skipped_steps), on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
+        # The streak's first and last bad steps go with its length: a run resumed in the middle of a streak stops
+        # at the same step, with the same message, as the run that never stopped.
         return {
             "skipped_steps": self.skipped_steps,
             "scaler_skipped_steps": self.scaler_skipped_steps,
             "consecutive_bad_steps": self.consecutive_bad_steps,
+            "first_of_streak": None if self.first_of_streak is None else asdict(self.first_of_streak),
+            "last_bad_step": None if self.last_bad_step is None else asdict(self.last_bad_step),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.scaler_skipped_steps = int(state_dict.get("scaler_skipped_steps", 0))
         self.consecutive_bad_steps = int(state_dict.get("consecutive_bad_steps", 0))
+        first, last = state_dict.get("first_of_streak"), state_dict.get("last_bad_step")
+        self.first_of_streak = None if first is None else BadStep(**first)
+        self.last_bad_step = None if last is None else BadStep(**last)
 
 
 def _checksum(tensors: list[Tensor], device: torch.device) -> Tensor:

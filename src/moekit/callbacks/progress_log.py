@@ -73,11 +73,12 @@ class ProgressLog(Callback):
         if not self.active or step % self.every_n_steps or step == self._last_step:
             return
         self._last_step = step
-        total = trainer.estimated_stepping_batches
+        total = trainer.estimated_stepping_batches  # inf with no limit, -1 for data of no length and no max_steps
+        known = math.isfinite(total) and total >= 0
         rate = (step - self._start_step) / max(time.monotonic() - self._start_time, 1e-9)
-        left = f"  ETA {_duration((total - step) / rate)}" if math.isfinite(total) and rate > 0 else ""
+        left = f"  ETA {_duration((total - step) / rate)}" if known and rate > 0 else ""
         epochs = f"/{trainer.max_epochs - 1}" if trainer.max_epochs and trainer.max_epochs > 0 else ""  # as Lightning
-        steps = f"/{int(total)}" if math.isfinite(total) else ""
+        steps = f"/{int(total)}" if known else ""
         metrics = _metrics(trainer.progress_bar_metrics, "train/")
         log.info("epoch %d%s  step %d%s  %s%s", trainer.current_epoch, epochs, step, steps, metrics, left)
 

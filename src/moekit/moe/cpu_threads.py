@@ -4,8 +4,8 @@ An expert of ragged dispatch holds a few dozen to a few hundred rows. One BLAS c
 intra-op threads, runs far below the machine's matmul rate: each thread gets a sliver of a small product and waits for
 the others at its end. Here each of ``torch.get_num_threads()`` worker threads takes a contiguous share of the experts,
 about equal in rows, and runs its experts' products one after another on one intra-op thread, the way ``torch.bmm``
-runs equal groups. The workers start once per process (again after a fork); a worker's one-thread setting is its own
-(OpenMP's and MKL's thread-local settings), the calling thread keeps its own.
+runs equal groups. The workers start once per process and thread count (again after a fork); a worker's one-thread
+setting is its own (OpenMP's and MKL's thread-local settings), the calling thread keeps its own.
 
 Measured (``grouped_linear`` forward + backward, 2-core AMD EPYC, float32, interleaved rounds): with 32 to 256 experts
 of 32 to 128 rows each, 1.01-1.20x the speed of the plain loop (1.10-1.20x at 256 experts of 32 rows, the fine-grained
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -62,23 +62,22 @@ class _Workers:
             ready.wait()
 
 
-_workers: _Workers | None = None
+# One set of workers per thread count, kept for the process's life: Python threads that run with different counts
+# (two models, each set up with its own) each keep theirs, and none shuts down workers another thread is using
+_workers: dict[int, _Workers] = {}
 _lock = threading.Lock()
 
 
 def _get_workers(n: int) -> _Workers:
-    global _workers
     with _lock:
-        if _workers is None or _workers.n != n:
-            if _workers is not None:
-                _workers.pool.shutdown(wait=True)
-            _workers = _Workers(n)
-        return _workers
+        if n not in _workers:
+            _workers[n] = _Workers(n)
+        return _workers[n]
 
 
 def _forget_workers() -> None:
     global _workers, _lock
-    _workers = None  # a forked child has none of its parent's threads,
+    _workers = {}  # a forked child has none of its parent's threads,
     _lock = threading.Lock()  # and a lock another thread held at the fork would stay held
 
 
@@ -100,7 +99,8 @@ def shares(costs: Sequence[int], n: int) -> list[range]:
 def for_each_expert(work: Callable[[int], None], costs: Sequence[int], device: torch.device) -> None:
     """Call ``work(e)`` for every expert ``e`` with ``costs[e] > 0`` (its rows), in shares over the CPU's threads
     when ``device`` is the CPU. ``work`` writes into preallocated tensors (``out=``); it runs without autograd
-    recording, in the caller's inference mode."""
+    recording, in the caller's inference mode. An error raised by ``work`` reaches the caller once every share has
+    ended (each share stops at its first error)."""
     inference = torch.is_inference_mode_enabled()
 
     def run(share: range) -> None:
@@ -116,5 +116,7 @@ def for_each_expert(work: Callable[[int], None], costs: Sequence[int], device: t
     if workers is None or not workers.usable:
         run(range(len(costs)))
         return
-    for future in [workers.pool.submit(run, share) for share in shares(costs, n)]:
+    futures = [workers.pool.submit(run, share) for share in shares(costs, n)]
+    wait(futures)  # every share ends before an error reaches the caller: no worker writes the outputs after that
+    for future in futures:
         future.result()

@@ -10,6 +10,7 @@ their task loss and metrics and call :meth:`MoETask.add_aux_losses`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -106,7 +107,7 @@ class MoETask(LightningModule):
                 )
             self.frames_before_compile = None
 
-    def add_aux_losses(self, split: str, task_loss: Tensor, batch_size: int) -> Tensor:
+    def add_aux_losses(self, split: str, task_loss: Tensor, batch_size: int | Tensor) -> Tensor:
         """Task loss (a cross-entropy) + the weighted MoE auxiliary losses of the latest forward. Logs
         ``<split>/loss``, ``<split>/ce`` and each aux loss summed over layers (``<split>/aux/<name>``,
         ``<split>/aux/total``): training per step (``_step``, rank 0's values) and as epoch means (``_epoch``,
@@ -125,7 +126,7 @@ class MoETask(LightningModule):
                 self.log(f"{split}/{name}", value, **log)
         return loss
 
-    def log_epoch_mean(self, name: str, value: Tensor, batch_size: int) -> None:
+    def log_epoch_mean(self, name: str, value: Tensor, batch_size: int | Tensor) -> None:
         """Log the mean of ``value`` over the training epoch as ``name`` (:class:`~moekit.tasks.epoch_means.EpochMeans`:
         unlike Lightning's ``on_epoch`` means it survives a resume in the middle of the epoch)."""
         self.epoch_means.update(name, value, batch_size, self.current_epoch)
@@ -171,12 +172,20 @@ class MoETask(LightningModule):
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
+        if str(self.trainer.precision) == "16-true":
+            raise ValueError(
+                "trainer.precision=16-true trains float16 weights with no float32 copy and no loss scaling: the "
+                "optimizer's updates and second moments underflow or overflow (a ViT's weights turn NaN at the first "
+                "step); train with trainer.precision=16-mixed (float16 autocast with a gradient scaler), bf16-mixed "
+                "or bf16-true"
+            )
         config = dict(self.optimizer_config)
         weight_decay = config.pop("weight_decay")
         decay_1d = config.pop("decay_1d", False)
         fused = not str(self.trainer.precision).startswith("16")  # a float16 GradScaler unscales before clipping
         optimizer = build_optimizer(param_groups(self.net, weight_decay, decay_1d), **config, fused=fused)
-        total = int(self.trainer.estimated_stepping_batches)
+        total = self.trainer.estimated_stepping_batches  # inf (or -1 for data of no length) when nothing limits it
+        total = int(total) if 0 <= total < math.inf else math.inf
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

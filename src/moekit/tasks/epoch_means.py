@@ -21,10 +21,11 @@ class EpochMeans:
 
     def __init__(self) -> None:
         self.epoch: int | None = None
-        self.sums: dict[str, tuple[Tensor, int]] = {}  # name -> (sum of value * weight, sum of weights)
+        self.sums: dict[str, tuple[Tensor, int | Tensor]] = {}  # name -> (sum of value * weight, sum of weights)
 
-    def update(self, name: str, value: Tensor, weight: int, epoch: int) -> None:
-        """Add ``value`` (a scalar tensor) with ``weight`` (the batch size) to ``name``'s mean of ``epoch``."""
+    def update(self, name: str, value: Tensor, weight: int | Tensor, epoch: int) -> None:
+        """Add ``value`` (a scalar tensor) with ``weight`` (the batch size, or a count on the device: a language
+        model's real target tokens) to ``name``'s mean of ``epoch``."""
         if epoch != self.epoch:
             self.epoch, self.sums = epoch, {}
         total, count = self.sums.get(name, (0.0, 0))
@@ -35,7 +36,11 @@ class EpochMeans:
         return {name: total / count for name, (total, count) in self.sums.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "sums": {name: (total.cpu(), count) for name, (total, count) in self.sums.items()}}
+        cpu = {
+            name: (total.cpu(), count.cpu() if isinstance(count, Tensor) else count)
+            for name, (total, count) in self.sums.items()
+        }
+        return {"epoch": self.epoch, "sums": cpu}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s sums (0-dim CPU tensors, which add to a value on any device)."""

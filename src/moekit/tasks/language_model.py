@@ -6,7 +6,7 @@ passes the mask to the network, and its padding targets (:data:`~moekit.data.tex
 Metrics, per split: ``ce``, perplexity ``ppl = exp(ce)`` and bits per byte ``bpb = ce / ln 2 / bytes_per_token``
 (the data module's UTF-8 bytes per token of that split, so byte-level and BPE models compare). Evaluation figures
 are means over the whole split's real target tokens (torchmetrics, reduced over ranks), taken before the
-exponential; training's epoch means weigh each batch by its positions.
+exponential; training's epoch means weigh each batch by its real target tokens too.
 
 The network config must build a causal LM (:class:`~moekit.models.TransformerLM`,
 :class:`~moekit.models.LSTMMoELM`): ``net(input_ids [batch, tokens]) -> logits [batch, tokens, vocab]``.
@@ -151,8 +151,9 @@ class LanguageModel(MoETask):
         padding_mask = rest[0] if rest else None
         logits = self(input_ids, padding_mask)
         ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD_TARGET)
-        if split == "train":  # the epoch means weigh a batch by its positions, padding included (no host read)
-            loss = self.add_aux_losses(split, ce, batch_size=targets.numel())
+        if split == "train":  # the epoch means weigh a batch by its real targets, counted on the device (no host read)
+            real_targets = targets.numel() if padding_mask is None else (targets != PAD_TARGET).sum()
+            loss = self.add_aux_losses(split, ce, batch_size=real_targets)
             self.log("train/ppl", ce.detach().exp(), on_step=True, on_epoch=False, prog_bar=True)
         else:  # token-weighted over the split, as ppl and bpb (the count read on the host: evaluation only)
             real_targets = targets.numel() if padding_mask is None else padding_mask.sum()

@@ -69,10 +69,28 @@ def _steps(value: float, total: int) -> int:
     return int(round(value * total)) if 0 < value < 1 else int(value)
 
 
-def lr_lambda(config: ScheduleConfig, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the peak learning rate at each optimizer step."""
+def _needs_total(config: ScheduleConfig) -> str | None:
+    """What of ``config`` depends on the run's total number of steps, or None."""
+    if config.name == "cosine":
+        return "name='cosine' (it decays over the run's steps)"
+    if 0 < config.warmup_steps < 1:
+        return f"warmup_steps={config.warmup_steps} (a fraction of the run's steps)"
+    if config.name == "rsqrt" and config.cooldown_steps:
+        return f"cooldown_steps={config.cooldown_steps} (the run's last steps)"
+    return None
+
+
+def lr_lambda(config: ScheduleConfig, total_steps: float) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate at each optimizer step. ``total_steps`` may be ``inf`` (a run with no
+    step or epoch limit, stopped by ``max_time``) for a schedule that does not depend on it."""
     if config.name not in ("cosine", "rsqrt", "constant"):
         raise ValueError(f"scheduler name={config.name!r}; allowed: 'cosine', 'rsqrt', 'constant'")
+    if not math.isfinite(total_steps) and (needs := _needs_total(config)):
+        raise ValueError(
+            f"scheduler {needs} needs the run's number of optimizer steps, but nothing limits it "
+            "(trainer.max_steps=-1, with trainer.max_epochs=-1 or training data of no length); set trainer.max_steps, "
+            "or use scheduler.name=constant or rsqrt with a whole number of warmup_steps and no cooldown_steps"
+        )
     total_steps = max(1, total_steps)
     warmup = min(_steps(config.warmup_steps, total_steps), total_steps)
     cooldown = _steps(config.cooldown_steps, total_steps)

@@ -48,6 +48,7 @@ TUNED = "glibc malloc, tuned"  # what active_allocator() says after tune_glibc_m
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _tuned = False
+_REPLACEMENTS = ("tcmalloc", "jemalloc")  # preloadable mallocs that take glibc's place
 
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -67,17 +68,25 @@ def find_tcmalloc() -> str | None:
     return name
 
 
-def active_allocator() -> str:
-    """``"tcmalloc"`` when it is loaded into this process (``/proc/self/maps``: a preload the loader could not find
-    does not count; elsewhere ``LD_PRELOAD`` is taken at its word), ``"glibc malloc, tuned"`` after
-    :func:`tune_glibc_malloc`, else ``"system malloc"``."""
+def _loaded_replacements() -> set[str]:
+    """The malloc replacements (``"tcmalloc"``, ``"jemalloc"``) loaded into this process, from ``/proc/self/maps``: a
+    preload the loader could not find or open does not count. Where that cannot be read (not Linux), ``LD_PRELOAD``
+    is taken at its word."""
     try:
         with open("/proc/self/maps") as maps:
-            loaded = "tcmalloc" in maps.read()
+            text = maps.read()
     except OSError:
-        loaded = "tcmalloc" in os.environ.get("LD_PRELOAD", "")
-    if loaded:
-        return "tcmalloc"
+        text = os.environ.get("LD_PRELOAD", "")
+    return {name for name in _REPLACEMENTS if name in text}
+
+
+def active_allocator() -> str:
+    """``"tcmalloc"`` or ``"jemalloc"`` when it is loaded into this process (:func:`_loaded_replacements`),
+    ``"glibc malloc, tuned"`` after :func:`tune_glibc_malloc`, else ``"system malloc"``."""
+    loaded = _loaded_replacements()
+    for name in _REPLACEMENTS:
+        if name in loaded:
+            return name
     return TUNED if _tuned else "system malloc"
 
 
@@ -104,8 +113,7 @@ def tune_glibc_malloc() -> bool:
     global _tuned
     if _tuned:
         return True
-    preload = os.environ.get("LD_PRELOAD", "")
-    if "tcmalloc" in preload or "jemalloc" in preload or platform.libc_ver()[0] != "glibc":
+    if _loaded_replacements() or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -125,10 +133,14 @@ def tune_by_default() -> None:
 def reexec_with_tcmalloc() -> bool:
     """Restart this program with tcmalloc in ``LD_PRELOAD`` if it is installed and not yet loaded.
 
-    Returns False (and does nothing) when tcmalloc is missing or already active; otherwise does not
-    return. Call it first thing in a script's ``main``, before any heavy work.
+    Returns False (and does nothing) when tcmalloc is missing or already active, when another malloc replacement
+    (jemalloc) is loaded (the user's choice), when the program cannot be run again (read from stdin, typed into
+    the interpreter), or off Linux (macOS's loader ignores ``LD_PRELOAD``, and only Linux's ``/proc/self/maps``
+    shows whether the preload took); otherwise does not return. Call it first thing in a script's ``main``, before
+    any heavy work.
     """
-    if active_allocator() == "tcmalloc" or os.environ.get("MOEKIT_NO_REEXEC"):
+    linux = sys.platform.startswith("linux")
+    if not linux or _loaded_replacements() or os.environ.get("MOEKIT_NO_REEXEC") or not _restartable():
         return False
     library = find_tcmalloc()
     if library is None:
@@ -138,10 +150,20 @@ def reexec_with_tcmalloc() -> bool:
     return True  # unreachable
 
 
+def _restartable() -> bool:
+    """Whether the interpreter's command line runs this program again: a script, ``-m module`` or ``-c code``, not a
+    program read from stdin (consumed by now) or an interactive session."""
+    return bool(sys.argv and sys.argv[0] not in ("", "-"))
+
+
 def _restart(**env: str) -> None:
-    """Replace this process by the same program with ``env`` added, never to restart again."""
+    """Replace this process by the same program with ``env`` added, never to restart again. The interpreter's own
+    command line (``sys.orig_argv``: its options, ``-m module`` or ``-c code``) runs it again, with the arguments it
+    was given."""
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env, "MOEKIT_NO_REEXEC": "1"})
+    sys.stderr.flush()
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    os.execve(sys.executable, argv, {**os.environ, **env, "MOEKIT_NO_REEXEC": "1"})
 
 
 def use_fast_allocator(choice: str | None = None) -> None:
@@ -169,6 +191,6 @@ def add_allocator_argument(parser) -> None:
 def apply_allocator(args) -> None:
     """Act on ``--allocator``, as :func:`use_fast_allocator` does on ``MOEKIT_ALLOCATOR``. ``system`` restarts a
     process whose malloc is already tuned (by the import of :mod:`moekit.moe`) with ``MOEKIT_ALLOCATOR=system``."""
-    if args.allocator == "system" and _tuned and not os.environ.get("MOEKIT_NO_REEXEC"):
+    if args.allocator == "system" and _tuned and not os.environ.get("MOEKIT_NO_REEXEC") and _restartable():
         _restart(**{ALLOCATOR_ENV: "system"})
     use_fast_allocator(args.allocator)

@@ -5,7 +5,8 @@ Fashion-MNIST download — goes through :func:`atomic_write` (figures and torchv
 directly): a temporary file in the target's folder, flushed and
 ``fsync``-ed, renamed onto the target with ``os.replace`` (atomic on POSIX within one file system), then the
 folder is ``fsync``-ed so the rename survives a power cut. The file gets the permissions a plain
-``open(path, "w")`` would give it (``mkstemp`` alone would make it 0600).
+``open(path, "w")`` would give it: a replaced file's own, a new one's from the umask (``mkstemp`` alone would make
+it 0600).
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _permissions(path: Path) -> int:
+    """The mode ``open(path, "w")`` leaves ``path`` with: an existing file's own, else ``0o666`` less the umask."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_write(
     path: str | os.PathLike, mode: str = "w", pause: float = 0.0, suffix: str = ".tmp"
@@ -57,9 +68,7 @@ def atomic_write(
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     tmp = Path(tmp_name)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, _permissions(path))
         os.close(fd)
         with open(tmp, mode, **({"newline": ""} if mode == "w" else {})) as file:
             yield file

@@ -73,8 +73,9 @@ def check_accelerator(accelerator: str, devices: Any = "auto") -> None:
 
 
 def available_memory(device: torch.device | str | None = None) -> int | None:
-    """Bytes that new tensors on ``device`` can still take: a CUDA device's free memory, or the host's
-    ``MemAvailable`` (Linux) for the CPU; None where it cannot be known (other devices and systems)."""
+    """Bytes that new tensors on ``device`` can still take: a CUDA device's free memory, or for the CPU the host's
+    ``MemAvailable`` (Linux), less where the process's cgroup (a container's, a batch job's) has a memory limit nearer
+    (:func:`_cgroup_memory_left`); None where it cannot be known (other devices and systems)."""
     import torch
 
     device = torch.device(device if device is not None else "cpu")
@@ -82,13 +83,62 @@ def available_memory(device: torch.device | str | None = None) -> int | None:
         return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
     if device.type != "cpu":
         return None
+    host = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                host = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    cgroup = _cgroup_memory_left()
+    return host if cgroup is None else cgroup if host is None else min(host, cgroup)
+
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
+_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as the largest page multiple below 2**63
+
+
+def _cgroup_memory_left() -> int | None:
+    """What the memory cgroups of this process (its own and those above it that are visible) still let it use: the
+    smallest limit less usage, counting the file cache as free (the kernel reclaims it before it kills; not shared
+    memory, which it cannot drop); None without a limit or on a system without cgroups. cgroup v2 (``memory.max``)
+    and v1 (``memory.limit_in_bytes``); a container sees its own cgroup at the mount's root."""
+    try:
+        lines = _PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    left = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[1] == "":
+            root, limit, usage, cache, shared = _CGROUP_ROOT, "memory.max", "memory.current", "file", "shmem"
+        elif "memory" in parts[1].split(","):
+            root, limit, usage = _CGROUP_ROOT / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+            cache, shared = "total_cache", "total_shmem"
+        else:
+            continue
+        folder = root / parts[2].strip("/")
+        folder = folder if folder.is_dir() else root
+        for level in (folder, *(p for p in folder.parents if p.is_relative_to(root))):
+            try:
+                cap = (level / limit).read_text().strip()
+                if cap == "max" or int(cap) >= _UNLIMITED:
+                    continue
+                used = int((level / usage).read_text())
+            except (OSError, ValueError):
+                continue
+            try:
+                rows = (row.split() for row in (level / "memory.stat").read_text().splitlines())
+                stat = {row[0]: int(row[1]) for row in rows if len(row) == 2}
+                used -= stat.get(cache, 0) - stat.get(shared, 0)
+            except (OSError, ValueError):
+                pass
+            room = max(int(cap) - used, 0)
+            left = room if left is None else min(left, room)
+    return left
 
 
 def cpu_model() -> str:
@@ -126,7 +176,9 @@ def resolve_precision(precision: Any, accelerator: Any = "auto", flags: set[str]
         return str(precision), "as configured"
     accelerator = str(accelerator).lower()
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
-        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        # bf16 in hardware (compute capability 8.0 on): is_bf16_supported() on its own also accepts the emulation
+        # older GPUs (V100, T4) offer, which trains slower than float16
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
             return "16-mixed", f"{torch.cuda.get_device_name()} has no bf16"
         return "bf16-mixed", "a CUDA GPU: bf16 autocast"
     flags = cpu_flags() if flags is None else flags
