@@ -12,12 +12,15 @@ pre-emption checkpoint waits for that epoch's validation) or in the middle of an
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 from pathlib import Path
 
 import pytest
 from kill_points import kill_overrides
 
 from resume_helpers import (
+    TIMING_SUFFIX,
     assert_same_training_state,
     finish,
     load_checkpoint,
@@ -84,3 +87,101 @@ def test_a_killed_run_resumes_to_the_logs_of_the_uninterrupted_run(
     assert any("val/acc" in row for row in rows) and any("train/acc" in row for row in rows)
     assert rows == reference_rows
     assert tensorboard_scalars(tmp_path) == tensorboard_scalars(reference)
+
+
+TRACKERS = [name for name in ("mlflow", "wandb") if importlib.util.find_spec(name) is not None]
+
+
+@pytest.fixture(scope="module")
+def tracked_resume(tmp_path_factory) -> Path:
+    """A run logging to CSV and to the tracking stores that are installed (MLflow in a SQLite store beside it,
+    W&B offline), SIGKILLed in the middle of writing the step-6 checkpoint (its rows up to step 5 logged, the last
+    checkpoint at step 3) and resumed with ``ckpt_path=last`` to the end of its epoch; its folder."""
+    if not TRACKERS:
+        pytest.skip("neither mlflow nor wandb is installed (pip install -e '.[loggers]')")
+    out = tmp_path_factory.mktemp("tracked")
+    args = train_command(
+        *[o for o in OVERRIDES if not o.startswith(("logger=", "trainer.max_epochs="))],
+        f"logger=[csv,{','.join(TRACKERS)}]",
+        "trainer.max_epochs=1",
+        f"paths.output_dir={out}",
+        f"hydra.run.dir={out}",
+        *([f"logger.mlflow.tracking_uri=sqlite:///{out}/mlflow.db"] if "mlflow" in TRACKERS else []),
+    )
+    with pytest.MonkeyPatch.context() as env:  # W&B's settings and caches in the test's folder
+        for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            env.setenv(name, str(out / "wandb-home"))
+        env.setenv("WANDB_MODE", "offline")
+        status, output = finish(start([*args, *kill_overrides("kill_during_write", 6)]))
+        assert status == -9, output[-3000:]
+        assert load_checkpoint(out / "checkpoints" / "last.ckpt")["global_step"] == 3
+        status, output = finish(start([*args, "ckpt_path=last"]))
+    assert status == 0, output[-3000:]
+    return out
+
+
+def test_a_resumed_run_continues_its_mlflow_run(tracked_resume):
+    """One MLflow run over both processes, finished, whose metric history holds each value of the run's
+    ``metrics.csv`` (the uninterrupted run's rows) once: steps 3-5, logged by both processes, are not doubled."""
+    mlflow = pytest.importorskip("mlflow")
+    client = mlflow.MlflowClient(f"sqlite:///{tracked_resume}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, f"a resume must continue the run, not open another: {[r.info.run_id for r in runs]}"
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    expected = collections.defaultdict(list)
+    for row in metrics_rows(tracked_resume):
+        for key, value in row.items():
+            if key not in ("step", "epoch"):
+                expected[key, int(row["step"])].append(float(value))
+    history = collections.defaultdict(list)
+    for key in run.data.metrics:
+        if key != "epoch" and not key.endswith(TIMING_SUFFIX):
+            for metric in client.get_metric_history(run.info.run_id, key):
+                history[key, metric.step].append(metric.value)
+    assert {k: sorted(v) for k, v in history.items()} == {k: sorted(v) for k, v in expected.items()}
+    assert sorted(s for k, s in history if k == "train/loss_step") == list(range(STEPS_PER_EPOCH))
+
+
+def test_a_resumed_run_continues_its_wandb_run(tracked_resume):
+    """Both processes log offline to the same W&B run id (each into its own ``offline-run-<time>-<id>`` folder)."""
+    pytest.importorskip("wandb")
+    folders = sorted((tracked_resume / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2, folders
+    assert len({folder.name.rsplit("-", 1)[1] for folder in folders}) == 1, f"two W&B runs: {folders}"
+
+
+def test_a_continued_mlflow_run_keeps_its_parameters_and_logs_a_held_value_once(tmp_path, caplog):
+    """In one process: a run logs steps 0-3; a logger continuing it from the position of a checkpoint at step 1
+    leaves out the values the run holds at steps 2-3, keeps both values of a step logged again with another value,
+    and keeps the first value of a changed parameter (MLflow refuses a change). A run the store does not hold is
+    said so, and a new run opened."""
+    pytest.importorskip("mlflow")
+    from moekit.loggers import MLFlowLogger, continue_runs
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MLFlowLogger(experiment_name="resume", tracking_uri=uri)
+    first.log_hyperparams({"ckpt_path": None, "lr": 0.1})
+    for step in range(2):
+        first.log_metrics({"loss": 1.0 + step}, step=step)
+    positions = {first.position_key: first.position()}
+    for step in range(2, 4):
+        first.log_metrics({"loss": 1.0 + step}, step=step)
+
+    resumed = MLFlowLogger(experiment_name="resume", tracking_uri=uri)
+    continue_runs([resumed], positions)
+    resumed.log_hyperparams({"ckpt_path": "last.ckpt", "lr": 0.1, "seed": 1})
+    for step, value in [(2, 3.0), (3, 4.5), (4, 5.0)]:
+        resumed.log_metrics({"loss": value}, step=step)
+    resumed.finalize("success")
+    assert resumed.run_id == first.run_id
+    run = resumed.experiment.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"ckpt_path": "None", "lr": "0.1", "seed": "1"}
+    history = sorted((m.step, m.value) for m in resumed.experiment.get_metric_history(first.run_id, "loss"))
+    assert history == [(0, 1.0), (1, 2.0), (2, 3.0), (3, 4.0), (3, 4.5), (4, 5.0)]
+
+    gone = MLFlowLogger(experiment_name="resume", tracking_uri=uri)
+    continue_runs([gone], {gone.position_key: {"id": "0" * 32, "step": 3}})
+    assert gone.run_id not in (first.run_id, "0" * 32)
+    assert "not continued" in caplog.text

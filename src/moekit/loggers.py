@@ -19,6 +19,12 @@ the wider header (old rows get empty cells there). A run that is not resumed fro
 (a fresh run in the folder) keeps the earlier rows of steps before its first step: a fresh run replaces the
 file, as Lightning's does. :class:`ResumableTensorBoardLogger` (``configs/logger/tensorboard.yaml``): each run
 writes its own event file beside the earlier ones, which a resume cuts back.
+
+:class:`MLFlowLogger`, :class:`WandbLogger` (``configs/logger/mlflow.yaml``, ``wandb.yaml``): a
+tracking store's history cannot be cut back. Their position is their run's id, and a resumed run logs into that run
+(:func:`continue_runs`, before the loggers start). What the killed run logged after its checkpoint stays: MLflow
+leaves out a re-logged value the run holds at that step already (deterministic training: all of them) and keeps
+both values of one that differs, the resumed one latest; W&B keeps both rows of a re-logged ``trainer/global_step``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,8 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+from lightning.pytorch import loggers as pl_loggers
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.trainer.states import TrainerFn
@@ -41,9 +51,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from moekit.utils.atomic import atomic_write, write_text_atomic
 
 __all__ = [
+    "MLFlowLogger",
     "ResumableCSVLogger",
     "ResumableExperimentWriter",
     "ResumableTensorBoardLogger",
+    "WandbLogger",
+    "continue_runs",
     "log_before_checkpoint",
     "logging_step",
     "log_positions",
@@ -84,16 +97,24 @@ def log_before_checkpoint(trainer: Any) -> None:
         return
     metrics.setdefault("epoch", trainer.current_epoch)
     for logger in trainer.loggers:
-        if isinstance(logger, (ResumableCSVLogger, ResumableTensorBoardLogger)):  # they drop Lightning's repeat;
-            logger.log_metrics(metrics, step=step)  # other loggers (MLflow, W&B) get the row once, from Lightning
+        if isinstance(logger, _DROP_REPEATS):  # they drop Lightning's repeat; other loggers get the row from it
+            logger.log_metrics(metrics, step=step)
             logger.save()
 
 
+def _position_key(logger: Any) -> str:
+    """The key of ``logger``'s position in a checkpoint: its ``position_key`` (MLflow, W&B), else its log folder."""
+    return getattr(logger, "position_key", None) or logger.log_dir
+
+
 def log_positions(trainer: Any) -> dict[str, Any]:
-    """``{log folder: position}`` of the trainer's loggers that can cut their logs back (:func:`resume_logs`),
-    taken after a flush; stored in each checkpoint."""
+    """``{log folder or store: position}`` of the trainer's loggers that can cut their logs back
+    (:func:`resume_logs`, taken after a flush) or continue their run (:func:`continue_runs`: the run's id); stored
+    in each checkpoint."""
     return {
-        logger.log_dir: logger.position() for logger in trainer.loggers if callable(getattr(logger, "position", None))
+        _position_key(logger): logger.position()
+        for logger in trainer.loggers
+        if callable(getattr(logger, "position", None))
     }
 
 
@@ -101,8 +122,18 @@ def resume_logs(trainer: Any, positions: Mapping[str, Any]) -> None:
     """Cut the logs of the trainer's loggers back to ``positions`` (:func:`log_positions` of the checkpoint a
     run resumes from); a logger whose folder the checkpoint does not know is left alone."""
     for logger in trainer.loggers:
-        if callable(getattr(logger, "resume_from", None)) and logger.log_dir in positions:
-            logger.resume_from(positions[logger.log_dir])
+        if callable(getattr(logger, "resume_from", None)) and _position_key(logger) in positions:
+            logger.resume_from(positions[_position_key(logger)])
+
+
+def continue_runs(loggers: list[Any], positions: Mapping[str, Any]) -> None:
+    """Make the MLflow and W&B loggers log into the run recorded in ``positions`` (:func:`log_positions` of the
+    checkpoint a run resumes from), before they start (``trainer.fit`` starts them before it reads the checkpoint);
+    a logger whose store the checkpoint does not know opens a new run."""
+    for logger in loggers:
+        position = positions.get(getattr(logger, "position_key", None) or "")
+        if callable(getattr(logger, "continue_run", None)) and isinstance(position, Mapping) and position.get("id"):
+            logger.continue_run(position)
 
 
 class _Repeats:
@@ -312,3 +343,108 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
                 log.info("removed %s, written after the checkpoint this run resumes from", path)
             elif cut_event_file(path, sizes[path.name]):
                 log.info("%s: dropped the events logged after the checkpoint this run resumes from", path)
+
+
+class MLFlowLogger(pl_loggers.MLFlowLogger):
+    """Lightning's ``MLFlowLogger`` (same name, by which the config checks know its package; same arguments) that a
+    resumed run continues (see the module docstring): ``RUNNING`` again until it ends, the first run's parameters
+    kept (MLflow refuses a change; ``ckpt_path`` changes), a checkpoint's row logged before the checkpoint."""
+
+    _continued = False
+    _last_step: int | None = None  # the latest step logged: a checkpoint's position
+    _logged: dict[tuple[str, int], list[float]] = {}  # values logged after the checkpoint a resume continues from
+
+    @property
+    def position_key(self) -> str:
+        return f"mlflow:{self._tracking_uri}"
+
+    def position(self) -> dict[str, Any] | None:
+        """``{"id": run id, "step": latest step logged}`` (rank 0; None on other ranks)."""
+        return {"id": self.run_id, "step": self._last_step} if rank_zero_only.rank == 0 else None
+
+    @rank_zero_only
+    def continue_run(self, position: Mapping[str, Any]) -> None:
+        """Log into the run ``position["id"]`` of this tracking store and read the values it holds from
+        ``position["step"]`` on; a run the store does not hold (or holds deleted) is said so, and a new run opened."""
+        from mlflow.exceptions import MlflowException
+
+        run_id, step = str(position["id"]), position.get("step")
+        if self._initialized:
+            raise RuntimeError(f"MLflow run {self._run_id} has started; continue run {run_id} before it starts")
+        try:
+            run = self._mlflow_client.get_run(run_id)
+        except MlflowException as err:
+            run, why = None, str(err).split("\n")[0]
+        else:
+            why = "it is deleted"
+        if run is None or run.info.lifecycle_stage == "deleted":
+            log.warning("MLflow run %s of %s not continued (%s); logging to a new run", run_id, self._tracking_uri, why)
+            return
+        self._run_id, self._continued, self._last_step, self._logged = run_id, True, step, {}
+        for key in run.data.metrics if step is not None else ():
+            for metric in self._mlflow_client.get_metric_history(run_id, key):
+                if metric.step >= step:
+                    self._logged.setdefault((key, metric.step), []).append(metric.value)
+        self._mlflow_client.update_run(run_id, status="RUNNING")
+        log.info("MLflow: continuing run %s of %s", run_id, self._tracking_uri)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        if self._continued:
+            logged = self.experiment.get_run(self.run_id).data.params
+            flat = _flatten_dict(_convert_params(params))
+            changed = sorted(k for k, v in flat.items() if k in logged and logged[k] != str(v)[:250])
+            if changed:
+                log.info("MLflow run %s keeps the first values of %s", self.run_id, ", ".join(changed))
+            params = {k: v for k, v in flat.items() if k not in logged}
+        if params:
+            super().log_hyperparams(params)
+
+    def _logged_already(self, name: str, value: Any, step: int) -> bool:
+        """Whether the continued run holds ``value`` at ``step`` (each held value matches once)."""
+        key = re.sub("[^a-zA-Z0-9_/. -]+", "", f"{self._prefix}{self.LOGGER_JOIN_CHAR}{name}" if self._prefix else name)
+        held = self._logged.get((key, step), [])
+        match = next((i for i, v in enumerate(held) if v == value or (math.isnan(v) and math.isnan(value))), None)
+        return match is not None and held.pop(match) is not None
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if _repeats(self).seen(metrics, step):
+            return
+        if self._logged and step is not None:
+            metrics = {k: v for k, v in metrics.items() if isinstance(v, str) or not self._logged_already(k, v, step)}
+        if metrics:
+            super().log_metrics(metrics, step)
+        if step is not None:
+            self._last_step = max(step, self._last_step if self._last_step is not None else step)
+
+
+class WandbLogger(pl_loggers.WandbLogger):
+    """Lightning's ``WandbLogger`` (same name and arguments) that a resumed run continues (its run id, resume "allow";
+    offline, each process writes an ``offline-run-<time>-<id>`` folder); a checkpoint's row logged before it."""
+
+    @property
+    def position_key(self) -> str:
+        return f"wandb:{self._project}"
+
+    def position(self) -> dict[str, str] | None:
+        """``{"id": run id}`` (rank 0; None on other ranks)."""
+        return {"id": self.version} if rank_zero_only.rank == 0 else None
+
+    @rank_zero_only
+    def continue_run(self, position: Mapping[str, Any]) -> None:
+        """Log into the run ``position["id"]`` (W&B creates it when its project does not hold it)."""
+        run_id = str(position["id"])
+        if self._experiment is not None:
+            raise RuntimeError(f"W&B run {self._experiment.id} has started; continue run {run_id} before it starts")
+        self._id = self._wandb_init["id"] = run_id
+        self._wandb_init["resume"] = self._wandb_init.get("resume") or "allow"
+        log.info("W&B: continuing run %s of project %s", run_id, self._project)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if not _repeats(self).seen(metrics, step):
+            super().log_metrics(metrics, step)
+
+
+_DROP_REPEATS = (ResumableCSVLogger, ResumableTensorBoardLogger, MLFlowLogger, WandbLogger)

@@ -15,12 +15,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from moekit.analysis.records import RESULTS_FILE, build_run_record
 from moekit.callbacks import RoutingReport, ThroughputMonitor
-from moekit.checkpoint import check_ckpt_path
+from moekit.checkpoint import check_ckpt_path, read_training_checkpoint
 from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
+from moekit.loggers import continue_runs
 from moekit.models.summary import LMSummary, ModelSummary, lm_summary, model_summary
 from moekit.resume import RESUME_ALIASES, check_resume_checkpoint, find_resume_checkpoint
 from moekit.tasks import ImageClassifier, LanguageModel, MoETask
+from moekit.tasks.base import LOG_POSITIONS_KEY
 from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
 from moekit.utils.machine import check_accelerator
 
@@ -79,6 +81,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         counter = ThroughputMonitor(count="elements" if isinstance(module, LanguageModel) else "rows", log=False)
         callbacks.append(counter)
     loggers: list[Logger] = instantiate_group(cfg.get("logger"), "logger")
+    if cfg.get("ckpt_path"):  # MLflow / W&B log into the checkpoint's run, which they open before fit reads it
+        continue_runs(loggers, read_training_checkpoint(cfg.ckpt_path).get(LOG_POSITIONS_KEY) or {})
     trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     summary = _summary(module, datamodule)
     log.info("model: %s", summary if summary is not None else f"{type(module.net).__name__} (summary unavailable)")

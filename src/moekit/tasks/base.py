@@ -134,8 +134,17 @@ class MoETask(LightningModule):
     def on_train_epoch_end(self) -> None:
         if self.epoch_means.epoch != self.current_epoch:  # no training batch in this epoch
             return
-        for name, mean in self.epoch_means.compute().items():  # averaged over ranks (equal batches on each)
+        # The same value on every rank; sync_dist (their mean) keeps Lightning from warning that it is not synced.
+        for name, mean in self._global_epoch_means().compute().items():
             self.log(name, mean, on_step=False, on_epoch=True, sync_dist=True, prog_bar=name == "train/acc")
+
+    def _global_epoch_means(self) -> EpochMeans:
+        """:attr:`epoch_means` summed over the data-parallel ranks (a collective: every rank calls it at the same
+        point, the epoch's end or a checkpoint, which Lightning writes on every rank); itself in one process."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return self.epoch_means
+        strategy = self.trainer.strategy
+        return self.epoch_means.reduced(lambda sums: strategy.reduce(sums, reduce_op="sum"), strategy.root_device)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -191,7 +200,7 @@ class MoETask(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[TASK_KEY] = f"{type(self).__module__}:{type(self).__qualname__}"
-        checkpoint[EPOCH_MEANS_KEY] = self.epoch_means.state_dict()
+        checkpoint[EPOCH_MEANS_KEY] = self._global_epoch_means().state_dict()  # the sums of all ranks
         if self._trainer is not None:  # the logs up to this moment are on disk, and where they end is recorded
             if _epoch_cut_short(self.trainer):
                 # Training stopped inside the epoch (max_steps, max_time, an early stop): resume inside it, and
@@ -215,6 +224,7 @@ class MoETask(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if EPOCH_MEANS_KEY in checkpoint:
-            self.epoch_means.load_state_dict(checkpoint[EPOCH_MEANS_KEY])
+            # The sums of all ranks (or of the one process that wrote the file): counted once, by rank 0.
+            self.epoch_means.load_state_dict(checkpoint[EPOCH_MEANS_KEY], keep=self.global_rank == 0)
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:  # a resume, not a test
             resume_logs(self.trainer, checkpoint.get(LOG_POSITIONS_KEY, {}))
