@@ -576,6 +576,17 @@ def test_a_logger_whose_package_is_missing_names_the_extra(monkeypatch, tmp_path
         check_composed(compose_config("train", ["logger=wandb"], tmp_path), [])
 
 
+def test_an_mlflow_database_store_without_sqlalchemy_names_the_extra(monkeypatch, tmp_path):
+    """mlflow-skinny has no SQLAlchemy, which the default SQLite store needs: refused before anything starts."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "sqlalchemy" else find_spec(n, *a))
+    with pytest.raises(ValueError, match=r"tracking_uri=sqlite:.*needs the sqlalchemy package.*\.\[loggers\]"):
+        check_composed(compose_config("train", ["logger=mlflow"], tmp_path), [])
+    check_composed(compose_config("train", ["logger=mlflow", "logger.mlflow.tracking_uri=file:./mlruns"], tmp_path), [])
+
+
 def test_routing_report_counts_each_experts_tokens_by_the_class_of_their_image(tmp_path):
     """A top-1 layer (dropless) over 6 images of 5 tokens, labels 0-2: the report's main class of each expert and
     its share equal a count of the router's choices by label, done by hand."""

@@ -197,6 +197,9 @@ def _check_hf_folder(init_from: Any) -> None:
 
 # Loggers whose package moekit does not install by default: the module each needs and the extra that installs it.
 _LOGGER_PACKAGES = {"MLFlowLogger": ("mlflow", "loggers"), "WandbLogger": ("wandb", "loggers")}
+# An MLflow store in a database (configs/logger/mlflow.yaml: SQLite) needs these, which mlflow-skinny leaves out
+_MLFLOW_DATABASE_PACKAGES = ("sqlalchemy", "alembic")
+_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def _check_logger_packages(loggers: DictConfig | None) -> None:
@@ -206,11 +209,18 @@ def _check_logger_packages(loggers: DictConfig | None) -> None:
     for name, entry in loggers.items():
         target = str(entry.get("_target_", "")) if isinstance(entry, DictConfig) else ""
         module, extra = _LOGGER_PACKAGES.get(target.rpartition(".")[2], (None, None))
-        if module and importlib.util.find_spec(module) is None:
-            raise ValueError(
-                f"logger {name!r} ({target}) needs the {module} package, which is not installed; install it with "
-                f"pip install -e '.[{extra}]' (or pip install {module}), or choose another logger"
-            )
+        modules = [module] if module else []
+        uri = str(entry.get("tracking_uri") or "") if module == "mlflow" else ""
+        if uri.split(":", 1)[0].split("+", 1)[0] in _DATABASE_SCHEMES:
+            modules += _MLFLOW_DATABASE_PACKAGES
+        for needed in modules:
+            if importlib.util.find_spec(needed) is None:
+                raise ValueError(
+                    f"logger {name!r} ({target}"
+                    + (f", tracking_uri={uri}" if needed != module else "")
+                    + f") needs the {needed} package, which is not installed; install it with pip install -e "
+                    f"'.[{extra}]' (or pip install {needed}), or choose another logger"
+                )
 
 
 def _missing_values(cfg: DictConfig) -> list[str]:
