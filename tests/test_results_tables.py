@@ -74,3 +74,16 @@ def test_each_ablation_bar_is_labelled_with_its_whole_list_value(tmp_path, monke
     ]
     plot_ablations(_results(records), tmp_path / "ablations.png")
     assert sorted(labels) == sorted(f"stem_channels={stem}" for stem in stems)  # bars in the order of the settings
+
+
+def test_the_keys_left_out_of_a_setting_are_those_hydra_leaves_out_of_a_job_folder():
+    """A run's setting drops what Hydra's ``override_dirname`` drops (configs/hydra/default.yaml), and the seed."""
+    import yaml
+
+    from conftest import CONFIGS
+    from moekit.analysis.records import _in_setting
+
+    hydra = yaml.safe_load((CONFIGS / "hydra" / "default.yaml").read_text())
+    excluded = hydra["job"]["config"]["override_dirname"]["exclude_keys"]
+    assert excluded and not any(_in_setting(key) for key in excluded)
+    assert not _in_setting("seed") and _in_setting("moe.num_experts") and _in_setting("model.embed_dim")

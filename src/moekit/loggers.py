@@ -350,9 +350,9 @@ class MLFlowLogger(pl_loggers.MLFlowLogger):
     resumed run continues (see the module docstring): ``RUNNING`` again until it ends, the first run's parameters
     kept (MLflow refuses a change; ``ckpt_path`` changes), a checkpoint's row logged before the checkpoint."""
 
-    _continued = False
-    _last_step: int | None = None  # the latest step logged: a checkpoint's position
-    _logged: dict[tuple[str, int], list[float]] = {}  # values logged after the checkpoint a resume continues from
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._continued, self._last_step, self._logged = False, None, {}  # see continue_run and log_metrics
 
     @property
     def position_key(self) -> str:
