@@ -28,7 +28,7 @@ def test_the_history_is_read_from_metrics_csv_without_tensorboard(tmp_path):
     [
         (
             ["logger=wandb"],
-            r"read back from TensorBoard or metrics.csv, but the run logs to \['lightning.*WandbLogger'\]",
+            r"read back from TensorBoard or metrics.csv, but the run logs to \['moekit.loggers.WandbLogger'\]",
         ),
         (["~callbacks.capacity_tuner"], r"no callbacks.capacity_tuner"),
     ],
