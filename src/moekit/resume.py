@@ -72,11 +72,11 @@ def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) 
     return None, []
 
 
-def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
+def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> dict:
     """A checkpoint to resume from must be a readable Lightning checkpoint of this very task and network, built
     with the same settings: say so in one line instead of failing inside ``trainer.fit`` with a traceback. (A sharded
     checkpoint folder needs a fully sharded run; its weights are checked by torch.distributed.checkpoint when they
-    load.)"""
+    load.) Returns the checkpoint read (its tensors memory-mapped)."""
     checkpoint = read_training_checkpoint(ckpt_path)
     _check_same_task(ckpt_path, checkpoint, module)
     saved = (checkpoint.get("hyper_parameters") or {}).get("run_config")
@@ -88,6 +88,7 @@ def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> None:
     if not is_sharded_checkpoint(ckpt_path):
         state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
         load_weights(module.net, state, ckpt_path)  # the same weights fit() restores: a check with no effect
+    return checkpoint
 
 
 def _check_same_task(ckpt_path: str, checkpoint: Mapping[str, Any], module: MoETask) -> None:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from moekit.analysis.records import RESULTS_FILE, build_run_record
 from moekit.callbacks import RoutingReport, ThroughputMonitor
-from moekit.checkpoint import check_ckpt_path, read_training_checkpoint
+from moekit.checkpoint import check_ckpt_path
 from moekit.configs import check_target_keys, instantiate, instantiate_group
 from moekit.errors import check_writable_dir, storage_errors
 from moekit.loggers import continue_runs
@@ -73,16 +73,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
-    if cfg.get("ckpt_path"):
-        check_resume_checkpoint(cfg.ckpt_path, module)
+    # where the checkpoint's logs end; MLflow / W&B log into its run, which they open before fit reads it
+    positions = check_resume_checkpoint(cfg.ckpt_path, module).get(LOG_POSITIONS_KEY) if cfg.get("ckpt_path") else None
     callbacks: list[Callback] = instantiate_group(cfg.get("callbacks"), "callbacks")
     counter = next((c for c in callbacks if isinstance(c, ThroughputMonitor)), None)
     if counter is None:  # the run record needs the counts even without the throughput logs
         counter = ThroughputMonitor(count="elements" if isinstance(module, LanguageModel) else "rows", log=False)
         callbacks.append(counter)
     loggers: list[Logger] = instantiate_group(cfg.get("logger"), "logger")
-    if cfg.get("ckpt_path"):  # MLflow / W&B log into the checkpoint's run, which they open before fit reads it
-        continue_runs(loggers, read_training_checkpoint(cfg.ckpt_path).get(LOG_POSITIONS_KEY) or {})
+    continue_runs(loggers, positions or {})
     trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     summary = _summary(module, datamodule)
     log.info("model: %s", summary if summary is not None else f"{type(module.net).__name__} (summary unavailable)")
