@@ -7,6 +7,7 @@ file's code; the host-synchronisation test needs CUDA and stays skipped).
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -150,8 +151,7 @@ def test_the_gpus_patch_embedding_is_the_cpus_convolution():
     x = torch.randn(4, 3, 224, 224)
     results = []
     for device in ("cpu", DEVICE):
-        layer, x_dev = embed.to(device), x.to(device).requires_grad_(True)
-        layer.zero_grad()
+        layer, x_dev = copy.deepcopy(embed).to(device), x.to(device, copy=True).requires_grad_(True)
         out = layer(x_dev)
         out.square().mean().backward()
         results.append([t.detach().cpu() for t in (out, x_dev.grad, layer.proj.weight.grad, layer.proj.bias.grad)])
