@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ from moekit.analysis.records import (
 from moekit.analysis.step_times import STEP_TIMES_KIND, attach_step_times, load_step_times
 from moekit.analysis.tables import markdown_table, merge_markdown_tables
 from moekit.callbacks import ThroughputMonitor
-from moekit.commands.train import train
+from moekit.commands.train import FOREIGN_WRITE_IDLE_S, _remove_stale_checkpoint_writes, train
 from moekit.models.summary import lm_summary, model_summary
 from moekit.moe import moe_layers
 from moekit.utils.atomic import _TEMPORARY, atomic_write, remove_stale_temporaries, write_json_atomic
@@ -178,6 +180,40 @@ def test_stale_temporaries_of_interrupted_writes_are_removed_and_nothing_else(tm
     assert sorted(p.name for p in removed) == sorted(stale)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*keep, "results.json"])
     assert remove_stale_temporaries(tmp_path / "missing") == []
+
+
+def test_stale_temporaries_written_to_recently_are_kept_when_asked(tmp_path):
+    """``idle_for``: a temporary written to within that many seconds is a write in progress (another live run's)."""
+    live, dead = tmp_path / ".last.ckpt.k3j9x0ab.tmp", tmp_path / ".last.ckpt.z9y8x7w6.tmp"
+    live.write_text("x")
+    dead.write_text("x")
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    assert remove_stale_temporaries(tmp_path, idle_for=600) == [dead]
+    assert live.exists()
+    assert remove_stale_temporaries(tmp_path) == [live]
+
+
+def test_a_run_branching_from_a_live_runs_checkpoint_leaves_its_write_in_progress(tmp_path):
+    """A run started from another run's checkpoint (a fine-tune while that run trains on) removes every stale
+    temporary of its own folder, but in the other run's folder only the ones no write touched for ten minutes."""
+    other, own = tmp_path / "other" / "checkpoints", tmp_path / "run" / "checkpoints"
+    for folder in (other, own):
+        folder.mkdir(parents=True)
+    (other / "last.ckpt").write_text("x")
+    writing, dead = other / ".last.ckpt.k3j9x0ab.tmp", other / ".epoch_3.ckpt.z9y8x7w6.tmp"
+    own_temp = own / ".last.ckpt.a1b2c3d4.tmp"
+    for path in (writing, dead, own_temp):
+        path.write_text("x")
+    old = time.time() - FOREIGN_WRITE_IDLE_S - 60
+    os.utime(dead, (old, old))
+    _remove_stale_checkpoint_writes(tmp_path / "run", str(other / "last.ckpt"))
+    assert writing.exists() and not dead.exists() and not own_temp.exists()
+    # Resuming from its own folder (ckpt_path=<run>/checkpoints/last.ckpt): all of them, however recent.
+    fresh = own / ".last.ckpt.e5f6g7h8.tmp"
+    fresh.write_text("x")
+    (own / "last.ckpt").write_text("x")
+    _remove_stale_checkpoint_writes(tmp_path / "run", str(own / "last.ckpt"))
+    assert not fresh.exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,16 +138,22 @@ def _resolve_resume_alias(cfg: DictConfig, output_dir: Path) -> None:
         cfg.ckpt_path = None if found is None else str(found)
 
 
+# A checkpoint write keeps its temporary file growing until the rename: one untouched this long is a dead write's.
+FOREIGN_WRITE_IDLE_S = 600.0
+
+
 def _remove_stale_checkpoint_writes(output_dir: Path, ckpt_path: str | None) -> None:
-    """Rank 0 removes the temporary files of checkpoint writes that a kill interrupted, in this run's checkpoint
-    folder and in the folder of the checkpoint it resumes from."""
+    """Rank 0 removes the temporary files of checkpoint writes that a kill interrupted: all of them in this run's
+    checkpoint folder; in the folder of a checkpoint it branches from (another run's, which may still be training),
+    those untouched for :data:`FOREIGN_WRITE_IDLE_S` seconds."""
     if rank_zero_only.rank != 0:
         return
-    folders = {output_dir / "checkpoints"}
+    own = output_dir / "checkpoints"
+    folders = {own.resolve(): 0.0}
     if ckpt_path and Path(ckpt_path).is_file():
-        folders.add(Path(ckpt_path).parent)
-    for folder in sorted(folders):
-        for path in remove_stale_temporaries(folder):
+        folders.setdefault(Path(ckpt_path).parent.resolve(), FOREIGN_WRITE_IDLE_S)
+    for folder, idle_for in sorted(folders.items()):
+        for path in remove_stale_temporaries(folder, idle_for):
             log.info("removed %s, left by a checkpoint write that was interrupted", path)
 
 

@@ -96,14 +96,22 @@ def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
     return write_text_atomic(path, text)  # leaves the old file untouched
 
 
-def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+def remove_stale_temporaries(folder: str | os.PathLike, idle_for: float = 0.0) -> list[Path]:
     """Remove the temporary files of :func:`atomic_write` that a process killed in the middle of a write left in
-    ``folder`` (``.last.ckpt.k3j9x0ab.tmp``), and return them. Call it when nothing writes to the folder, at the
-    start of a run: such a file is never renamed onto its target, only wastes the disk."""
+    ``folder`` (``.last.ckpt.k3j9x0ab.tmp``), and return them. Call it at the start of a run, on the folder it
+    writes to: such a file is never renamed onto its target, only wastes the disk. In a folder another process may
+    still write to, ``idle_for`` seconds keeps the temporaries written to more recently (a write in progress)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    stale = [path for path in folder.iterdir() if _TEMPORARY.match(path.name) and path.is_file()]
-    for path in stale:
-        path.unlink(missing_ok=True)
+    now, stale = time.time(), []
+    for path in folder.iterdir():
+        if not _TEMPORARY.match(path.name):
+            continue
+        try:
+            if path.is_file() and now - path.stat().st_mtime >= idle_for:
+                path.unlink()
+                stale.append(path)
+        except FileNotFoundError:  # renamed or removed by its writer meanwhile
+            continue
     return stale
