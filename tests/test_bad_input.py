@@ -276,6 +276,12 @@ CASES = [
         ["callbacks.last_checkpoint_steps.every_n_train_steps=-1"],
         ["every_n_train_steps=-1", "0 turns the step checkpoints off"],
     ),
+    Case(
+        "step_checkpoint_bool",
+        "train.py",
+        ["callbacks.last_checkpoint_steps.every_n_train_steps=true"],
+        ["every_n_train_steps=True", "a whole number of optimizer steps"],
+    ),
     Case("seed_negative", "train.py", ["seed=-1"], ["seed=-1 must be a whole number in [0, 2**32)", "seed=42"]),
     Case(
         "vit_with_text_data",

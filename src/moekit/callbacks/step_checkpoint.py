@@ -91,7 +91,7 @@ class StepCheckpoint(SafeStepSave):
     """
 
     def __init__(self, dirpath: str, filename: str = "last", every_n_train_steps: int = 100):
-        if not isinstance(every_n_train_steps, int) or every_n_train_steps < 0:
+        if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 0:
             raise ValueError(
                 f"StepCheckpoint: every_n_train_steps={every_n_train_steps!r}; give a whole number of optimizer "
                 "steps >= 1 (0 turns the step checkpoints off)"
