@@ -276,12 +276,6 @@ CASES = [
         ["callbacks.last_checkpoint_steps.every_n_train_steps=-1"],
         ["every_n_train_steps=-1", "0 turns the step checkpoints off"],
     ),
-    Case(
-        "step_checkpoint_bool",
-        "train.py",
-        ["callbacks.last_checkpoint_steps.every_n_train_steps=true"],
-        ["every_n_train_steps=True", "a whole number of optimizer steps"],
-    ),
     Case("seed_negative", "train.py", ["seed=-1"], ["seed=-1 must be a whole number in [0, 2**32)", "seed=42"]),
     Case(
         "vit_with_text_data",
@@ -978,3 +972,11 @@ def test_an_atomic_write_onto_a_folder_is_refused_before_the_work(tmp_path):
     assert err.value.filename == str(tmp_path / "out") and err.value.errno == errno.EISDIR and not ran
     assert isinstance(err.value, USER_ERRORS), "the scripts print it as one paragraph, not a traceback"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept.txt", "out"], "no temporary file left behind"
+
+
+def test_step_checkpoint_built_in_python_refuses_a_bool_step_count(tmp_path):
+    """``every_n_train_steps=True`` is an int to Python; taken as 1 it would checkpoint after every step."""
+    from moekit.callbacks import StepCheckpoint
+
+    with pytest.raises(ValueError, match=r"every_n_train_steps=True; give a whole number of optimizer steps"):
+        StepCheckpoint(str(tmp_path), every_n_train_steps=True)
