@@ -56,8 +56,9 @@ data:
 
 # The GPU check, on a CUDA machine without network (docs/performance.md#gpu). `make gpu-bundle` here, with network:
 # Fashion-MNIST into data/fashion-mnist/ and wheels of the pure-Python packages a CUDA image with PyTorch, timm and
-# Lightning lacks into .whl/ (both ignored by git: carry them); then `make gpu-check` there, with the image's python3.
-GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+# Lightning lacks (and soft-moe-pytorch, the layer tables' reference) into .whl/ (both ignored by git: carry them); then
+# `make gpu-check` there, with the image's python3.
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 soft-moe-pytorch==0.1.9 einops==0.8.2
 gpu-bundle: install data
 	mkdir -p data/fashion-mnist .whl
 	cp -u $(FASHION_MNIST_DIR)/*-ubyte.gz data/fashion-mnist/
