@@ -1,6 +1,7 @@
-"""ckpt_path=last / auto: the newest checkpoint (file or sharded folder) that loads, in this run's folder or the newest
-earlier run of the task (a sweep's job: its own folder only); corrupt checkpoints are skipped and named; errors name
-the checkpoints that do exist, and a checkpoint of another task is refused naming both."""
+"""ckpt_path=last / auto: the checkpoint (file or sharded folder) that loads with the most training progress (file times
+only break ties), in this run's folder or the newest earlier run of the task (a sweep's job: its own folder only);
+corrupt checkpoints are skipped and named; errors name the checkpoints that do exist, and a checkpoint of another task
+is refused naming both."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from moekit.resume import check_resume_checkpoint, find_resume_checkpoint
 from resume_helpers import metrics_rows
 
 
-def write(path: Path, *, good: bool, age: float = 0.0) -> Path:
-    """A minimal training checkpoint (or a truncated file), its modification time ``age`` seconds ago."""
+def write(path: Path, *, good: bool, age: float = 0.0, step: int | None = None, epoch: int = 0) -> Path:
+    """A minimal training checkpoint (or a truncated file), its modification time ``age`` seconds ago; ``step``:
+    its ``global_step`` (None: without one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if good:
-        torch.save({"state_dict": {}, "optimizer_states": [], "epoch": 0}, path)
+        steps = {} if step is None else {"global_step": step}
+        torch.save({"state_dict": {}, "optimizer_states": [], "epoch": epoch, **steps}, path)
     else:
         path.write_bytes(b"PK\x03\x04 truncated")
     stamp = path.stat().st_mtime - age
@@ -35,10 +38,11 @@ def write(path: Path, *, good: bool, age: float = 0.0) -> Path:
     return path
 
 
-def write_sharded(folder: Path, *, age: float = 0.0, damage: str = "") -> Path:
+def write_sharded(folder: Path, *, age: float = 0.0, damage: str = "", step: int = 1) -> Path:
     """A sharded checkpoint folder laid out as FSDP's ``state_dict_type=sharded`` writes one (the shards and their
     index by torch.distributed.checkpoint, then rank 0's metadata file), written ``age`` seconds ago; ``damage``:
-    ``shard`` cuts a shard short, ``metadata`` truncates the metadata file, ``no_metadata`` leaves it out."""
+    ``shard`` cuts a shard short, ``metadata`` truncates the metadata file, ``no_metadata`` leaves it out; ``step``:
+    the ``global_step`` its metadata holds."""
     with warnings.catch_warnings():  # one process, no process group: torch says it saves as a single process
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"state_dict": {"net.w": torch.ones(64, 64)}}, checkpoint_id=folder)
@@ -46,7 +50,7 @@ def write_sharded(folder: Path, *, age: float = 0.0, damage: str = "") -> Path:
         shard = next(folder.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:100])
     if damage != "no_metadata":
-        torch.save({"epoch": 0, "global_step": 1}, folder / SHARDED_METADATA)
+        torch.save({"epoch": 0, "global_step": step}, folder / SHARDED_METADATA)
     if damage == "metadata":
         (folder / SHARDED_METADATA).write_bytes(b"PK\x03\x04 truncated")
     stamp = folder.stat().st_mtime - age
@@ -121,6 +125,74 @@ def test_sharded_checkpoint_folders_count_as_checkpoints(runs):
     write_sharded(newest / "last.ckpt", age=5)
     assert find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs) == (newest / "last.ckpt", [])
     assert find_resume_checkpoint("auto", newest.parent, None) == (newest / "last.ckpt", [])
+
+
+def copied_without_times(folder: Path, *names: str) -> None:
+    """Give the checkpoints of ``folder`` the modification times of a copy that kept none (``cp -r``, ``rsync``
+    without ``-t``): in the order named, the last one named the newest."""
+    now = (folder / names[0]).stat().st_mtime
+    for i, name in enumerate(names):
+        for path in [folder / name, *(folder / name).glob("*")]:
+            os.utime(path, (now + i, now + i))
+
+
+@pytest.mark.parametrize("alias", ["last", "auto"])
+def test_the_checkpoint_with_the_most_steps_is_resumed_whatever_its_file_time(alias, runs):
+    """A run folder copied without its timestamps: last.ckpt (step 8) older than epoch_000.ckpt (step 4) is resumed,
+    not the file that looks newer, which would lose training."""
+    folder = runs / "2026-01-03_10-00-00" / "checkpoints"
+    write(folder / "last.ckpt", good=True, step=8, epoch=1)
+    write(folder / "epoch_000.ckpt", good=True, step=4, epoch=0)
+    copied_without_times(folder, "last.ckpt", "epoch_000.ckpt")
+    assert find_resume_checkpoint(alias, runs / "2026-01-04_10-00-00", runs) == (folder / "last.ckpt", [])
+    assert find_resume_checkpoint(alias, folder.parent, None) == (folder / "last.ckpt", [])
+
+
+def test_the_sharded_checkpoint_with_the_most_steps_is_resumed_whatever_its_file_time(runs):
+    """Its metadata file holds its ``global_step``."""
+    folder = runs / "2026-01-03_10-00-00" / "checkpoints"
+    write_sharded(folder / "last.ckpt", step=8)
+    write_sharded(folder / "epoch_000.ckpt", step=4)
+    copied_without_times(folder, "last.ckpt", "epoch_000.ckpt")
+    assert find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs) == (folder / "last.ckpt", [])
+
+
+def test_a_corrupt_checkpoint_is_skipped_for_the_one_with_the_most_steps_that_loads(runs):
+    """The newest file does not load: the next in progress, not in file time, is resumed; the corrupt one is named."""
+    folder = runs / "2026-01-03_10-00-00" / "checkpoints"
+    write(folder / "epoch_001.ckpt", good=True, step=8, epoch=1)
+    write(folder / "epoch_000.ckpt", good=True, step=4, epoch=0)
+    write(folder / "last.ckpt", good=False)
+    copied_without_times(folder, "epoch_001.ckpt", "epoch_000.ckpt", "last.ckpt")
+    found, skipped = find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs)
+    assert (found, skipped) == (folder / "epoch_001.ckpt", [folder / "last.ckpt"])
+
+
+@pytest.mark.parametrize("newer", ["last.ckpt", "epoch_001.ckpt"])
+def test_between_checkpoints_of_equal_progress_the_newer_file_is_resumed(newer, runs):
+    """Lightning writes the epoch's checkpoint and last.ckpt at the same step: either holds the same progress."""
+    folder = runs / "2026-01-03_10-00-00" / "checkpoints"
+    write(folder / "epoch_000.ckpt", good=True, step=4, epoch=0)
+    write(folder / "epoch_001.ckpt", good=True, step=8, epoch=1)
+    write(folder / "last.ckpt", good=True, step=8, epoch=1)
+    older = next(name for name in ("last.ckpt", "epoch_001.ckpt") if name != newer)
+    copied_without_times(folder, older, newer, "epoch_000.ckpt")
+    assert find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs) == (folder / newer, [])
+
+
+def test_train_says_which_checkpoint_it_resumes(fake_fashion, tmp_path, caplog):
+    """ckpt_path=last as scripts/train.py resolves it: last.ckpt (step 8), its file older than epoch_000.ckpt's."""
+    logs = tmp_path / "logs"
+    folder = logs / "train" / "runs" / "2026-01-01_10-00-00" / "checkpoints"
+    write(folder / "last.ckpt", good=True, step=8, epoch=1)
+    write(folder / "epoch_000.ckpt", good=True, step=4, epoch=0)
+    copied_without_times(folder, "last.ckpt", "epoch_000.ckpt")
+    job = logs / "train" / "runs" / "2026-01-02_10-00-00"
+    cfg = compose_config("train", [*small_overrides(fake_fashion, 1), f"paths.log_dir={logs}", "ckpt_path=last"], job)
+    with caplog.at_level("INFO", logger="moekit"):
+        _resolve_resume_alias(cfg, job)
+    assert cfg.ckpt_path == str(folder / "last.ckpt")
+    assert f"ckpt_path=last: resuming from {folder / 'last.ckpt'}" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["shard", "metadata", "no_metadata"])

@@ -369,8 +369,8 @@ def read_training_checkpoint(ckpt_path: str | Path) -> dict:
     except Exception as err:
         raise CheckpointError(
             f"ckpt_path={str(path)!r} could not be read ({_first_sentence(err)}). It is corrupt, truncated or not a "
-            "PyTorch checkpoint; resume from another checkpoint (ckpt_path=last takes the newest that loads) or drop "
-            f"ckpt_path to start afresh{others}"
+            "PyTorch checkpoint; resume from another checkpoint (ckpt_path=last takes the one with the most training "
+            f"steps that loads) or drop ckpt_path to start afresh{others}"
         ) from None
     required = ("epoch",) if path.is_dir() else ("state_dict", "optimizer_states", "epoch")
     missing = [key for key in required if not isinstance(checkpoint, dict) or key not in checkpoint]

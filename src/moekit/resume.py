@@ -29,30 +29,36 @@ if TYPE_CHECKING:
 __all__ = ["RESUME_ALIASES", "find_resume_checkpoint", "check_resume_checkpoint"]
 
 RESUME_ALIASES = ("last", "auto")
-"""``ckpt_path`` values that name no file: resume from the newest checkpoint that loads (``auto``: or start
-afresh when there is none); see :func:`find_resume_checkpoint`."""
+"""``ckpt_path`` values that name no file: resume from the checkpoint with the most training progress that loads
+(``auto``: or start afresh when there is none); see :func:`find_resume_checkpoint`."""
 
 
 def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) -> tuple[Path | None, list[Path]]:
-    """What ``ckpt_path=last`` / ``auto`` means: the newest checkpoint (``.ckpt`` file or sharded folder) that loads
-    in this run's own ``checkpoints/`` folder if it has any, else in the newest run folder of ``runs_dir`` that has
-    one (run folders are named by their start time; ``runs_dir=None``: the own folder only, as for a sweep's job,
-    which resumes itself and never another setting's run). Returns ``(checkpoint, newer ones that did not load)``;
-    ``(None, [])`` for ``auto`` when no run has a checkpoint (start afresh). A :class:`CheckpointError` for
-    ``last`` without any checkpoint, and when none of that folder's checkpoints loads (naming them)."""
+    """What ``ckpt_path=last`` / ``auto`` means: the checkpoint (``.ckpt`` file or sharded folder) that loads with the
+    most training progress (:func:`_progress`: its ``global_step``, then ``epoch``; modification time breaks ties,
+    ``last.ckpt`` first among equals) in this run's own ``checkpoints/`` folder if it has any, else in the newest run
+    folder of ``runs_dir`` that has one (run folders are named by their start time; ``runs_dir=None``: the own folder
+    only, as for a sweep's job, which resumes itself and never another setting's run). Progress, not modification
+    time, decides because a folder copied without its timestamps has them in copy order. Returns ``(checkpoint,
+    that folder's checkpoints that did not load)``; ``(None, [])`` for ``auto`` when no run has a checkpoint (start
+    afresh). A :class:`CheckpointError` for ``last`` without any checkpoint, and when none of that folder's
+    checkpoints loads (naming them)."""
     if alias not in RESUME_ALIASES:
         raise ValueError(f"ckpt_path={alias!r} is not one of {RESUME_ALIASES}")
     own = output_dir.resolve()
     runs = runs_dir.glob("*") if runs_dir is not None else ()
     earlier = sorted((p for p in runs if p.is_dir() and p.resolve() != own), reverse=True)
     for folder in [output_dir / "checkpoints", *(run / "checkpoints" for run in earlier)]:
-        found = checkpoints_in(folder)
-        for i, path in enumerate(found):
+        found = checkpoints_in(folder)  # newest first, last.ckpt first among equals: max() keeps the first of ties
+        loaded: list[tuple[tuple[int, int], Path]] = []
+        skipped: list[Path] = []
+        for path in found:
             try:
-                read_training_checkpoint(path)
+                loaded.append((_progress(read_training_checkpoint(path)), path))
             except CheckpointError:
-                continue
-            return path, found[:i]
+                skipped.append(path)
+        if loaded:
+            return max(loaded, key=lambda item: item[0])[1], skipped
         if found:
             raise CheckpointError(
                 f"ckpt_path={alias}: none of the checkpoints of {folder} loads ({', '.join(p.name for p in found)}: "
@@ -70,6 +76,19 @@ def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) 
             "checkpoint exists, else starts afresh)"
         )
     return None, []
+
+
+def _progress(checkpoint: Mapping[str, Any]) -> tuple[int, int]:
+    """How far training had got when a checkpoint was written: its ``(global_step, epoch)`` (Lightning writes both,
+    a sharded folder's metadata file too); -1 for one it lacks or that is not a whole number."""
+
+    def number(key: str) -> int:
+        try:
+            return int(checkpoint.get(key, -1))
+        except (TypeError, ValueError, RuntimeError):
+            return -1
+
+    return number("global_step"), number("epoch")
 
 
 def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> dict:
