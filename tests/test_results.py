@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from moekit.analysis import bench_models
 from moekit.analysis.aggregate import figure_kind, group_results, setting_label, summarize
 from moekit.analysis.figures import plot_ablations, plot_all, plot_language, plot_pareto, plot_scaling
 from moekit.analysis.records import (
+    RECORD_VERSION,
     RESULTS_FILE,
     RunResult,
     archive_records,
@@ -71,6 +73,17 @@ def test_the_record_names_the_run_and_its_network(image_run):
     assert [layer["slots_per_expert"] for layer in record["model"]["moe_layers"]] == [8]
     assert record["config"]["model"]["embed_dim"] == 32
     assert not [p for p in out.iterdir() if p.name.startswith(f".{RESULTS_FILE}")], "no temporary file left"
+
+
+@pytest.mark.e2e
+def test_the_record_says_its_version_and_when_it_finished(image_run):
+    """The version a reader checks, and the time that tells two records of one seed apart (the newer counts)."""
+    _, _, record, _, out = image_run
+    assert record["version"] == RECORD_VERSION
+    finished = datetime.fromisoformat(record["finished_at"]).timestamp()
+    assert abs(finished - (out / RESULTS_FILE).stat().st_mtime) < 60
+    (run,) = load_results(out)
+    assert (run.finished_at, run.world_size) == (finished, 1)
 
 
 def test_the_record_holds_each_layers_routing_settings_bpr_included():
@@ -394,6 +407,7 @@ def _record(task: str, family: str, seed: int, overrides: list[str], **values) -
     lm = values.get("ppl") is not None
     forward = values.get("forward", 1e6)
     return {
+        "version": 1,
         "task_name": task,
         "seed": seed,
         "overrides": [*overrides, f"seed={seed}"],
@@ -655,6 +669,91 @@ def test_load_results_says_clearly_when_there_is_nothing_to_read(tmp_path):
     (tmp_path / "run" / RESULTS_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="run/results.json"):
         load_results(tmp_path)
+
+
+def _write_records(root: Path, named: dict[str, dict]) -> dict[str, Path]:
+    """Each record in its own run folder under ``root``, by folder name; the ``results.json`` files by name."""
+    files = {}
+    for name, record in named.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        files[name] = write_json_atomic(root / name / RESULTS_FILE, record)
+    return files
+
+
+def test_a_record_of_a_newer_version_or_without_a_field_every_record_has_is_refused(tmp_path):
+    """A record written by a newer moekit (a version above RECORD_VERSION) is refused, naming the file, its version,
+    the versions this moekit reads and the fix; version 1 (every record so far) is read. A record without its version,
+    its task or its family, or with an impossible world size, is refused rather than tabulated as a task "None"."""
+    assert RECORD_VERSION == 1, "a new version: add the versions this moekit still reads to these tests"
+    good = _write_records(tmp_path / "good", {"seed=0": LANGUAGE[0]})["seed=0"]
+    assert [r.task_name for r in load_results(good.parent.parent)] == ["results_language"]
+    newer = _write_records(tmp_path / "newer", {"seed=0": LANGUAGE[0], "seed=1": dict(LANGUAGE[1], version=2)})
+    with pytest.raises(ValueError, match="upgrade moekit") as error:
+        load_results(tmp_path / "newer")
+    message = str(error.value)
+    assert f"'{newer['seed=1']}' is a run record of version 2, written by a newer moekit" in message
+    assert (
+        "this moekit reads versions 1 to 1" in message and f"move its run folder '{newer['seed=1'].parent}'" in message
+    )
+    with pytest.raises(ValueError, match="written by a newer moekit"):
+        archive_records(tmp_path / "newer", tmp_path / "archive")
+    assert not (tmp_path / "archive").exists()
+    broken = {
+        "no 'version', which every run record": {k: v for k, v in LANGUAGE[0].items() if k != "version"},
+        "version '1', which no moekit writes": dict(LANGUAGE[0], version="1"),
+        "no 'task_name', where every version-1 run record has a string": dict(LANGUAGE[0], task_name=None),
+        "no 'model.family'": dict(LANGUAGE[0], model={"num_experts": 0}),
+        "0 as its 'training.world_size'": dict(LANGUAGE[0], training={"world_size": 0}),
+        "finished_at 'yesterday', not an ISO 8601 time": dict(LANGUAGE[0], finished_at="yesterday"),
+    }
+    for i, (expected, record) in enumerate(broken.items()):
+        file = _write_records(tmp_path / f"broken{i}", {"run": record})["run"]
+        with pytest.raises(ValueError, match="move its run folder|correct or delete") as error:
+            load_results(file.parent.parent)
+        assert str(error.value).startswith(f"'{file}' has {expected}"), str(error.value)
+
+
+def test_a_run_recorded_twice_counts_once_as_its_newest_record(tmp_path):
+    """Seed 1 of a setting run again into another folder (or its folder copied): one seed, not two. The newest record
+    counts, by its finished_at, else (records from before finished_at) by its file's time; a record with finished_at
+    is newer than one without. The table counts 3 runs and names the record left out; seeds of a sweep still pool."""
+    seeds = {f"seed={s}": dict(r, finished_at="2026-01-01T00:00:00+00:00") for s, r in enumerate(PARETO[:3])}
+    rerun = dict(PARETO[1], finished_at="2026-01-02T00:00:00+00:00", metrics={"val": {}, "test": {"acc": 0.7}})
+    files = _write_records(tmp_path / "sweep", {**seeds, "rerun/seed=1": rerun})
+    os.utime(files["seed=1"], (time.time() + 60,) * 2)  # a later file time: finished_at decides
+    runs = load_results(tmp_path / "sweep")
+    (group,) = group_results(runs)
+    assert group.seeds == [0, 1, 2]
+    accuracy = group.stat(lambda r: r.test["acc"])
+    assert (accuracy.n, accuracy.mean, accuracy.low) == (3, pytest.approx((0.80 + 0.70 + 0.85) / 3), 0.70)
+    table = markdown_table(runs)
+    assert "#### results_pareto (1 configurations, 3 runs)" in table
+    assert "Left out: 1 older record(s) of a run made again with the same setting and seed" in table
+    assert f"`{files['seed=1'].parent}` (kept: `{files['rerun/seed=1'].parent}`)" in table
+    assert "Left out" not in markdown_table(_results(PARETO)), "different seeds of one setting: no repeats"
+    # Records without finished_at: the newer file; one with finished_at beats one without.
+    old = {name: {k: v for k, v in record.items() if k != "finished_at"} for name, record in seeds.items()}
+    files = _write_records(tmp_path / "old", {**old, "copy/seed=1": dict(old["seed=1"], metrics=rerun["metrics"])})
+    os.utime(files["seed=1"], (time.time() - 60,) * 2)
+    (group,) = group_results(load_results(tmp_path / "old"))
+    assert group.seeds == [0, 1, 2] and group.stat(lambda r: r.test["acc"]).low == 0.70
+    _write_records(tmp_path / "old", {"seed=1": dict(old["seed=1"], finished_at="2025-01-01T00:00:00Z")})
+    (group,) = group_results(load_results(tmp_path / "old"))
+    assert group.seeds == [0, 1, 2] and group.stat(lambda r: r.test["acc"]).low == 0.80
+    unseeded = [dict(r, seed=None, overrides=["model=dense_vit", "model.embed_dim=64"]) for r in PARETO[:3]]
+    assert group_results(_results(unseeded))[0].stat(lambda r: r.test["acc"]).n == 3, "no seed: each its own draw"
+
+
+def test_the_benchmarked_time_of_a_multi_process_run_counts_each_process_steps(tmp_path):
+    """4 processes, batches of 100 each, 4000 examples in all: 10 steps side by side, not 40. At a benchmarked step
+    of 0.5 s (one process's batch of 100) the run's time is 5 s; one process with the same examples takes 20 s."""
+    ddp = dict(PARETO[0], training=dict(PARETO[0]["training"], examples_seen=4000, world_size=4))
+    single = dict(PARETO[1], training=dict(PARETO[1]["training"], examples_seen=4000, world_size=1))
+    _write_records(tmp_path / "runs", {"ddp": ddp, "single": single})
+    rows = [_step_row({"name": ["model=dense_vit", "model.embed_dim=64"]}, 0.5)]
+    step_times = load_step_times([_write_step_times(tmp_path / "steps.json", [{"title": "t", "rows": rows}])])
+    timed = attach_step_times(load_results(tmp_path / "runs"), step_times)
+    assert [(r.path.name, r.bench_seconds) for r in timed] == [("ddp", pytest.approx(5.0)), ("single", 20.0)]
 
 
 @pytest.mark.e2e

@@ -1,4 +1,5 @@
-"""The runs of a sweep grouped by configuration (their seeds together), with mean, median and range."""
+"""The runs of a sweep grouped by configuration (their seeds together), with mean, median and range; a run
+repeated (the same configuration and seed twice) counts once, as its newest record."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ from dataclasses import dataclass
 
 from moekit.analysis.records import RunResult
 
-__all__ = ["Stat", "Group", "Metric", "summarize", "group_results", "setting_label", "figure_kind", "metrics_of"]
+__all__ = [
+    "Stat",
+    "Group",
+    "Metric",
+    "Repeat",
+    "summarize",
+    "drop_repeats",
+    "group_results",
+    "setting_label",
+    "figure_kind",
+    "metrics_of",
+]
 
 
 @dataclass(frozen=True)
@@ -69,11 +81,46 @@ class Group:
         return sorted((run.seed for run in self.runs), key=lambda s: (s is None, s))
 
 
+@dataclass(frozen=True)
+class Repeat:
+    """A record left out of the seeds of its configuration: ``left_out`` and ``kept`` are the same task, family,
+    setting and seed (a job rerun into another folder, a copied run folder), and ``kept`` is the newer."""
+
+    left_out: RunResult
+    kept: RunResult
+
+
+def _age(run: RunResult) -> tuple:
+    """Sorts a run's records oldest first: by ``finished_at``; a record without it (written before moekit recorded
+    it) before any with it, by its file's modification time (which a copy or a checkout resets); then by path."""
+    stamp = run.finished_at if run.finished_at is not None else run.file_mtime
+    return run.finished_at is not None, -math.inf if stamp is None else stamp, str(run.path)
+
+
+def drop_repeats(results: Iterable[RunResult]) -> tuple[list[RunResult], list[Repeat]]:
+    """``results`` (in their order) with only the newest record (:func:`_age`) of each task, family, setting and
+    seed, and the records left out. Two records of one seed are one run made twice: counted as two seeds they
+    would count it twice in ``n`` and pull the median and the range towards it. Runs without a seed (each draws
+    its own) are all kept."""
+    results = list(results)
+
+    def seed_of(run: RunResult) -> tuple:
+        return run.task_name, run.family, run.setting, run.seed
+
+    newest: dict[tuple, RunResult] = {}
+    for run in results:
+        if run.seed is not None:
+            newest[seed_of(run)] = max(newest.get(seed_of(run), run), run, key=_age)
+    repeats = [Repeat(run, newest[seed_of(run)]) for run in results if newest.get(seed_of(run), run) is not run]
+    return [run for run in results if newest.get(seed_of(run), run) is run], repeats
+
+
 def group_results(results: Iterable[RunResult]) -> list[Group]:
     """One :class:`Group` per configuration, in order of task, family and setting (numbers in a
-    setting by value: 8 experts before 16, width 64 before 128)."""
+    setting by value: 8 experts before 16, width 64 before 128). A run recorded twice (the same seed) counts
+    once: its newest record (:func:`drop_repeats`)."""
     buckets: dict[tuple, list[RunResult]] = {}
-    for run in results:
+    for run in drop_repeats(results)[0]:
         buckets.setdefault((run.task_name, run.family, run.setting), []).append(run)
     return [Group(*key, runs=tuple(runs)) for key, runs in sorted(buckets.items(), key=lambda item: _order(item[0]))]
 

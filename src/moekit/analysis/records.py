@@ -1,9 +1,9 @@
 """Run records: the ``results.json`` every training run writes, and reading a sweep's records back.
 
 :func:`build_run_record` is what ``scripts/train.py`` writes into its output folder (rank 0, atomically);
-:func:`load_results` reads every record under a folder as :class:`RunResult` rows, and
-:func:`archive_records` copies a sweep's records (kilobytes, beside megabytes of checkpoints) to a folder
-that can be committed with the figures drawn from them.
+:func:`load_results` reads every record under a folder as :class:`RunResult` rows (refusing a record of a newer
+:data:`RECORD_VERSION`), and :func:`archive_records` copies a sweep's records (kilobytes, beside megabytes of
+checkpoints) to a folder that can be committed with the figures drawn from them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # reading records (plot_results.py) imports no torch
 __all__ = [
     "RESULTS_FILE",
     "RECORD_VERSION",
+    "OLDEST_READABLE_VERSION",
+    "RecordError",
     "RunResult",
     "model_family",
     "build_run_record",
@@ -35,7 +38,12 @@ __all__ = [
 
 RESULTS_FILE = "results.json"
 RECORD_VERSION = 1
-"""Bumped when a field of the record changes meaning."""
+"""Bumped when a field of the record changes meaning; a record of a higher version is refused on reading."""
+OLDEST_READABLE_VERSION = 1  # the oldest version RunResult.from_record reads (1 is the only one so far)
+
+
+class RecordError(ValueError):
+    """A ``results.json`` this moekit must not read (a newer version, a missing field); it names the file and fix."""
 
 
 def _git_commit(directory: Path) -> str | None:
@@ -184,6 +192,7 @@ def build_run_record(
             else {"monitor": checkpoint.monitor, "value": float(best_score), "checkpoint": checkpoint.best_model_path},
         },
         "machine": machine_info(),
+        "finished_at": datetime.now(timezone.utc).isoformat(),  # which of two records of one seed is the newer
         "git_commit": _git_commit(Path(__file__).resolve().parent),
         "config": dict(run_config),
     }
@@ -213,6 +222,55 @@ def _in_setting(key: str) -> bool:
     return key not in _NOT_SETTING and not key.startswith("paths.")
 
 
+_REQUIRED = dict(task_name=str, overrides=list, model=dict, params=dict, flops=dict, training=dict, metrics=dict)
+_JSON_TYPES = {str: "a string", list: "a list", dict: "an object", int: "a whole number"}
+
+
+def _check_record(record: Mapping[str, Any], file: Path) -> None:
+    """Raise :class:`RecordError` (naming ``file``, the bad value and the fix) for a record this moekit can't read."""
+    leave_out = f"move its run folder {str(file.parent)!r} out of the folder read"
+    version = record.get("version")
+    if version is None:
+        raise RecordError(
+            f"{str(file)!r} has no 'version', which every run record of scripts/train.py has: it is not a moekit run "
+            f"record (another tool's results.json?); {leave_out}"
+        )
+    if isinstance(version, bool) or not isinstance(version, int) or version < OLDEST_READABLE_VERSION:
+        raise RecordError(
+            f"{str(file)!r} has version {version!r}, which no moekit writes (a whole number, {OLDEST_READABLE_VERSION}"
+            f" to {RECORD_VERSION}): the file was edited; rerun its run or {leave_out}"
+        )
+    if version > RECORD_VERSION:
+        raise RecordError(
+            f"{str(file)!r} is a run record of version {version}, written by a newer moekit; this moekit reads "
+            f"versions {OLDEST_READABLE_VERSION} to {RECORD_VERSION}: upgrade moekit (pip install -U moekit, or git "
+            f"pull in its checkout) to read it, or {leave_out}"
+        )
+    fields = [(key, record.get(key), kind) for key, kind in _REQUIRED.items()]  # every record has them
+    model, training = record.get("model"), record.get("training")
+    if isinstance(model, dict) and isinstance(training, dict):  # else the loop names them
+        fields += [("model.family", model.get("family"), str)]
+        fields += [("training.world_size", training.get("world_size", 1), int)]
+    for key, value, kind in fields:
+        if isinstance(value, bool) or not isinstance(value, kind) or value == "" or (kind is int and value < 1):
+            raise RecordError(
+                f"{str(file)!r} has {'no' if value is None else f'{value!r} as its'} {key!r}, where every version-"
+                f"{version} run record has {_JSON_TYPES[kind]}{' from 1' if kind is int else ''}: the file was cut "
+                f"short or edited; rerun its run or {leave_out}"
+            )
+
+
+def _timestamp(value: Any, file: Path) -> float | None:
+    """Seconds since the epoch of a record's ``finished_at`` (ISO 8601), None when it has none."""
+    try:
+        return None if value is None else datetime.fromisoformat(value).timestamp()
+    except (TypeError, ValueError, OverflowError, OSError):
+        raise RecordError(
+            f"{str(file)!r} has finished_at {value!r}, not an ISO 8601 time (2026-01-31T12:00:00+00:00); correct or "
+            "delete that field (the file's modification time then dates the run), or rerun its run"
+        ) from None
+
+
 @dataclass(frozen=True)
 class RunResult:
     """One run, read from its ``results.json``.
@@ -222,9 +280,8 @@ class RunResult:
         task_name: the experiment's ``task_name`` (``results_pareto``, ...).
         family: :func:`model_family` of its network.
         seed: the run's seed.
-        setting: its overrides but the seed and where it reads and writes (``ckpt_path``, ``paths.*``, ...), as
-            sorted ``(key, value)`` pairs: runs with the same ``task_name`` and setting are seeds of one
-            configuration.
+        setting: its overrides but the seed and where it reads and writes (``ckpt_path``, ``paths.*``, ...), as sorted
+            ``(key, value)`` pairs: runs with the same ``task_name`` and setting are seeds of one configuration.
         num_experts: the most experts of any MoE layer (0 for a dense network).
         total_params, active_params: parameters in all, and used per token.
         forward_flops: forward FLOPs per example (image or token).
@@ -232,14 +289,16 @@ class RunResult:
         fit_seconds: wall time of training (validation included).
         batch_seconds: mean time of a training batch (data loading included).
         throughput: mean training examples per second.
-        examples_seen: training examples (images, or tokens without padding) of the run, before a resume too.
-        step_key: :func:`step_time_key` of its model, batch size and precision (None for a record
-            without its config).
-        bench_step_seconds, bench_examples_per_step: the benchmarked step time of its model and the
-            examples of that step (:func:`attach_step_times`), or None.
-        val, test: the final validation metrics and the test metrics (``acc``, ``acc_top5`` or
-            ``ppl``, ``bpb``, ...).
+        examples_seen: training examples (images, or tokens without padding) of the run, of all its processes, before
+            a resume too.
+        step_key: :func:`step_time_key` of its model, batch size and precision (None for a record without its config).
+        bench_step_seconds, bench_examples_per_step: the benchmarked step time of its model and the examples of that
+            step (one process's batch: :func:`attach_step_times`), or None.
+        val, test: the final validation metrics and the test metrics (``acc``, ``acc_top5`` or ``ppl``, ``bpb``, ...).
         machine: what it ran on (:func:`machine_label`), None for a record without it.
+        world_size: the processes that trained it (each on its own batch of the data config's batch size).
+        finished_at, file_mtime: when the run wrote its record (None in records from before ``finished_at``) and
+            the modification time of its ``results.json`` (None when not read from a file), in epoch seconds.
     """
 
     path: Path
@@ -262,19 +321,24 @@ class RunResult:
     bench_step_seconds: float | None = None
     bench_examples_per_step: int | None = None
     machine: str | None = None
+    world_size: int = 1
+    finished_at: float | None = None
+    file_mtime: float | None = None
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any], path: Path) -> RunResult:
-        """Read the fields of a ``results.json`` record (:func:`build_run_record`)."""
-        pairs = (_parse_override(o) for o in record.get("overrides", []))
-        training = record.get("training", {})
+    def from_record(cls, record: Mapping[str, Any], path: Path, *, file_mtime: float | None = None) -> RunResult:
+        """Read the fields of a ``results.json`` record (:func:`build_run_record`) of the run folder ``path``; a
+        :class:`RecordError` for a record of a newer version (from a newer moekit) or without a field all have."""
+        _check_record(record, path / RESULTS_FILE)
+        pairs = (_parse_override(o) for o in record["overrides"])
+        training = record["training"]
         config = record.get("config") or {}
         step_key = None
         if {"model", "data", "trainer"} <= set(config) and "batch_size" in config["data"]:
             step_key = step_time_key(config["model"], config["data"]["batch_size"], config["trainer"]["precision"])
         return cls(
             path=path,
-            task_name=str(record.get("task_name")),
+            task_name=record["task_name"],
             family=record["model"]["family"],
             seed=record.get("seed"),
             setting=tuple(sorted((k, v) for k, v in pairs if _in_setting(k))),
@@ -291,15 +355,18 @@ class RunResult:
             machine=machine_label(record["machine"]) if record.get("machine") else None,
             val=dict(record["metrics"].get("val", {})),
             test=dict(record["metrics"].get("test", {})),
+            world_size=training.get("world_size", 1),
+            finished_at=_timestamp(record.get("finished_at"), path / RESULTS_FILE),
+            file_mtime=file_mtime,
         )
 
     @property
     def bench_seconds(self) -> float | None:
         """The run's training time at its benchmarked step time: steps x ``bench_step_seconds`` (None
-        without a step time)."""
+        without a step time): each process's steps, which the processes take side by side."""
         if self.bench_step_seconds is None or not self.bench_examples_per_step or self.examples_seen is None:
             return None
-        return self.bench_step_seconds * self.examples_seen / self.bench_examples_per_step
+        return self.bench_step_seconds * self.examples_seen / (self.bench_examples_per_step * self.world_size)
 
 
 def load_results(folder: str | os.PathLike) -> list[RunResult]:
@@ -307,7 +374,8 @@ def load_results(folder: str | os.PathLike) -> list[RunResult]:
 
     Raises:
         FileNotFoundError: ``folder`` does not exist or holds no ``results.json``.
-        ValueError: a file is not a readable run record (the message names it).
+        ValueError: a file is not a readable run record, or a :class:`RecordError`: a record of a newer version
+            (written by a newer moekit) or without a field every record has (the message names it).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -325,7 +393,9 @@ def load_results(folder: str | os.PathLike) -> list[RunResult]:
             record = json.loads(file.read_text())
             if not isinstance(record, dict):
                 raise TypeError(f"it holds a JSON {type(record).__name__}, not an object")
-            results.append(RunResult.from_record(record, file.parent))
+            results.append(RunResult.from_record(record, file.parent, file_mtime=file.stat().st_mtime))
+        except RecordError:
+            raise  # names the file and the fix
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{str(file)!r} is not a moekit run record ({type(err).__name__}: {err})") from None
     return results

@@ -7,7 +7,16 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from moekit.analysis.aggregate import Group, Stat, figure_kind, group_results, metrics_of, setting_label
+from moekit.analysis.aggregate import (
+    Group,
+    Repeat,
+    Stat,
+    drop_repeats,
+    figure_kind,
+    group_results,
+    metrics_of,
+    setting_label,
+)
 from moekit.analysis.records import RunResult
 from moekit.utils.format import si
 
@@ -132,7 +141,9 @@ def markdown_table(results: Sequence[RunResult]) -> str:
     """One markdown table per task (sweep): a row per configuration with its parameters, FLOPs,
     times and test metrics; a value over several seeds reads ``mean (min-max)``, a time ``median
     (min-max)``. A scaling sweep also gets its trends per router (:func:`_scaling_trends`), a Pareto
-    sweep its MoEs against the dense run of their width (:func:`_pareto_pairs`)."""
+    sweep its MoEs against the dense run of their width (:func:`_pareto_pairs`). A run recorded twice (the same
+    setting and seed) counts once, as its newest record; the section names the records left out."""
+    results, repeats = drop_repeats(results)
     groups = group_results(results)
     out = []
     for task in dict.fromkeys(g.task_name for g in groups):
@@ -142,6 +153,7 @@ def markdown_table(results: Sequence[RunResult]) -> str:
         machines = Counter(run.machine for g in task_groups for run in g.runs if run.machine)
         if machines:
             out += ["Ran on: " + "; ".join(f"{name} ({count} runs)" for name, count in machines.most_common()), ""]
+        out += _repeats_line([r for r in repeats if r.kept.task_name == task])
         out += [*_task_table(task_groups), ""]
         if figure_kind(task) == "scaling":
             out += ["Trends against the number of experts:", "", *_scaling_trends(task_groups), ""]
@@ -149,6 +161,18 @@ def markdown_table(results: Sequence[RunResult]) -> str:
             out += ["Against the dense run of the same width and seed:", "", *_pareto_pairs(task_groups), ""]
     out.append(_table_note(benched=any(run.bench_step_seconds is not None for run in results)))
     return "\n".join(out) + "\n"
+
+
+def _repeats_line(repeats: Sequence[Repeat]) -> list[str]:
+    """The line (and its blank line) that names the records of repeated runs left out of a task's table."""
+    if not repeats:
+        return []
+    named = "; ".join(f"`{r.left_out.path}` (kept: `{r.kept.path}`)" for r in repeats)
+    return [
+        f"Left out: {len(repeats)} older record(s) of a run made again with the same setting and seed (each seed "
+        f"counts once, as its newest record): {named}",
+        "",
+    ]
 
 
 _NOTE_START = "Values over several seeds:"
