@@ -8,13 +8,17 @@ makes the data side exact:
 - the order of epoch ``e`` is a pure function of ``(seed, e)``, not of how many epochs this process
   has iterated;
 - :meth:`ResumableRandomSampler.state_dict` records the epoch, how many batches of it the model has
-  consumed and the random states (torch, CUDA, numpy, python), plus the torch state with which the
-  next batch was drawn. Lightning fetches one batch ahead, so by the time a checkpoint is written the
-  next batch has already been augmented with the global generator; the sampler keeps the state it
-  saw at the start of each batch to replay that draw;
+  consumed and the random states (torch, CUDA, numpy, python), plus the torch, numpy and python states
+  with which the next batch was drawn if it was fetched before the checkpoint was written (Lightning's
+  fetcher fetches one batch ahead for a loader without a length; a loader with one, as the datamodules'
+  are, is fetched as the steps need it, and the states at the checkpoint are the next batch's). Such a
+  batch has already been augmented with the global generators (torch's, and python's ``random`` and
+  numpy's, which timm's transforms draw from); the sampler keeps the states it saw at the start of each
+  batch to replay that draw;
 - after :meth:`ResumableRandomSampler.load_state_dict`, the next iteration starts at the saved epoch
-  and batch, puts the saved torch state back for the first batch's augmentation, then restores the
-  process-wide states the model saw when the checkpoint was written.
+  and batch, puts the saved states back for the first batch's augmentation, then restores the
+  process-wide states the model saw when the checkpoint was written. (A checkpoint written before the
+  numpy and python states were kept per batch replays that batch's torch draws only.)
 
 The datamodules save this state through ``LightningDataModule.state_dict`` (Lightning stores it in
 every checkpoint) using the trainer's count of processed batches. Exactness holds with
@@ -48,41 +52,45 @@ __all__ = ["ResumableRandomSampler", "get_rng_states", "set_rng_states"]
 log = logging.getLogger("moekit")
 
 
+def _numpy_state(state: tuple | None = None) -> dict[str, Any]:
+    """numpy's global state (``state``: one of ``np.random.get_state()``) as a tensor, ints and a float."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state() if state is None else state
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
 def get_rng_states() -> dict[str, Any]:
     """The process's random states (torch CPU, every initialised CUDA device, numpy, python) as tensors,
     ints and tuples only, so a checkpoint holding them loads with ``torch.load(..., weights_only=True)``."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },  # fmt: skip
-        "python": random.getstate(),
-    }
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    """Put back the states of :func:`get_rng_states`."""
-    torch.set_rng_state(states["torch"])
-    numpy_state = states["numpy"]
-    np.random.set_state(
-        (
-            numpy_state["kind"],
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
+    """Put back the states of :func:`get_rng_states` (those of its keys that ``states`` has)."""
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        numpy_state = states["numpy"]
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                numpy_state["keys"].numpy().astype(np.uint32),
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
         )
-    )
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
+    if "python" in states:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
@@ -114,7 +122,8 @@ class ResumableRandomSampler(DistributedSampler):
         self.seed = int(seed)
         self._next_epoch = 0  # the epoch the next __iter__ yields
         self._epoch: int | None = None  # the epoch being iterated
-        self._batch_states: dict[int, torch.Tensor] = {}  # batch position -> torch state before it was drawn
+        # batch position -> the torch, python and numpy states before it was drawn (as their getters return them)
+        self._batch_states: dict[int, tuple[torch.Tensor, tuple, tuple]] = {}
         self._resume: dict[str, Any] | None = None  # loaded, applied by the next __iter__
 
     def __len__(self) -> int:
@@ -151,7 +160,7 @@ class ResumableRandomSampler(DistributedSampler):
             if resume is not None:
                 self._replay(resume, batch - start)
             self._batch_states = {b: s for b, s in self._batch_states.items() if b >= batch - 4}
-            self._batch_states[batch] = torch.get_rng_state()
+            self._batch_states[batch] = (torch.get_rng_state(), random.getstate(), np.random.get_state())
             yield from order[batch * self.batch_size : (batch + 1) * self.batch_size]
         if resume is not None:
             self._replay(resume, self.num_batches - start)
@@ -163,7 +172,7 @@ class ResumableRandomSampler(DistributedSampler):
         if batches_since_resume == 0:
             set_rng_states(resume["rng"])
             if resume["batch_rng"] is not None:
-                torch.set_rng_state(resume["batch_rng"])
+                set_rng_states(resume["batch_rng"])
         elif batches_since_resume == 1 and resume["batch_rng"] is not None:
             set_rng_states(resume["rng"])
 
@@ -176,7 +185,9 @@ class ResumableRandomSampler(DistributedSampler):
             state = {"epoch": epoch, "batch": 0, "batch_rng": None}
         else:
             state = {"epoch": self._epoch, "batch": consumed_batches, "batch_rng": None}
-            state["batch_rng"] = self._batch_states.get(consumed_batches)
+            if consumed_batches in self._batch_states:
+                torch_state, python_state, numpy_state = self._batch_states[consumed_batches]
+                state["batch_rng"] = {"torch": torch_state, "numpy": _numpy_state(numpy_state), "python": python_state}
         own = {"rng": get_rng_states(), "batch_rng": state.pop("batch_rng")}
         ranks = [own]
         if self.num_replicas > 1 and dist.is_available() and dist.is_initialized():
@@ -209,6 +220,8 @@ class ResumableRandomSampler(DistributedSampler):
             )
         own = state["ranks"][self.rank] if saved_world == self.num_replicas else state["ranks"][0]
         batch_rng = own["batch_rng"] if saved_world == self.num_replicas and not moved else None
+        if isinstance(batch_rng, torch.Tensor):  # written when only the torch state was kept per batch
+            batch_rng = {"torch": batch_rng}
         self._next_epoch = int(state["epoch"])
         self._resume = {"batch": state["batch"], "rng": own["rng"], "batch_rng": batch_rng}
 
