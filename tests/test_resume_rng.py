@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset
 
+from moekit.data import ImageClassificationDataModule
 from moekit.data.resumable import ResumableRandomSampler
 
 SIZE, BATCH, SEED, STOP = 20, 4, 3, 2  # 5 batches an epoch; the checkpoint after 2 steps
@@ -190,3 +191,43 @@ def test_an_imagefolder_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_w
     train(compose_config("train", [*common, f"ckpt_path={last}"], run))
     reference = load_checkpoint(tmp_path / "reference" / "checkpoints" / "last.ckpt")
     assert_same_training_state(load_checkpoint(last), reference, global_step=6)
+
+
+def _batches(loader: DataLoader, count: int | None = None) -> list[torch.Tensor]:
+    out = []
+    for images, _ in loader:
+        out.append(images.clone())
+        if count is not None and len(out) == count:
+            break
+    return out
+
+
+def _worker_datamodule(root, num_workers: int) -> ImageClassificationDataModule:
+    module = ImageClassificationDataModule(
+        root=str(root), batch_size=64, num_workers=num_workers, val_size=64, seed=SEED, augment="basic"
+    )
+    module.setup()
+    return module
+
+
+@pytest.mark.parametrize("resume_workers", [2, 1])
+def test_worker_processes_draw_each_batch_as_the_uninterrupted_run_did(fake_fashion, resume_workers):
+    """With worker processes, each training batch's augmentation (random crop and flip, drawn in the worker) is a
+    function of the batch: a run resumed mid-epoch, with the same or another number of workers, gets the batches the
+    uninterrupted run got, and different batches get different draws."""
+    reference = _worker_datamodule(fake_fashion, num_workers=2)
+    loader = reference.train_dataloader()
+    uninterrupted = _batches(loader)
+    state = reference._train_sampler.state_dict(STOP, epoch_done=False)  # the checkpoint after STOP steps
+    next_epoch = _batches(loader)
+    assert not torch.equal(uninterrupted[0], uninterrupted[1])
+    _seed_all(SEED + 1)  # a new process
+    resumed = _worker_datamodule(fake_fashion, num_workers=resume_workers)
+    resumed.load_state_dict({"train_sampler": state})
+    loader = resumed.train_dataloader()
+    after = _batches(loader)
+    assert len(after) == len(uninterrupted) - STOP
+    for got, want in zip(after, uninterrupted[STOP:], strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(_batches(loader), next_epoch, strict=True):
+        assert torch.equal(got, want)

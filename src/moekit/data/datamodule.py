@@ -24,7 +24,7 @@ from .cifar import load_cifar
 from .fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist, locate_fashion_mnist
 from .imagefolder import imagefolder_class_names, imagefolder_split_dirs, open_imagefolder_split
 from .in_memory import BatchTransform, ImageArrays, InMemoryImageDataset, keep_batch
-from .resumable import ResumableTrainOrderMixin
+from .resumable import ResumableTrainOrderMixin, SeededBatches
 
 __all__ = ["AUGMENTATIONS", "DATASETS", "DatasetSpec", "ImageClassificationDataModule", "eval_images"]
 
@@ -295,8 +295,12 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         # The order of the training batches is a function of (seed, epoch) that a checkpoint can resume
         # mid-epoch (moekit.data.resumable); every loader has its own generator so iterating it never
-        # draws from the global one (which the augmentation and the model use).
-        sampler = self._train_sampler_for(len(dataset), batch_size, self.seed) if shuffle else None
+        # draws from the global one (which the augmentation and the model use). Worker processes draw each
+        # training batch's augmentation from generators seeded by the batch (SeededBatches): exact on resume too.
+        seeded = shuffle and self.num_workers > 0
+        sampler = self._train_sampler_for(len(dataset), batch_size, self.seed, seeded) if shuffle else None
+        if seeded:
+            dataset = SeededBatches(dataset)
         return DataLoader(
             dataset,
             batch_size=batch_size,

@@ -21,9 +21,13 @@ makes the data side exact:
   numpy and python states were kept per batch replays that batch's torch draws only.)
 
 The datamodules save this state through ``LightningDataModule.state_dict`` (Lightning stores it in
-every checkpoint) using the trainer's count of processed batches. Exactness holds with
-``num_workers=0`` (the default of the in-memory datasets); with worker processes the order of the
-batches is still restored but the workers' own random draws are not.
+every checkpoint) using the trainer's count of processed batches.
+
+Worker processes (``num_workers > 0``) draw from generators of their own, seeded once per worker, whose states a
+checkpoint cannot hold (nor say which worker drew which batch). There the sampler gives each batch a seed of its
+own, a function of ``(seed, epoch, rank, batch)``, and :class:`SeededBatches` seeds the worker's torch, numpy and
+python generators with it before the batch is fetched: a batch's augmentation is the same whichever worker
+draws it, with any number of workers (above 0), before a resume and after.
 
 Data parallel training (DDP, FSDP). The sampler shards itself like ``DistributedSampler``: every rank
 draws the same epoch order, pads it to a multiple of the world size by repeating its start, and takes
@@ -45,9 +49,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
-__all__ = ["ResumableRandomSampler", "get_rng_states", "set_rng_states"]
+__all__ = ["ResumableRandomSampler", "SeededBatches", "get_rng_states", "set_rng_states"]
 
 log = logging.getLogger("moekit")
 
@@ -104,9 +108,19 @@ class ResumableRandomSampler(DistributedSampler):
         batch_size: the loader's batch size (positions are saved in batches of this rank).
         seed: seeds the orders: epoch ``e`` uses ``numpy.random.SeedSequence([seed, e])``.
         num_replicas, rank: data-parallel ranks and this one's index (1, 0: everything).
+        seed_batches: yield ``(index, batch seed)`` pairs (:meth:`batch_seed`) for a dataset wrapped in
+            :class:`SeededBatches`, as worker processes need.
     """
 
-    def __init__(self, dataset_size: int, batch_size: int, seed: int, num_replicas: int = 1, rank: int = 0):
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed_batches: bool = False,
+    ):
         if dataset_size <= 0:
             raise ValueError(f"ResumableRandomSampler: dataset_size={dataset_size} must be > 0 (an empty dataset)")
         if batch_size <= 0:
@@ -120,6 +134,7 @@ class ResumableRandomSampler(DistributedSampler):
         self.total_size = self.num_samples * num_replicas
         self.batch_size = batch_size
         self.seed = int(seed)
+        self.seed_batches = seed_batches
         self._next_epoch = 0  # the epoch the next __iter__ yields
         self._epoch: int | None = None  # the epoch being iterated
         # batch position -> the torch, python and numpy states before it was drawn (as their getters return them)
@@ -150,7 +165,12 @@ class ResumableRandomSampler(DistributedSampler):
             order = torch.cat([order, order[: self.total_size - self.dataset_size]])
         return order[self.rank :: self.num_replicas].tolist()
 
-    def __iter__(self) -> Iterator[int]:
+    def batch_seed(self, epoch: int, batch: int) -> int:
+        """The seed of this rank's batch ``batch`` of epoch ``epoch`` (``seed_batches``): a 63-bit int."""
+        entropy = [self.seed, epoch, self.rank, batch]
+        return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         resume, self._resume = self._resume, None
         start = resume["batch"] if resume is not None else 0
@@ -161,7 +181,12 @@ class ResumableRandomSampler(DistributedSampler):
                 self._replay(resume, batch - start)
             self._batch_states = {b: s for b, s in self._batch_states.items() if b >= batch - 4}
             self._batch_states[batch] = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-            yield from order[batch * self.batch_size : (batch + 1) * self.batch_size]
+            indices = order[batch * self.batch_size : (batch + 1) * self.batch_size]
+            if self.seed_batches:
+                batch_seed = self.batch_seed(epoch, batch)
+                yield from ((index, batch_seed) for index in indices)
+            else:
+                yield from indices
         if resume is not None:
             self._replay(resume, self.num_batches - start)
 
@@ -226,6 +251,37 @@ class ResumableRandomSampler(DistributedSampler):
         self._resume = {"batch": state["batch"], "rng": own["rng"], "batch_rng": batch_rng}
 
 
+class SeededBatches(Dataset):
+    """``dataset`` fetched by ``(index, batch seed)`` keys (a :class:`ResumableRandomSampler` with
+    ``seed_batches=True``), for a loader with worker processes: before fetching a batch the worker's torch, numpy
+    and python generators are seeded with the batch's seed, so its random augmentation is a function of the batch
+    alone. Only for worker processes: in the main process it would reseed the generators the model draws from."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _seed(seed: int) -> None:
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list:
+        """One batch (the loader asks for a batch's keys at once): seeded with its seed, fetched in order."""
+        self._seed(keys[0][1])
+        indices = [index for index, _ in keys]
+        fetch_many = getattr(self.dataset, "__getitems__", None)
+        return fetch_many(indices) if fetch_many else [self.dataset[index] for index in indices]
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, seed = key
+        self._seed((seed + index) % 2**63)  # one item alone: its own seed
+        return self.dataset[index]
+
+
 class ResumableTrainOrderMixin:
     """For a ``LightningDataModule``: saves and restores its :class:`ResumableRandomSampler` through the
     datamodule's ``state_dict`` / ``load_state_dict`` (which Lightning writes into every checkpoint).
@@ -237,11 +293,13 @@ class ResumableTrainOrderMixin:
     _train_sampler: ResumableRandomSampler | None = None
     _pending_sampler_state: dict[str, Any] | None = None
 
-    def _train_sampler_for(self, num_samples: int, batch_size: int, seed: int) -> ResumableRandomSampler:
+    def _train_sampler_for(
+        self, num_samples: int, batch_size: int, seed: int, seed_batches: bool = False
+    ) -> ResumableRandomSampler:
         trainer = getattr(self, "trainer", None)
         ranks = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
         sampler = ResumableRandomSampler(
-            num_samples, batch_size, seed, ranks.get("num_replicas", 1), ranks.get("rank", 0)
+            num_samples, batch_size, seed, ranks.get("num_replicas", 1), ranks.get("rank", 0), seed_batches
         )
         previous = self._train_sampler
         if previous is not None and previous.dataset_size == num_samples:  # a loader built again: where it was
