@@ -136,6 +136,22 @@ def test_sample_refuses_an_empty_prompt_and_slides_past_max_seq_len(trained_lm, 
     assert len(text) == 34 and text.startswith("the quick ")
 
 
+@pytest.mark.e2e
+def test_sample_says_a_prompt_the_tokenizer_drops_whole_is_not_empty(trained_lm, repeated_corpus, tmp_path):
+    """A BPE without an unknown token drops the characters it does not know: a prompt of only such characters encodes
+    to nothing, and the error says so rather than asking for "at least one character"."""
+    from tokenizers import Tokenizer, models
+
+    latin1 = {chr(byte): byte for byte in range(256)}  # 256 tokens, as the checkpoint's byte-level model
+    Tokenizer(models.BPE(vocab=latin1, merges=[])).save(str(tmp_path / "tokenizer.json"))
+    out, _ = trained_lm
+    ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
+    data = ["+data=text_files", f"data.paths=[{repeated_corpus}]", "data.tokenizer.kind=file"]
+    data.append(f"data.tokenizer.path={tmp_path / 'tokenizer.json'}")
+    with pytest.raises(ValueError, match=r"prompt='東京' encodes to no tokens: tokenizer .* drops every character"):
+        sample(compose_config("sample", [f"ckpt_path={ckpt}", 'prompt="東京"', *data], tmp_path))
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [

@@ -147,6 +147,25 @@ def test_build_tokenizer_errors(kwargs, error, message):
         build_tokenizer(**kwargs)
 
 
+def test_a_vocabulary_that_skips_ids_has_room_for_its_largest_id(tmp_path):
+    """A tokenizer.json whose vocabulary skips ids (a pruned one): ``vocab_size`` is its largest id + 1, not its count
+    of tokens, so that the model's embedding holds every id the corpus encodes to."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1, "b": 2, "z": 7}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    write(tmp_path / "corpus.txt", " ".join("abz"[i % 3] for i in range(300)))
+    tokenizer = build_tokenizer("file", path=str(tmp_path / "tokenizer.json"))
+    assert tokenizer.encode("a z") == [1, 7]
+    assert tokenizer.vocab_size == 8
+    module = make_files_module(
+        tmp_path / "corpus.txt", tokenizer={"kind": "file", "path": str(tmp_path / "tokenizer.json")}
+    )
+    module.setup()
+    assert int(module.tokens.max()) == 7 < module.vocab_size
+
+
 def test_invalid_tokenizer_files(tmp_path, bpe_files):
     bad_json = write(tmp_path / "bad.json", "{not json")
     with pytest.raises(ValueError, match=rf"path='{re.escape(str(bad_json))}' is not a valid tokenizers JSON"):

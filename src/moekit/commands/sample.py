@@ -29,7 +29,13 @@ def sample(cfg: DictConfig) -> list[str]:
     tokenizer = datamodule_for(cfg, module).tokenizer
     prompt_ids = tokenizer.encode(cfg.prompt)
     if not prompt_ids:
-        raise ValueError(f"prompt={cfg.prompt!r} encodes to no tokens; give a prompt of at least one character")
+        if not cfg.prompt:
+            raise ValueError(f"prompt={cfg.prompt!r} encodes to no tokens; give a prompt of at least one character")
+        raise ValueError(  # a tokenizer without an unknown token drops the characters it does not know
+            f"prompt={cfg.prompt!r} encodes to no tokens: tokenizer {tokenizer.name!r} drops every character of it "
+            "(characters outside its vocabulary, which it has no unknown token for, or whitespace it splits on); give "
+            "a prompt of characters the tokenizer knows"
+        )
     max_seq_len = getattr(module.net, "max_seq_len", None)
     if not cfg.slide and max_seq_len is not None and tokens_run(len(prompt_ids), cfg.max_new_tokens) > max_seq_len:
         fits = len(prompt_ids) <= max_seq_len  # else no max_new_tokens helps

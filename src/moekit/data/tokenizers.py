@@ -135,8 +135,10 @@ class _BackendTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Model vocabulary plus added tokens: every id ``encode`` can return is below it."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """Model vocabulary plus added tokens: every id ``encode`` can return is below it (the largest id + 1, which
+        exceeds the count of tokens where a vocabulary skips ids)."""
+        ids = self.backend.get_vocab(with_added_tokens=True).values()
+        return max(self.backend.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
     def encode(self, text: str) -> list[int]:
         return self._encoder.encode(text, add_special_tokens=False).ids
