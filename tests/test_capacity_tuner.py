@@ -381,3 +381,28 @@ def test_capacity_metrics_share_the_step_axis_of_the_expert_load_metrics(tmp_pat
     capacity = _steps_of(tmp_path / "metrics.csv", "capacity/1/factor")
     moe = _steps_of(tmp_path / "metrics.csv", "moe/1/dropped_fraction")
     assert capacity == moe == [1, 3, 5, 7]  # 8 batches, a decision and a log every 2
+
+
+def test_a_window_restored_before_the_model_moves_to_its_device_keeps_its_steps():
+    """Lightning restores callbacks before it moves the model to its device (``Trainer._run``: restore, then
+    ``strategy.setup``). The restored window must keep its steps and follow the layers' statistics to their device
+    (under DDP it is all-reduced, and NCCL reduces no CPU tensor): it was moved to the device the model's parameters
+    had at the restore. Here the model's parameters sit on the meta device at the restore, the statistics on the CPU;
+    the resumed tuner must decide as the uninterrupted one."""
+
+    def fresh() -> tuple[nn.Module, CapacityTuner]:
+        model = nn.Sequential(CurveLayer(exponential_curve(3.0)), nn.Linear(1, 1))
+        return model, CapacityTuner(window=7, update_every=3, patience=2)
+
+    model_a, tuner_a = fresh()
+    tuner_a.bind(model_a)
+    run(tuner_a, model_a, 37)  # mid-window, between two decisions
+    state = tuner_a.state_dict()
+
+    model_b, tuner_b = fresh()
+    model_b[1].to("meta")  # built, not yet on the device it trains on
+    tuner_b.bind(model_b)
+    tuner_b.load_state_dict(state)
+    model_b[1].to_empty(device="cpu")
+    assert run(tuner_b, model_b, 60) == run(tuner_a, model_a, 60)
+    assert tuner_b.drop_rates == tuner_a.drop_rates

@@ -410,3 +410,98 @@ def test_depth_routers_mean_gate_is_the_mean_over_every_processed_token_of_the_i
     assert f.scalars["processed_fraction"] == pytest.approx(7 / 16)
     assert f.scalars["mean_gate"] == pytest.approx(10 / 7)
     assert f.tokens == 16
+
+
+class _MoEFigures(Logger):
+    """A logger that keeps the ``moe/`` figures of each row by step."""
+
+    name, version, experiment = "figures", 0, None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        figures = {key: value for key, value in metrics.items() if key.startswith("moe/")}
+        if figures:
+            self.rows[step] = figures
+
+
+class _SixBatchTask(_TinyTask):
+    """A capacity-limited top-1 layer trained on 6 batches an epoch, with a learning rate that moves its routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(TopKMoE(4, 8, num_experts=4, top_k=1, capacity_factor=1.0))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(12, 3, 4, generator=torch.Generator().manual_seed(0)))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+def test_a_run_resumed_inside_an_interval_logs_the_uninterrupted_runs_figures(tmp_path):
+    """Figures every 4 steps, a checkpoint at step 6: the interval of steps 5-8 spans the resume. The resumed run's
+    row at Lightning's step 7 must hold the means over steps 5-8, as the uninterrupted run's does (the sums of steps
+    5 and 6 travel in the checkpoint), not over steps 7 and 8 alone."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(root, ckpt_path=None) -> dict[int, dict[str, float]]:
+        logger = _MoEFigures()
+        saver = ModelCheckpoint(dirpath=root, filename="step6", every_n_train_steps=6, save_top_k=-1)
+        trainer = Trainer(
+            max_steps=8,
+            log_every_n_steps=4,
+            logger=logger,
+            callbacks=[ExpertLoadMonitor(), saver],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
+        trainer.fit(_SixBatchTask(), ckpt_path=ckpt_path)
+        return logger.rows
+
+    whole = fit(tmp_path / "whole")
+    resumed = fit(tmp_path / "resumed", ckpt_path=tmp_path / "whole" / "step6.ckpt")
+    assert sorted(whole) == [3, 7] and sorted(resumed) == [7]
+    assert resumed[7].keys() == whole[7].keys()
+    for key, value in whole[7].items():
+        assert resumed[7][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_checkpointed_sums_of_all_ranks_count_once_after_a_resume():
+    """Under data parallelism the checkpoint holds the sums of all ranks; on resume the first rank takes them and the
+    others start from zero, so the interval's figures equal those of one process fed every rank's forwards."""
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0, switch_loss_weight=0.01)
+    generator = torch.Generator().manual_seed(3)
+    before, after = (
+        [torch.randn(n, 6, 8, generator=generator) for n in (2, 4)],
+        torch.randn(3, 6, 8, generator=generator),
+    )
+
+    def feed(sums: RoutingStatsSums, batches) -> RoutingStatsSums:
+        for x in batches:
+            layer(x)
+            sums.add("moe", layer.stats, layer.aux_losses, layer.forward_tokens)
+        return sums
+
+    # two ranks that saw the same forwards before the checkpoint: the sum over ranks doubles every entry
+    state = feed(RoutingStatsSums(), before).state_dict(lambda flat: 2 * flat)
+    first, other = RoutingStatsSums(), RoutingStatsSums()
+    first.load_state_dict(state, keep=True)
+    other.load_state_dict(state, keep=False)
+    feed(first, [after])
+    feed(other, [after])
+    other_flat: list[torch.Tensor] = []
+    other.compute(lambda flat: other_flat.append(flat.clone()) or flat)
+    resumed = first.compute(lambda flat: flat + other_flat[0].to(flat.device))["moe"]
+    single = feed(RoutingStatsSums(), [*before, *before, after, after]).compute()["moe"]
+    assert (resumed.forwards, resumed.tokens) == (single.forwards, single.tokens) == (6, 2 * 36 + 2 * 18)
+    torch.testing.assert_close(resumed.expert_load, single.expert_load)
+    assert resumed.scalars == pytest.approx(single.scalars, rel=1e-5)

@@ -150,3 +150,12 @@ def test_progress_lines_on_data_of_no_length_show_no_total_and_no_time_left(capl
     lines = [r.getMessage() for r in caplog.records if r.name == "moekit" and r.getMessage().startswith("epoch")]
     assert [line.split()[2:4] for line in lines] == [["step", "2"], ["step", "4"]], lines
     assert not any("ETA" in line or "/-1" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("every", [True, 0, 2.5, "10"])
+def test_a_step_count_that_is_not_a_whole_number_is_refused(every):
+    """``every_n_steps: true`` in a config is a typo, not one step: a bool is refused as the others are."""
+    from moekit.callbacks import ProgressLog
+
+    with pytest.raises(ValueError, match=rf"every_n_steps={every!r}; give a whole number of steps"):
+        ProgressLog(every_n_steps=every)

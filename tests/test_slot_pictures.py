@@ -19,6 +19,7 @@ from moekit.callbacks.slots import (
     dispatch_weights,
     heat_colormap,
     heat_overlay,
+    pick_images,
     select_slots,
     select_soft_moe_layer,
     slot_maps,
@@ -232,3 +233,18 @@ def test_plot_slots_refuses_a_dense_checkpoint(fake_fashion, tmp_path):
     assert result.returncode == 1
     assert "no Soft MoE layer" in result.stderr + result.stdout
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_bool_is_not_taken_for_a_count():
+    """``num_images: true`` or ``every_n_epochs: true`` in a config is a typo, not 1; ``slots=[0, True]`` is not
+    slot 1."""
+    with pytest.raises(ValueError, match="num_images=True must be an int >= 1"):
+        SlotPictureLogger(num_images=True)
+    with pytest.raises(ValueError, match="every_n_epochs=True must be an int >= 1"):
+        SlotPictureLogger(every_n_epochs=True)
+    with pytest.raises(ValueError, match=r"slots=True; give a count of slots or a list of slot indices"):
+        select_slots(True, 8)
+    with pytest.raises(ValueError, match="slot index True is out of range"):
+        select_slots([0, True], 8)
+    with pytest.raises(ValueError, match=r"num_images=True must be an int in \[1, 3\]"):
+        pick_images(torch.utils.data.TensorDataset(torch.zeros(3, 1, 4, 4)), True)

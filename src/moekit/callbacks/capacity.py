@@ -274,6 +274,8 @@ class CapacityTuner(Callback):
         stacked = torch.stack([torch.stack(drops), torch.stack(weights)])  # [2, layers]
         if self._buffer is None:
             self._buffer = stacked.new_zeros(2, len(drops), self.window)
+        elif self._buffer.device != stacked.device:  # restored (on the CPU) before the model moved to its device
+            self._buffer = self._buffer.to(stacked.device)
         self._buffer[:, :, self._steps % self.window] = stacked
         self._steps += 1
         for state in self._states.values():
@@ -394,8 +396,8 @@ class CapacityTuner(Callback):
                     f"CapacityTuner: the checkpoint's drop-rate window holds {buffer.shape[-1]} steps but the callback "
                     f"has window={self.window}; resume with window={buffer.shape[-1]}"
                 )
-            device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
-            buffer = buffer.to(device)
+            # on the CPU: Lightning restores callbacks before it moves the model to its device; observe() moves it
+            buffer = buffer.cpu()
         self._buffer = buffer
         self._apply_factors()
 

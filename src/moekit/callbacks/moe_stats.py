@@ -33,12 +33,16 @@ fraction in different forwards; so is a Mixture-of-Depths router's ``mean_gate``
 the tokens its block processed). Figures of a whole forward (``load_cv``, ``unused_experts``) are averaged
 with the token weights: the value of a typical forward, not of the interval as one batch - that is what
 ``interval_load_cv`` and ``interval_unused_experts`` give.
+
+Checkpoints hold the sums of the training interval in progress (over all ranks; on resume the first rank takes
+them): a run resumed inside an interval logs the figures of the uninterrupted run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from lightning import Callback, LightningModule, Trainer
@@ -130,6 +134,8 @@ class RoutingStatsSums:
                         f"layer {layer!r} recorded {key} of shape {tuple(value.shape)} after "
                         f"{tuple(sums[key].shape)}; a layer's statistics must keep their shape within an interval"
                     )
+                if sums[key].device != value.device:  # restored from a checkpoint onto the CPU
+                    sums[key] = sums[key].to(value.device)
                 sums[key].add_(value)
                 weights[key] = weights[key] + w
             else:
@@ -144,25 +150,10 @@ class RoutingStatsSums:
         must call :meth:`compute` at the same point with the same layers and statistics (they run
         the same model). This is the one host synchronisation of an interval.
         """
-        layout = [(layer, key) for layer in sorted(self._sums) for key in sorted(self._sums[layer])]
+        layout, values, reduced_weights, forwards = self._reduced(sum_over_ranks)
         if not layout:
             return {}
-        device = self._sums[layout[0][0]][layout[0][1]].device
-        layers = sorted(self._forwards)
-        weights = [self._tokens[layer][key] for layer, key in layout] + [float(self._forwards[x]) for x in layers]
-        flat = torch.cat(
-            [self._sums[layer][key].reshape(-1).to(device) for layer, key in layout]
-            + [torch.as_tensor(w, dtype=torch.float32).reshape(1).to(device) for w in weights]
-        )
-        if sum_over_ranks is not None:
-            flat = sum_over_ranks(flat)
-        flat = flat.cpu().double()
-
-        sizes = [self._sums[layer][key].numel() for layer, key in layout]
-        values = flat[: sum(sizes)].split(sizes)
-        reduced_weights = flat[sum(sizes) :].tolist()
-        forwards = dict(zip(layers, (round(n) for n in reduced_weights[len(layout) :])))
-        figures = {layer: LayerFigures(expert_load=None, forwards=forwards[layer]) for layer in layers}
+        figures = {layer: LayerFigures(expert_load=None, forwards=n) for layer, n in forwards.items()}
         for (layer, key), total, weight in zip(layout, values, reduced_weights):
             mean = (total / weight if weight > 0 else torch.zeros_like(total)).float()  # load: nothing kept
             figure = figures[layer]
@@ -178,6 +169,48 @@ class RoutingStatsSums:
                 figure.scalars["interval_load_cv"] = (load.std(unbiased=False) / load.mean()).item()
                 figure.scalars["interval_unused_experts"] = (load == 0).double().mean().item()
         return figures
+
+    def _reduced(self, sum_over_ranks: SumOverRanks | None):
+        """``(layout, sums, weights, forwards)``: the ``(layer, key)`` entries in order, their sums (float64 CPU
+        tensors, flat) and weights, and each layer's forwards, all summed over ranks (one collective)."""
+        layout = [(layer, key) for layer in sorted(self._sums) for key in sorted(self._sums[layer])]
+        if not layout:
+            return [], [], [], {}
+        device = self._sums[layout[0][0]][layout[0][1]].device
+        layers = sorted(self._forwards)
+        weights = [self._tokens[layer][key] for layer, key in layout] + [float(self._forwards[x]) for x in layers]
+        flat = torch.cat(
+            [self._sums[layer][key].reshape(-1).to(device) for layer, key in layout]
+            + [torch.as_tensor(w, dtype=torch.float32).reshape(1).to(device) for w in weights]
+        )
+        if sum_over_ranks is not None:
+            flat = sum_over_ranks(flat)
+        flat = flat.cpu().double()
+        sizes = [self._sums[layer][key].numel() for layer, key in layout]
+        reduced_weights = flat[sum(sizes) :].tolist()
+        forwards = dict(zip(layers, (round(n) for n in reduced_weights[len(layout) :])))
+        return layout, list(flat[: sum(sizes)].split(sizes)), reduced_weights[: len(layout)], forwards
+
+    def state_dict(self, sum_over_ranks: SumOverRanks | None = None) -> dict[str, Any]:
+        """The running sums over all ranks (``sum_over_ranks``: a collective, every rank calls it), on the CPU."""
+        layout, values, weights, forwards = self._reduced(sum_over_ranks)
+        sums: dict[str, dict[str, Tensor]] = {}
+        tokens: dict[str, dict[str, float]] = {}
+        for (layer, key), total, weight in zip(layout, values, weights):
+            sums.setdefault(layer, {})[key] = total.float().reshape(self._sums[layer][key].shape)
+            tokens.setdefault(layer, {})[key] = weight
+        return {"sums": sums, "tokens": tokens, "forwards": forwards}
+
+    def load_state_dict(self, state: Mapping[str, Any], keep: bool = True) -> None:
+        """Restore :meth:`state_dict`'s sums (CPU tensors: each moves to the device of the first value added to it).
+        ``keep=False`` (data-parallel ranks other than the first, the saved sums being those of all ranks) restores
+        the same entries at zero, so the next :meth:`compute` counts the forwards before the checkpoint once."""
+        self.reset()
+        for layer, entries in state["sums"].items():
+            for key, total in entries.items():
+                self._sums.setdefault(layer, {})[key] = total.float().clone() if keep else torch.zeros_like(total)
+                self._tokens.setdefault(layer, {})[key] = float(state["tokens"][layer][key]) if keep else 0.0
+        self._forwards = {layer: int(n) if keep else 0 for layer, n in state["forwards"].items()}
 
 
 def _routed_work(stats: Mapping[str, Tensor], tokens: float | Tensor) -> float | Tensor:
@@ -250,6 +283,8 @@ class ExpertLoadMonitor(Callback):
         self._layers: dict[str, RoutingModule] = {}
         self._last_record: dict[str, dict[str, Tensor]] = {}  # the stats dict each layer had when last added
         self._last_logged_step = -1
+        self._sum_over_ranks: SumOverRanks | None = None  # of the fit in progress, for a checkpoint's sums
+        self._restored: dict[str, Any] | None = None  # a checkpoint's state, until its fit starts training
 
     # -- gathering -------------------------------------------------------------------------------
     def watch(self, module: nn.Module) -> dict[str, RoutingModule]:
@@ -274,6 +309,10 @@ class ExpertLoadMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.watch(pl_module)
         self.train_sums.reset()
+        self._sum_over_ranks = _sum_over_ranks(trainer)
+        state, self._restored = self._restored, None
+        if state and state.get("train_sums"):  # the interval a checkpoint cut: its steps count in its figures
+            self.train_sums.load_state_dict(state["train_sums"], keep=trainer.is_global_zero)
         # The step training starts from (a resumed run's) was logged before, or is 0: with gradient accumulation
         # its micro-batches before the first optimizer step of this run must not log a row of their own.
         self._last_logged_step = trainer.global_step
@@ -290,6 +329,14 @@ class ExpertLoadMonitor(Callback):
         figures = self.train_sums.compute(_sum_over_ranks(trainer))
         self.train_sums.reset()
         self._log(trainer, "moe", figures)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sums of the training interval in progress, over all ranks (a collective: Lightning builds a checkpoint
+        on every rank), so that a run resumed from the checkpoint logs the figures of the uninterrupted run."""
+        return {"train_sums": self.train_sums.state_dict(self._sum_over_ranks) if self.train_sums else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict)  # applied when training starts: one rank keeps the sums of all ranks
 
     # -- validation ------------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

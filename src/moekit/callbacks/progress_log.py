@@ -52,7 +52,7 @@ class ProgressLog(Callback):
     """
 
     def __init__(self, every_n_steps: int = 50, when: str = "no_terminal") -> None:
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"ProgressLog: every_n_steps={every_n_steps!r}; give a whole number of steps >= 1")
         if when not in ("no_terminal", "always"):
             raise ValueError(f"ProgressLog: when={when!r}; allowed: 'no_terminal', 'always'")

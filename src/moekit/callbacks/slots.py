@@ -98,11 +98,13 @@ def select_slots(slots: SlotChoice, num_slots: int) -> list[int]:
         if not 1 <= slots <= num_slots:
             raise ValueError(f"slots={slots} must be a count in [1, {num_slots}] (the layer has {num_slots} slots)")
         return torch.linspace(0, num_slots - 1, slots).round().long().tolist()
+    if isinstance(slots, bool) or not isinstance(slots, Sequence) or isinstance(slots, str):
+        raise ValueError(f"slots={slots!r}; give a count of slots or a list of slot indices")
     chosen = list(slots)
     if not chosen:
         raise ValueError("slots=[] selects no slot; give a count or a list of slot indices")
     for s in chosen:
-        if not (isinstance(s, int) and -num_slots <= s < num_slots):
+        if not (isinstance(s, int) and not isinstance(s, bool) and -num_slots <= s < num_slots):
             raise ValueError(f"slot index {s!r} is out of range: the layer has {num_slots} slots (0..{num_slots - 1})")
     return [s % num_slots for s in chosen]
 
@@ -262,7 +264,7 @@ def pick_images(dataset: Dataset, num_images: int) -> Tensor:
     """``num_images`` images ``[N, C, H, W]`` evenly spaced through ``dataset`` (items ``(image, label)``),
     the same ones every call."""
     size = len(dataset)
-    if not (isinstance(num_images, int) and 1 <= num_images <= size):
+    if not (isinstance(num_images, int) and not isinstance(num_images, bool) and 1 <= num_images <= size):
         raise ValueError(f"num_images={num_images!r} must be an int in [1, {size}] (the split has {size} images)")
     indices = torch.linspace(0, size - 1, num_images).round().long().tolist()
     images = []
@@ -299,9 +301,9 @@ class SlotPictureLogger(Callback):
         alpha: float = 0.6,
         tag: str = "slots/dispatch",
     ) -> None:
-        if not (isinstance(num_images, int) and num_images >= 1):
+        if not (isinstance(num_images, int) and not isinstance(num_images, bool) and num_images >= 1):
             raise ValueError(f"SlotPictureLogger: num_images={num_images!r} must be an int >= 1")
-        if not (isinstance(every_n_epochs, int) and every_n_epochs >= 1):
+        if not (isinstance(every_n_epochs, int) and not isinstance(every_n_epochs, bool) and every_n_epochs >= 1):
             raise ValueError(f"SlotPictureLogger: every_n_epochs={every_n_epochs!r} must be an int >= 1")
         # checked here, not when the first validation epoch has ended and the pictures are drawn
         if not (isinstance(upscale, int) and not isinstance(upscale, bool) and upscale >= 1):
