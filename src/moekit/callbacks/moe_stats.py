@@ -383,7 +383,8 @@ class ExpertLoadMonitor(Callback):
 def _sum_over_ranks(trainer: Trainer) -> SumOverRanks | None:
     if trainer.world_size <= 1:
         return None
-    return lambda tensor: trainer.strategy.reduce(tensor, reduce_op="sum")
+    # on the strategy's device: sums restored from a checkpoint sit on the CPU until a forward adds to them (NCCL)
+    return lambda tensor: trainer.strategy.reduce(tensor.to(trainer.strategy.root_device), reduce_op="sum")
 
 
 def _add_expert_histogram(writer, tag: str, load: Tensor, step: int) -> None:
