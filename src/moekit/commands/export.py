@@ -19,7 +19,7 @@ from .common import check_output_file
 
 log = logging.getLogger("moekit")
 
-__all__ = ["export"]
+__all__ = ["export", "check_not_checkpoint"]
 
 
 EXPORT_FORMATS = ("safetensors", "hf")
@@ -35,6 +35,9 @@ def export(cfg: DictConfig) -> Path:
             f"ckpt_path={cfg.ckpt_path!r} is a safetensors file: a quantized checkpoint (eval.py, predict.py and "
             "sample.py load it) or an export already; export the training checkpoint (.ckpt)"
         )
+    if cfg.format == "safetensors":
+        default = Path(cfg.ckpt_path).with_suffix(".safetensors")
+        check_not_checkpoint(Path(cfg.get("output_path") or default), cfg.ckpt_path, default)
     module = load_task(cfg.ckpt_path)
     if cfg.format == "hf":
         return _export_hf(module, cfg)
@@ -56,6 +59,16 @@ def export(cfg: DictConfig) -> Path:
         how = f"model = {target}({args}); model.load_state_dict(safetensors.torch.load_file({str(path)!r}))"
     log.info("exported %s\n  load it with: %s", path, how)
     return path
+
+
+def check_not_checkpoint(output: Path, ckpt_path: str, example: Path) -> None:
+    """Refuse an ``output_path`` that is the checkpoint read (``ckpt_path``), before any work: the write would replace
+    the training checkpoint."""
+    if output.resolve() == Path(ckpt_path).resolve():
+        raise OutputError(
+            f"output_path={str(output)!r} is ckpt_path itself: writing there would replace the training checkpoint; "
+            f"give another file, e.g. output_path={example}"
+        )
 
 
 def _run_tokenizer(module):

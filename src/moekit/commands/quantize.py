@@ -23,6 +23,7 @@ from moekit.quant import (
 from moekit.quantized_checkpoint import save_quantized_task
 
 from .common import check_output_file, datamodule_for
+from .export import check_not_checkpoint
 
 log = logging.getLogger("moekit")
 
@@ -56,6 +57,9 @@ def quantize(cfg: DictConfig) -> Path:
         )
     name = FORMAT_OF_BITS[cfg.bits]  # settings out of range fail here, before the checkpoint loads
     spec = QuantSpec(QuantFormat(name, cfg.group_size), cfg.method, damping=cfg.damping, min_rows=cfg.min_rows)
+    default = Path(cfg.ckpt_path).with_suffix(f".{name}-{cfg.method}.safetensors")
+    output = Path(cfg.output_path or default)
+    check_not_checkpoint(output, cfg.ckpt_path, default)
     module = load_task(cfg.ckpt_path)
     if not expert_banks(module.net):
         raise ValueError(
@@ -64,8 +68,6 @@ def quantize(cfg: DictConfig) -> Path:
             "MoE experiment"
         )
     L.seed_everything(cfg.seed, workers=True)
-    default = Path(cfg.ckpt_path).with_suffix(f".{name}-{cfg.method}.safetensors")
-    output = Path(cfg.output_path or default)
     check_output_file(output, default.name)
     check_writable_dir(output.parent, "the folder of output_path")
     float_bytes = expert_memory(module.net)

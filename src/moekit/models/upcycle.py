@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping
 
 import torch
+from timm.layers import GluMlp
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
@@ -84,6 +85,27 @@ def _shape_check(bank: ExpertBank, mlp: nn.Module) -> None:
     probe.load_dense_mlp(mlp)
 
 
+def _glu_gate_last(moe_model: nn.Module, dense: nn.Module | Mapping[str, Tensor]) -> dict[str, bool]:
+    """Per MoE layer (``"<name>."``): whether the dense timm ``GluMlp`` there holds its gate in the second half of
+    ``fc1`` (``gate_last``), which its weights do not tell: the dense model's own MLP at that name when ``dense`` is a
+    module, else that of the ``GluMlp`` blocks ``moe_model`` kept dense (its twin has the same MLPs), else timm's
+    default (``gate_last=True``)."""
+    kept = {m.gate_last for m in moe_model.modules() if isinstance(m, GluMlp)}
+    default = kept.pop() if len(kept) == 1 else True
+    orders = {}
+    for name, _ in moe_layers(moe_model):
+        mlp = None
+        if isinstance(dense, nn.Module):
+            for where in (name, name.replace(".block.", ".")):  # a Mixture-of-Depths block wraps the dense one
+                try:
+                    mlp = dense.get_submodule(where)
+                    break
+                except AttributeError:
+                    continue
+        orders[f"{name}."] = mlp.gate_last if isinstance(mlp, GluMlp) else default
+    return orders
+
+
 def upcycle_vit(
     moe_model: nn.Module,
     dense: nn.Module | Mapping[str, Tensor],
@@ -96,7 +118,8 @@ def upcycle_vit(
         dense: the dense ViT of the same dims, its ``state_dict()``, or a timm checkpoint dict (wrapped
             in ``"model"`` / ``"state_dict"`` or in a layout timm's ViT checkpoint filter converts; as
             when timm loads pretrained weights, position embeddings and patch embeddings are resampled to
-            ``moe_model``'s grid).
+            ``moe_model``'s grid). Which half of a timm ``GluMlp``'s ``fc1`` is the gate (``gate_last``) is read from
+            the dense module, or from the ``GluMlp`` blocks ``moe_model`` keeps dense, else timm's default.
         noise_std: std of Gaussian noise added to each expert copy to break their symmetry (0 = exact copies).
 
     Returns:
@@ -109,10 +132,10 @@ def upcycle_vit(
             weights hold as MoE layers already; nothing is written then.
     """
     source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
-    return upcycle(moe_model, checkpoint_filter_fn(source, moe_model), noise_std, caller="upcycle_vit")
+    orders = _glu_gate_last(moe_model, dense)
+    return _upcycle(moe_model, checkpoint_filter_fn(source, moe_model), noise_std, "upcycle_vit", orders)
 
 
-@torch.no_grad()
 def upcycle(
     moe_model: nn.Module,
     dense: nn.Module | Mapping[str, Tensor],
@@ -123,6 +146,13 @@ def upcycle(
     :class:`~moekit.models.TransformerLM`): ``dense`` is that model or its ``state_dict()``. Arguments, result and
     errors as :func:`upcycle_vit`'s (``caller`` names the function in the errors)."""
     source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
+    return _upcycle(moe_model, source, noise_std, caller, _glu_gate_last(moe_model, dense))
+
+
+@torch.no_grad()
+def _upcycle(
+    moe_model: nn.Module, source: dict[str, Tensor], noise_std: float, caller: str, gate_last: Mapping[str, bool]
+) -> nn.Module:
     source, fresh_routers = _into_depth_blocks(moe_model, source)
     layers = {f"{name}.": layer for name, layer in moe_layers(moe_model)}
     if not layers and not fresh_routers:
@@ -154,6 +184,7 @@ def upcycle(
             missing.append(f"{prefix}* (the dense MLP of this MoE layer)")
             continue
         dense_mlps[prefix] = mlp = _dense_mlp(entries, prefix, unexpected)
+        mlp.gate_last = gate_last[prefix]  # read by load_dense_mlp for a GluMlp's fused fc1
         try:
             _shape_check(layer.experts, mlp)
         except ValueError as err:

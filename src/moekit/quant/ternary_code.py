@@ -62,16 +62,14 @@ class TunstallCode:
         return sum(t.numel() * t.element_size() for t in (self.table, self.lengths))
 
 
-def build_code(counts: tuple[int, int, int] | Tensor, bits: int) -> TunstallCode:
-    """The Tunstall code of ``2^bits - 1`` codewords (all that fit in ``bits``) for symbol counts ``counts``
-    (add-one smoothed)."""
+def _grow(counts: tuple[int, int, int], bits: int) -> tuple[list, list, list, list, dict[int, list[int]]]:
+    """The Tunstall tree: node 0 is the root; node n has ``parent[n]``, ``symbol[n]`` (the last symbol of its word),
+    ``prob[n]`` and ``depth[n]``; ``children`` maps each internal node to its three children (creation order)."""
     if bits not in (8, 16):
         raise ValueError(f"codeword bits={bits} must be 8 or 16")
-    counts = tuple(int(c) for c in (counts.tolist() if isinstance(counts, Tensor) else counts))
     total = sum(counts) + 3
     probs = [(c + 1) / total for c in counts]
     size = 2**bits
-    # Node 0 is the root; node n has parent[n], symbol[n] (the last symbol of its word) and prob[n].
     parent, symbol, prob, depth = [-1], [0], [1.0], [0]
     children: dict[int, list[int]] = {}
     heap: list[tuple[float, int]] = []
@@ -93,6 +91,14 @@ def build_code(counts: tuple[int, int, int] | Tensor, bits: int) -> TunstallCode
         _, node = heapq.heappop(heap)
         expand(node)
         leaves += 2
+    return parent, symbol, prob, depth, children
+
+
+def build_code(counts: tuple[int, int, int] | Tensor, bits: int) -> TunstallCode:
+    """The Tunstall code of ``2^bits - 1`` codewords (all that fit in ``bits``) for symbol counts ``counts``
+    (add-one smoothed)."""
+    counts = tuple(int(c) for c in (counts.tolist() if isinstance(counts, Tensor) else counts))
+    parent, symbol, prob, depth, children = _grow(counts, bits)
     nodes = len(parent)
     parent_t, symbol_t, depth_t = (torch.tensor(v, dtype=torch.int64) for v in (parent, symbol, depth))
     child = torch.full((nodes, 3), -1, dtype=torch.int64)
@@ -127,12 +133,19 @@ def entropy_bits(counts: tuple[int, int, int] | Tensor) -> float:
 
 
 def choose_code(counts: tuple[int, int, int] | Tensor, num_symbols: int) -> TunstallCode:
-    """The 8- or 16-bit code that stores ``num_symbols`` symbols in the fewest bytes, its table included."""
+    """The 8- or 16-bit code that stores ``num_symbols`` symbols in the fewest bytes, its table included. The sizes
+    come from the two dictionaries' trees; only the chosen code's table is built."""
 
-    def cost(code: TunstallCode) -> float:
-        return num_symbols * code.bits / 8 / code.mean_length + code.table_bytes()
+    counts = tuple(int(c) for c in (counts.tolist() if isinstance(counts, Tensor) else counts))
 
-    return min((build_code(counts, bits) for bits in (8, 16)), key=cost)
+    def cost(bits: int) -> float:  # from the tree alone: the padded table of a near-constant source is gigabytes
+        _, _, prob, depth, children = _grow(counts, bits)
+        leaves = [n for n in range(1, len(depth)) if n not in children]
+        mean_length = float((torch.tensor(prob, dtype=torch.float64)[leaves] * torch.tensor(depth)[leaves]).sum())
+        table_bytes = len(leaves) * (max(depth[n] for n in leaves) + 8)  # uint8 words, int64 lengths
+        return num_symbols * bits / 8 / mean_length + table_bytes
+
+    return build_code(counts, min((8, 16), key=cost))
 
 
 def chunk_lengths(stream_len: int) -> Tensor:
