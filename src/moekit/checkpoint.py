@@ -356,8 +356,6 @@ def read_training_checkpoint(ckpt_path: str | Path) -> dict:
     :data:`SHARDED_METADATA` (all but the weights and optimizer states), once its shards are checked against their
     index (:func:`_check_shards`)."""
     path = Path(ckpt_path)
-    beside = [p.name for p in checkpoints_in(path.parent) if p.name != path.name]
-    others = f"; the checkpoints beside it: {', '.join(beside)}" if beside else ""
     try:
         if path.is_dir():
             _check_shards(path)
@@ -367,6 +365,8 @@ def read_training_checkpoint(ckpt_path: str | Path) -> dict:
             # legacy format) is read whole, so that it loads or fails with its own error, not mmap's advice
             checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path))
     except Exception as err:
+        beside = [p.name for p in checkpoints_in(path.parent) if p.name != path.name]  # listed on failure only
+        others = f"; the checkpoints beside it: {', '.join(beside)}" if beside else ""
         raise CheckpointError(
             f"ckpt_path={str(path)!r} could not be read ({_first_sentence(err)}). It is corrupt, truncated or not a "
             "PyTorch checkpoint; resume from another checkpoint (ckpt_path=last takes the one with the most training "

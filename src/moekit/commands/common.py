@@ -41,6 +41,16 @@ def check_output_file(path: Path, name: str) -> None:
         raise OutputError(f"output_path={str(path)!r} is a folder; give a file's path, e.g. output_path={path / name}")
 
 
+def check_not_checkpoint(output: Path, ckpt_path: str, example: Path) -> None:
+    """Refuse an ``output_path`` that is the checkpoint read (``ckpt_path``), before any work: the write would replace
+    the training checkpoint."""
+    if output.resolve() == Path(ckpt_path).resolve():
+        raise OutputError(
+            f"output_path={str(output)!r} is ckpt_path itself: writing there would replace the training checkpoint; "
+            f"give another file, e.g. output_path={example}"
+        )
+
+
 @contextlib.contextmanager
 def signal_ends_phase(phase: str, rerun: str) -> Iterator[None]:
     """Exit with status 143 (128 + SIGTERM) and say what to rerun when SIGTERM ends ``phase``: Lightning ends

@@ -15,11 +15,11 @@ from moekit.errors import OutputError, check_writable_dir, storage_errors
 from moekit.models import export_hf, export_safetensors
 from moekit.utils.atomic import atomic_write
 
-from .common import check_output_file
+from .common import check_not_checkpoint, check_output_file
 
 log = logging.getLogger("moekit")
 
-__all__ = ["export", "check_not_checkpoint"]
+__all__ = ["export"]
 
 
 EXPORT_FORMATS = ("safetensors", "hf")
@@ -59,16 +59,6 @@ def export(cfg: DictConfig) -> Path:
         how = f"model = {target}({args}); model.load_state_dict(safetensors.torch.load_file({str(path)!r}))"
     log.info("exported %s\n  load it with: %s", path, how)
     return path
-
-
-def check_not_checkpoint(output: Path, ckpt_path: str, example: Path) -> None:
-    """Refuse an ``output_path`` that is the checkpoint read (``ckpt_path``), before any work: the write would replace
-    the training checkpoint."""
-    if output.resolve() == Path(ckpt_path).resolve():
-        raise OutputError(
-            f"output_path={str(output)!r} is ckpt_path itself: writing there would replace the training checkpoint; "
-            f"give another file, e.g. output_path={example}"
-        )
 
 
 def _run_tokenizer(module):

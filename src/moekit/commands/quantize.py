@@ -22,8 +22,7 @@ from moekit.quant import (
 )
 from moekit.quantized_checkpoint import save_quantized_task
 
-from .common import check_output_file, datamodule_for
-from .export import check_not_checkpoint
+from .common import check_not_checkpoint, check_output_file, datamodule_for
 
 log = logging.getLogger("moekit")
 
