@@ -590,7 +590,9 @@ def test_sequences_longer_than_max_seq_len_are_refused():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-0.5), r"temperature=-0.5 must be a number >= 0"),
+        (dict(temperature=-0.5), r"temperature=-0.5 must be a finite number >= 0"),
+        (dict(temperature=math.inf), r"temperature=inf must be a finite number >= 0"),  # every logit became 0
+        (dict(temperature=1e39), r"temperature=1e\+39 must be a finite number >= 0"),  # past float32: the same
         (dict(top_k=0), r"top_k=0 must be an int >= 1"),
         (dict(top_p=0.0), r"top_p=0.0 must lie in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p=1.5 must lie in \(0, 1\]"),

@@ -28,9 +28,13 @@ def check_generation(max_new_tokens: int, temperature: float, top_k: int | None,
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger temperature turns every logit into 0 (or NaN)
+
+
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0 = greedy argmax)")
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not number or not 0 <= temperature <= _FLOAT32_MAX:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy argmax)")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k={top_k!r} must be an int >= 1 (keep the k most likely tokens), or None for all")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
