@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from moekit.models import TransformerLM, export_hf, generate, load_hf_lm
 from moekit.models.hf_export import hf_layout
@@ -311,6 +312,43 @@ def test_the_task_refuses_a_vocabulary_mismatch_and_upcycling_from_a_transformer
         HFInterchangeError, match="starts a Transformer LM, but the run's model is moekit.models.LSTMMoELM"
     ):
         LanguageModel(net={**NET, "_target_": "moekit.models.LSTMMoELM"}, vocab_size=VOCAB, init_from=f"hf:{tmp_path}")
+
+
+def test_a_transformers_model_whose_embedding_pads_its_tokenizer_fine_tunes_and_samples_real_tokens(tmp_path):
+    """Qwen's folders pad the embedding past the tokenizer (151936 rows, 151646 tokens): the task takes the folder
+    with its own tokenizer's vocabulary, a checkpoint of it loads again, a tokenizer of another size is refused
+    naming the folder's own, and sampling never draws a padding row (the tokenizer could not decode it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokens = VOCAB - 6  # 6 padding rows
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(tokens)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    theirs = random_hf("qwen2_moe")
+    theirs.save_pretrained(tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    task = LanguageModel(net=NET, vocab_size=tokens, init_from=f"hf:{tmp_path}").eval()
+    assert task.net.vocab_size == VOCAB
+    assert_same_logits(task.net, theirs)
+    again = LanguageModel(**{**task.hparams, "init_from": None})  # what load_task rebuilds from a checkpoint
+    assert again.net.vocab_size == VOCAB
+    with pytest.raises(ValueError, match=rf"tokenizer has {tokens - 4}; .* data.vocab_size={tokens}"):
+        LanguageModel(net=NET, vocab_size=tokens - 4, init_from=f"hf:{tmp_path}")
+    with pytest.raises(ValueError, match=rf"the network has vocab_size={VOCAB} but the tokenizer has vocab_size=60"):
+        LanguageModel(net={**NET, "vocab_size": VOCAB}, vocab_size=60)  # fewer rows than tokens: refused still
+
+    class PaddingWins(nn.Module):  # logits that favour the padding rows by far
+        vocab_size, max_seq_len = VOCAB, 32
+
+        def forward(self, ids):
+            return torch.arange(VOCAB, dtype=torch.float32).expand(*ids.shape, VOCAB) * 100
+
+    prompt = torch.zeros(2, 3, dtype=torch.long)
+    free = generate(PaddingWins(), prompt, max_new_tokens=8, use_cache=False)
+    assert (free[:, 3:] >= tokens).all(), "without the limit the padding rows win"
+    for temperature in (0, 1.0):
+        limited = generate(PaddingWins(), prompt, max_new_tokens=8, temperature=temperature, use_cache=False,
+                           vocab_limit=tokens)  # fmt: skip
+        assert (limited[:, 3:] == tokens - 1).all(), "the most likely of the tokens the tokenizer has"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def sample(cfg: DictConfig) -> list[str]:
         generator=generator,
         on_token=stream,
         slide=cfg.slide,
+        vocab_limit=tokenizer.vocab_size,  # a padded embedding's extra rows decode to nothing
     )
     texts = [tokenizer.decode(row.tolist()) for row in tokens.cpu()]
     if stream is not None:

@@ -109,6 +109,7 @@ def generate(
     generator: torch.Generator | None = None,
     on_token: Callable[[Tensor], None] | None = None,
     slide: bool = False,
+    vocab_limit: int | None = None,
 ) -> Tensor:
     """Extend ``prompt_ids: [batch, T0]`` by ``max_new_tokens`` sampled tokens -> ``[batch, T0 + max_new_tokens]``.
 
@@ -121,6 +122,9 @@ def generate(
     ``max_seq_len`` tokens at most (a longer prompt is cut to them); when it is full, it restarts from its last
     ``max_seq_len // 2`` tokens, re-encoded into a fresh cache at positions ``0 ..`` - the positions the model was
     trained on - so that each restart costs one forward of half a window, not one per token.
+
+    ``vocab_limit``: sample ids below it only (a tokenizer smaller than the model's padded embedding: no id of the
+    padding rows, which the tokenizer cannot decode).
 
     Raises:
         ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids of the model's
@@ -165,6 +169,9 @@ def generate(
         cache = model.init_cache(batch) if use_cache else None
         logits = encode(prompt_len)
         for t in range(prompt_len, total):
+            if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+                logits = logits.clone()
+                logits[:, vocab_limit:] = float("-inf")
             next_token = sample_next_token(logits, temperature, top_k, top_p, generator)
             tokens[:, t] = next_token
             if on_token is not None:

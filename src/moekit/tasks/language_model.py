@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torchmetrics import MeanMetric
 
 from moekit.checkpoint import load_weights, read_state_dict
 from moekit.data.text import PAD_TARGET
+from moekit.data.tokenizers import build_tokenizer
 from moekit.models import fit_hash_routing, upcycle
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HF_PREFIX
@@ -86,7 +88,7 @@ class LanguageModel(MoETask):
         )
         self.setup_training(net, optimizer, scheduler)
         net_vocab = getattr(self.net, "vocab_size", vocab_size)
-        if net_vocab != vocab_size:
+        if net_vocab < vocab_size:  # more is padding (as transformers models and nanoGPT pad): rows no text uses
             raise ValueError(
                 f"the network has vocab_size={net_vocab} but the tokenizer has vocab_size={vocab_size}; "
                 "set model.vocab_size to the tokenizer's (data.vocab_size)"
@@ -111,12 +113,18 @@ class LanguageModel(MoETask):
                 "already; use init_mode=finetune"
             )
         net, changes = apply_hf_settings(net, folder)
-        if net["vocab_size"] != vocab_size:
+        own = _folder_tokenizer_size(folder)  # its embedding may have more rows than tokens (Qwen's padding)
+        if net["vocab_size"] != vocab_size and not (own == vocab_size < net["vocab_size"]):
             raise ValueError(
                 f"the transformers model in {folder} has a vocabulary of {net['vocab_size']} tokens but the data's "
                 f"tokenizer has {vocab_size}; train with the model's own tokenizer: data.tokenizer.kind=file "
-                f"data.tokenizer.path={folder}/tokenizer.json data.vocab_size={net['vocab_size']}"
+                f"data.tokenizer.path={folder}/tokenizer.json data.vocab_size={own or net['vocab_size']}"
             )
+        if net["vocab_size"] > vocab_size:
+            log.info(
+                "the embedding of %s has %d rows for its tokenizer's %d tokens: the last %d are padding no text uses",
+                folder, net["vocab_size"], vocab_size, net["vocab_size"] - vocab_size,
+            )  # fmt: skip
         log.info("the architecture of %s replaces the model config:\n  %s", folder, "\n  ".join(changes) or "(same)")
         return net
 
@@ -190,3 +198,9 @@ class LanguageModel(MoETask):
 
     def on_test_epoch_end(self) -> None:
         self._log_eval_metrics("test")
+
+
+def _folder_tokenizer_size(folder: str) -> int | None:
+    """The vocabulary of the ``tokenizer.json`` in a transformers folder (None without one)."""
+    path = Path(folder) / "tokenizer.json"
+    return build_tokenizer(kind="file", path=str(path)).vocab_size if path.is_file() else None
