@@ -43,7 +43,7 @@ class LanguageModel(MoETask):
 
     Args:
         net: the network config (Hydra ``_target_`` dict), instantiated here.
-        vocab_size: the tokenizer's vocabulary (checked against the network's).
+        vocab_size: the tokenizer's vocabulary (the network's may be larger: padding rows no text uses).
         optimizer: ``{name, lr, weight_decay, betas, eps, decay_1d}``.
         scheduler: :class:`~moekit.tasks.optim.ScheduleConfig` fields.
         compile: ``torch.compile`` the network in place (state-dict keys unchanged).
