@@ -20,17 +20,21 @@ from conftest import compose_config, small_overrides
 from moekit.checkpoint import SHARDED_METADATA, TASK_KEY, CheckpointError, check_ckpt_path, read_training_checkpoint
 from moekit.commands.train import _resolve_resume_alias, train
 from moekit.configs import instantiate
-from moekit.resume import check_resume_checkpoint, find_resume_checkpoint
+from moekit.resume import FIT_STARTED_KEY, check_resume_checkpoint, find_resume_checkpoint
 from resume_helpers import metrics_rows
 
 
-def write(path: Path, *, good: bool, age: float = 0.0, step: int | None = None, epoch: int = 0) -> Path:
+def write(
+    path: Path, *, good: bool, age: float = 0.0, step: int | None = None, epoch: int = 0, started: float | None = None
+) -> Path:
     """A minimal training checkpoint (or a truncated file), its modification time ``age`` seconds ago; ``step``:
-    its ``global_step`` (None: without one)."""
+    its ``global_step`` (None: without one); ``started``: when the process that wrote it started (None: unstamped, as
+    an earlier moekit wrote them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if good:
         steps = {} if step is None else {"global_step": step}
-        torch.save({"state_dict": {}, "optimizer_states": [], "epoch": epoch, **steps}, path)
+        stamp = {} if started is None else {FIT_STARTED_KEY: started}
+        torch.save({"state_dict": {}, "optimizer_states": [], "epoch": epoch, **steps, **stamp}, path)
     else:
         path.write_bytes(b"PK\x03\x04 truncated")
     stamp = path.stat().st_mtime - age
@@ -178,6 +182,20 @@ def test_between_checkpoints_of_equal_progress_the_newer_file_is_resumed(newer, 
     older = next(name for name in ("last.ckpt", "epoch_001.ckpt") if name != newer)
     copied_without_times(folder, older, newer, "epoch_000.ckpt")
     assert find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs) == (folder / newer, [])
+
+
+def test_a_run_rewound_in_its_own_folder_goes_on_from_the_rewound_branch(runs):
+    """A process started at 100 trained to step 12; a second one, started at 200, resumed its step-4 checkpoint in
+    the same folder and got to step 8: the rewound branch's step 8 is resumed, not the abandoned branch's step 12
+    (nor its epoch checkpoint of step 8, which is older in process), whatever the files' times say."""
+    folder = runs / "2026-01-03_10-00-00" / "checkpoints"
+    write(folder / "epoch_000.ckpt", good=True, step=4, epoch=0, started=100.0)
+    write(folder / "epoch_001.ckpt", good=True, step=8, epoch=1, started=100.0)
+    write(folder / "epoch_002.ckpt", good=True, step=12, epoch=2, started=100.0)
+    write(folder / "last.ckpt", good=True, step=8, epoch=1, started=200.0)
+    write(folder / "unstamped.ckpt", good=True, step=16, epoch=3)  # an earlier moekit's: before any stamped one
+    copied_without_times(folder, "last.ckpt", "unstamped.ckpt", "epoch_000.ckpt", "epoch_001.ckpt", "epoch_002.ckpt")
+    assert find_resume_checkpoint("last", runs / "2026-01-04_10-00-00", runs) == (folder / "last.ckpt", [])
 
 
 def test_train_says_which_checkpoint_it_resumes(fake_fashion, tmp_path, caplog):
@@ -336,5 +354,6 @@ def test_train_resumes_with_ckpt_path_last(fake_fashion, tmp_path):
     assert cfg.ckpt_path == str(first / "checkpoints" / "last.ckpt"), "the run record names the checkpoint"
     resumed = torch.load(second / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert resumed["global_step"] == 2 * saved["global_step"], "one more epoch on top of the saved one"
+    assert resumed[FIT_STARTED_KEY] > saved[FIT_STARTED_KEY], "each process stamps its checkpoints with its start"
     logged = {int(float(row["epoch"])) for row in metrics_rows(second) if "epoch" in row}
     assert logged == {1}, "the resumed run trains epoch 1 only: a fresh run would log epoch 0 too"

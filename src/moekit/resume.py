@@ -9,6 +9,7 @@ its own progress and a foreign or changed run is refused before ``trainer.fit`` 
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,20 +27,27 @@ from moekit.configs import CONFIG_DIR
 if TYPE_CHECKING:
     from moekit.tasks import MoETask
 
-__all__ = ["RESUME_ALIASES", "find_resume_checkpoint", "check_resume_checkpoint"]
+__all__ = ["FIT_STARTED_KEY", "RESUME_ALIASES", "find_resume_checkpoint", "check_resume_checkpoint"]
 
 RESUME_ALIASES = ("last", "auto")
 """``ckpt_path`` values that name no file: resume from the checkpoint with the most training progress that loads
 (``auto``: or start afresh when there is none); see :func:`find_resume_checkpoint`."""
 
+FIT_STARTED_KEY = "moekit_fit_started_at"
+"""Checkpoint entry: when the training process that wrote it started (seconds since the epoch; rank 0's clock). All
+checkpoints of one process share it; a resumed process writes its own, later one."""
+
 
 def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) -> tuple[Path | None, list[Path]]:
     """What ``ckpt_path=last`` / ``auto`` means: the checkpoint (``.ckpt`` file or sharded folder) that loads with the
-    most training progress (:func:`_progress`: its ``global_step``, then ``epoch``; modification time breaks ties,
-    ``last.ckpt`` first among equals) in this run's own ``checkpoints/`` folder if it has any, else in the newest run
-    folder of ``runs_dir`` that has one (run folders are named by their start time; ``runs_dir=None``: the own folder
-    only, as for a sweep's job, which resumes itself and never another setting's run). Progress, not modification
-    time, decides because a folder copied without its timestamps has them in copy order. Returns ``(checkpoint,
+    most training progress of the latest training process (:func:`_progress`: the start time of the process that
+    wrote it, then its ``global_step``, then ``epoch``; modification time breaks ties, ``last.ckpt`` first among
+    equals) in this run's own ``checkpoints/`` folder if it has any, else in the newest run folder of ``runs_dir``
+    that has one (run folders are named by their start time; ``runs_dir=None``: the own folder only, as for a sweep's
+    job, which resumes itself and never another setting's run). What the checkpoints hold decides, not their files'
+    modification times: a folder copied without its timestamps has them in copy order. The latest process comes
+    first so that a run rewound in its own folder (resumed from an earlier checkpoint) goes on from where the rewound
+    branch got to, not from the abandoned branch's checkpoints with more steps. Returns ``(checkpoint,
     that folder's checkpoints that did not load)``; ``(None, [])`` for ``auto`` when no run has a checkpoint (start
     afresh). A :class:`CheckpointError` for ``last`` without any checkpoint, and when none of that folder's
     checkpoints loads (naming them)."""
@@ -50,7 +58,7 @@ def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) 
     earlier = sorted((p for p in runs if p.is_dir() and p.resolve() != own), reverse=True)
     for folder in [output_dir / "checkpoints", *(run / "checkpoints" for run in earlier)]:
         found = checkpoints_in(folder)  # newest first, last.ckpt first among equals: max() keeps the first of ties
-        loaded: list[tuple[tuple[int, int], Path]] = []
+        loaded: list[tuple[tuple[float, int, int], Path]] = []
         skipped: list[Path] = []
         for path in found:
             try:
@@ -78,9 +86,10 @@ def find_resume_checkpoint(alias: str, output_dir: Path, runs_dir: Path | None) 
     return None, []
 
 
-def _progress(checkpoint: Mapping[str, Any]) -> tuple[int, int]:
-    """How far training had got when a checkpoint was written: its ``(global_step, epoch)`` (Lightning writes both,
-    a sharded folder's metadata file too); -1 for one it lacks or that is not a whole number."""
+def _progress(checkpoint: Mapping[str, Any]) -> tuple[float, int, int]:
+    """Which process wrote a checkpoint and how far training had got: ``(FIT_STARTED_KEY, global_step, epoch)``
+    (Lightning writes the last two, a sharded folder's metadata file too); -inf for a checkpoint of a moekit without
+    the stamp, -1 for a count it lacks or that is not a whole number."""
 
     def number(key: str) -> int:
         try:
@@ -88,7 +97,11 @@ def _progress(checkpoint: Mapping[str, Any]) -> tuple[int, int]:
         except (TypeError, ValueError, RuntimeError):
             return -1
 
-    return number("global_step"), number("epoch")
+    try:
+        started = float(checkpoint.get(FIT_STARTED_KEY, -math.inf))
+    except (TypeError, ValueError, RuntimeError):
+        started = -math.inf
+    return started if not math.isnan(started) else -math.inf, number("global_step"), number("epoch")
 
 
 def check_resume_checkpoint(ckpt_path: str, module: MoETask) -> dict:

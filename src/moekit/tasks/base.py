@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from moekit.checkpoint import TASK_KEY
 from moekit.loggers import log_before_checkpoint, log_positions, resume_logs
 from moekit.models import compile_network
 from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_balancing_biases
+from moekit.resume import FIT_STARTED_KEY
 
 from .epoch_means import EpochMeans
 from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
@@ -78,6 +80,10 @@ class MoETask(LightningModule):
     """Set by :class:`~moekit.callbacks.NonFiniteGuard` when it drops the gradients of the current
     optimizer step (or a fp16 grad scaler skips it): :meth:`optimizer_step` then discards the step's
     loss-free balancing counts instead of updating the biases, and clears the flag."""
+    fit_started_at: float | None = None
+    """When this process's ``trainer.fit`` started (``time.time()``), written into each checkpoint it saves: which
+    process wrote a checkpoint decides what ``ckpt_path=last`` resumes
+    (:func:`moekit.resume.find_resume_checkpoint`)."""
 
     def setup_training(self, net: Mapping[str, Any], optimizer: Mapping | None, scheduler: Mapping | None) -> None:
         """Instantiate ``net`` (a Hydra ``_target_`` dict) and keep the optimizer/schedule settings."""
@@ -198,8 +204,13 @@ class MoETask(LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_fit_start(self) -> None:
+        self.fit_started_at = time.time()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[TASK_KEY] = f"{type(self).__module__}:{type(self).__qualname__}"
+        if self.fit_started_at is not None:
+            checkpoint[FIT_STARTED_KEY] = self.fit_started_at
         checkpoint[EPOCH_MEANS_KEY] = self._global_epoch_means().state_dict()  # the sums of all ranks
         if self._trainer is not None:  # the logs up to this moment are on disk, and where they end is recorded
             if _epoch_cut_short(self.trainer):
