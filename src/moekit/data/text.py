@@ -19,15 +19,26 @@ from torch.utils.data import DataLoader, Dataset
 
 from .corpora import PathLike, check_source_args, load_corpus
 from .resumable import ResumableTrainOrderMixin
-from .tokenizers import TOKENIZER_KEYS, ByteTokenizer, build_tokenizer, encode_corpus
+from .tokenizers import DOCUMENT_SEPARATOR, TOKENIZER_KEYS, build_tokenizer, encode_corpus
 
-__all__ = ["PAD_TARGET", "DocumentWindows", "TextDataModule", "TokenWindows"]
+__all__ = ["PAD_TARGET", "DocumentWindows", "TextDataModule", "TokenWindows", "split_bytes"]
 
 PAD_TARGET = -100
 """The target of a padding position (``F.cross_entropy``'s default ``ignore_index``)."""
 
 
 # --- datasets and the DataModule -----------------------------------------------------------------
+
+
+def split_bytes(document_bytes: Tensor, lengths: Tensor, start: int, end: int) -> float:
+    """UTF-8 bytes of the text that tokens ``[start, end)`` of the stream encode: the documents' own byte counts
+    (``document_bytes [D]``, each with its separator), not a decoding of the tokens, which adds spaces where a
+    tokenizer has no decoder (WordLevel, WordPiece) and would count bytes that the text lacks. A document the split's
+    boundary cuts counts the share of its bytes that its tokens on this side hold. ``lengths [D]``: each document's
+    tokens (:func:`~moekit.data.tokenizers.encode_corpus`)."""
+    ends = lengths.cumsum(0)
+    inside = (ends.clamp(max=end) - (ends - lengths).clamp(min=start)).clamp(min=0)  # [D] tokens in the split
+    return float((inside.double() * document_bytes / lengths.clamp(min=1).double()).sum())
 
 
 def _documents_within(starts: list[int], ends: list[int], low: int, high: int) -> list[tuple[int, int]]:
@@ -138,7 +149,7 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
     After ``setup()``: ``tokens`` (the whole stream ``[N]`` int64), ``split_tokens`` (name -> ``[n]``
     int64), ``train_set`` / ``val_set`` / ``test_set`` (:class:`TokenWindows`; with ``pack=False``
     :class:`DocumentWindows`) and ``bytes_per_token``
-    (split name -> UTF-8 bytes of the split's decoded text / its tokens; 1.0 for the byte tokenizer;
+    (split name -> UTF-8 bytes of the split's text / its tokens, :func:`split_bytes`; 1.0 for the byte tokenizer;
     non-empty splits only). Bits per byte = mean next-token loss in nats / ln 2 / ``bytes_per_token``.
     ``tokenizer``, ``vocab_size`` and ``seq_len`` are set by ``__init__``.
     """
@@ -244,8 +255,13 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
                 )
             split_tokens[split] = tokens[start:end]
         self.tokens, self.split_tokens = tokens, split_tokens
+        sizes = [len(document.encode("utf-8")) for document in documents]
+        sizes = [size + len(DOCUMENT_SEPARATOR.encode("utf-8")) for size in sizes[:-1]] + sizes[-1:]
+        document_bytes = torch.tensor(sizes, dtype=torch.float64)
         self.bytes_per_token = {
-            split: self._bytes_per_token(part) for split, part in split_tokens.items() if len(part) > 0
+            split: split_bytes(document_bytes, lengths, *bounds[split]) / len(part)
+            for split, part in split_tokens.items()
+            if len(part) > 0
         }
         if self.pack:
             self.val_set, self.test_set, self.train_set = (
@@ -258,11 +274,6 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
             DocumentWindows(tokens, _documents_within(starts, ends.tolist(), *bounds[split]), self.seq_len)
             for split in ("val", "test", "train")
         )
-
-    def _bytes_per_token(self, tokens: Tensor) -> float:
-        if isinstance(self.tokenizer, ByteTokenizer):
-            return 1.0
-        return len(self.tokenizer.decode(tokens).encode("utf-8")) / len(tokens)
 
     def _require_setup(self) -> None:
         if self.train_set is None:
