@@ -29,6 +29,7 @@ from moekit.analysis.records import (
     model_family,
     step_time_key,
 )
+from moekit.analysis.report import time_notes
 from moekit.analysis.step_times import STEP_TIMES_KIND, attach_step_times, load_step_times
 from moekit.analysis.tables import markdown_table, merge_markdown_tables
 from moekit.callbacks import ThroughputMonitor
@@ -742,6 +743,22 @@ def test_a_run_recorded_twice_counts_once_as_its_newest_record(tmp_path):
     assert group.seeds == [0, 1, 2] and group.stat(lambda r: r.test["acc"]).low == 0.80
     unseeded = [dict(r, seed=None, overrides=["model=dense_vit", "model.embed_dim=64"]) for r in PARETO[:3]]
     assert group_results(_results(unseeded))[0].stat(lambda r: r.test["acc"]).n == 3, "no seed: each its own draw"
+
+
+def test_the_time_notes_count_a_run_made_twice_once():
+    """Seed 1 first made on another CPU, then again on the sweep's: its newer record is the one the table and the
+    figure use, so the sweep's times all come from one CPU (no note that they are not comparable), and each seed
+    lacks a step time once. Made again on the other CPU instead, its times do differ."""
+    xeon = {"cpu": "Intel Xeon", "torch_threads": 2, "gpu": None}
+    epyc = {"cpu": "AMD EPYC", "torch_threads": 2, "gpu": None}
+    seeds = [dict(r, machine=xeon, finished_at="2026-01-02T00:00:00+00:00") for r in PARETO[:3]]
+    first = dict(seeds[1], machine=epyc, finished_at="2026-01-01T00:00:00+00:00")
+    assert time_notes(_results([first, *seeds]), step_times_given=False) == []
+    (note,) = time_notes(_results([first, *seeds]), step_times_given=True)
+    assert note.startswith("3 run(s) of results_pareto have no step time")
+    rerun = dict(first, finished_at="2026-01-03T00:00:00+00:00")
+    (note,) = time_notes(_results([*seeds, rerun]), step_times_given=False)
+    assert note.startswith("the runs of results_pareto ran on 2 machines")
 
 
 def test_the_benchmarked_time_of_a_multi_process_run_counts_each_process_steps(tmp_path):

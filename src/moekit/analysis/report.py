@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from moekit.analysis.aggregate import drop_repeats
 from moekit.analysis.figures import plot_all
 from moekit.analysis.records import RunResult
 from moekit.analysis.tables import markdown_table, merge_markdown_tables
@@ -43,8 +44,9 @@ def write_report(results: Sequence[RunResult], out: str | Path) -> Report:
 
 def time_notes(results: Sequence[RunResult], step_times_given: bool) -> list[str]:
     """Warnings about the time axes: sweeps whose runs have no benchmarked step time (when step times were
-    given), and sweeps whose recorded times come from more than one machine (not comparable)."""
-    notes = []
+    given), and sweeps whose recorded times come from more than one machine (not comparable). A run recorded twice
+    counts once, as its newest record: the one the tables and figures use (:func:`drop_repeats`)."""
+    results, notes = drop_repeats(results)[0], []
     if step_times_given:
         missing = Counter(run.task_name for run in results if run.bench_step_seconds is None)
         for task, count in sorted(missing.items()):
