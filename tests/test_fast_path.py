@@ -237,6 +237,25 @@ def test_precision_auto_takes_bf16_only_on_cpus_with_amx(flags, expected):
     assert resolve_precision("bf16-mixed", "cpu", set()) == ("bf16-mixed", "as configured")
 
 
+def test_the_cpu_is_named_with_its_family_and_model(tmp_path, monkeypatch):
+    """The pool's virtual machines call a Zen 1 and a Zen 4 EPYC both "AMD EPYC", at half and full speed: records,
+    benchmark headers and the tables' machine counts tell them apart by the x86 family and model (the first
+    processor's; nothing added where /proc/cpuinfo has none, as on ARM)."""
+    from moekit.utils import machine
+
+    block = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: AMD EPYC\n"
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(machine, "_CPUINFO", cpuinfo)
+    cpuinfo.write_text(block.format(n=0, f=23, m=1) + "\n" + block.format(n=1, f=25, m=17))
+    assert machine.cpu_model() == "AMD EPYC (family 23 model 1)"
+    zen1 = machine.machine_label({"cpu": machine.cpu_model(), "torch_threads": 2})
+    cpuinfo.write_text(block.format(n=0, f=25, m=17))
+    assert machine.cpu_model() == "AMD EPYC (family 25 model 17)"
+    assert machine.machine_label({"cpu": machine.cpu_model(), "torch_threads": 2}) != zen1
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Neoverse-V2\n")
+    assert machine.cpu_model() == "Neoverse-V2"
+
+
 def test_the_experiments_train_in_the_machines_precision_and_record_it(fake_fashion, tmp_path, caplog):
     from conftest import compose_config, small_overrides
     from moekit.commands.train import train

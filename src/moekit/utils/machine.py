@@ -141,21 +141,32 @@ def _cgroup_memory_left() -> int | None:
     return left
 
 
+_CPUINFO = Path("/proc/cpuinfo")
+
+
 def cpu_model() -> str:
-    """The CPU's marketing name from ``/proc/cpuinfo`` (``platform.processor()`` elsewhere)."""
+    """The CPU's marketing name from ``/proc/cpuinfo`` with its x86 family and model, ``"AMD EPYC (family 23 model
+    1)"``: a virtual machine's name is often the vendor's brand alone, the same for CPUs of twice the speed (a Zen 1
+    and a Zen 4 EPYC); ``platform.processor()`` where there is no ``/proc/cpuinfo``."""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        for line in _CPUINFO.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if not key.strip():  # the first processor's block ends
+                break
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']} model {fields['model']})"
+    return name
 
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in _CPUINFO.read_text().splitlines():
             if line.startswith("flags"):
                 return set(line.split(":", 1)[1].split())
     except OSError:
