@@ -139,10 +139,10 @@ def test_real_top_k_layer_settles_within_one_step_of_the_smallest_working_capaci
     tuner = CapacityTuner(target_drop=target, window=4, update_every=4, patience=1, hysteresis=1.0, retry_after=10**6)
     tuner.bind(layer)
     history = run(tuner, layer, 600, x)
-    final = history[-1][""]
+    final = history[-1]["TopKMoE"]
     assert drop_at(final) <= target
     assert smallest - 0.001 <= final <= smallest / tuner.decrease + 1e-6, (smallest, final)
-    assert all(h[""] == final for h in history[-200:])
+    assert all(h["TopKMoE"] == final for h in history[-200:])
 
 
 def test_the_drop_rate_is_over_the_real_tokens_of_the_window():
@@ -165,7 +165,7 @@ def test_the_drop_rate_is_over_the_real_tokens_of_the_window():
         dropped, real = dropped + fraction * tokens * 2, real + tokens * 2
         tuner.step()
     assert fraction > 0 and float(masks[1].sum()) == 0
-    assert tuner.drop_rates[""] == pytest.approx(dropped / real, rel=1e-6)
+    assert tuner.drop_rates["TopKMoE"] == pytest.approx(dropped / real, rel=1e-6)
 
 
 def test_a_checkpoint_of_unweighted_windows_still_resumes_exactly():
@@ -193,7 +193,7 @@ def test_experts_choice_layer_reaches_the_target_within_num_experts():
     tuner = CapacityTuner(target_drop=0.05, max_factor=10.0, window=4, update_every=4, patience=2)
     tuner.bind(layer)
     history = run(tuner, layer, 400, x)
-    assert all(h[""] <= 4.0 for h in history), "experts-choice factors stop at num_experts"
+    assert all(h["ExpertsChoiceMoE"] <= 4.0 for h in history), "experts-choice factors stop at num_experts"
     with torch.no_grad():
         layer(x)
     assert float(layer.stats["dropped_fraction"]) <= 0.05

@@ -20,7 +20,7 @@ from torch import nn
 
 from conftest import REPO, compose_config
 from moekit.callbacks import ExpertLoadMonitor
-from moekit.callbacks.moe_stats import RoutingStatsSums, load_heatmap
+from moekit.callbacks.moe_stats import RoutingStatsSums, layer_label, load_heatmap
 from moekit.commands.train import train
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import SoftMoE, TopKMoE
@@ -78,6 +78,13 @@ def test_interval_figures_equal_hand_computed_values_on_a_crafted_routing():
 
     sums.reset()
     assert not sums and sums.compute() == {}
+
+
+def test_layers_are_named_without_wrapper_segments_and_a_bare_layer_by_its_class():
+    layer = _crafted_top1()
+    assert set(ExpertLoadMonitor().watch(layer)) == {"TopKMoE"}  # not "": its keys would read moe//load_cv
+    assert layer_label("_orig_mod.blocks.3._checkpoint_wrapped_module.mlp", layer) == "blocks.3.mlp"
+    assert layer_label("blocks.3.mlp", layer) == "blocks.3.mlp"
 
 
 def test_soft_moe_uniform_dispatch_mixes_every_token_into_each_slot():

@@ -25,6 +25,7 @@ from moekit.data import (
     load_corpus,
 )
 from moekit.data.text import split_bytes
+from moekit.data.tokenizers import document_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
 BPE_VOCAB = 400
@@ -320,6 +321,9 @@ def test_encode_corpus_counts_each_documents_tokens(bpe_files):
         assert int(lengths.sum()) == len(tokens)
         pieces = torch.split(tokens, lengths.tolist())
         assert [tokenizer.decode(piece) for piece in pieces] == ["first doc\n\n", "second — doc\n\n", "third"]
+    # each document's own UTF-8 bytes with its separator ("—" is 3 bytes): the byte tokenizer's token counts
+    assert document_bytes(documents).tolist() == [11, 16, 5]
+    assert torch.equal(document_bytes(documents), encode_corpus(ByteTokenizer(), documents)[1])
 
 
 def test_document_windows_pad_each_document_and_never_cross():

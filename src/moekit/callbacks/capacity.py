@@ -64,18 +64,21 @@ from moekit.loggers import logging_step
 from moekit.moe import ExpertsChoiceMoE, MoELayer, moe_layers
 from moekit.moe.stats import REAL_TOKENS
 
+from .moe_stats import layer_label
+
 __all__ = ["CapacityTuner", "capacity_limited_layers"]
 
 
 def capacity_limited_layers(model: nn.Module) -> dict[str, MoELayer]:
-    """``{name: layer}`` of the MoE layers of ``model`` with a numeric ``capacity_factor``: tokens-choice
+    """``{name: layer}`` (names as :func:`~moekit.callbacks.moe_stats.layer_label` gives them) of the MoE layers of
+    ``model`` with a numeric ``capacity_factor``: tokens-choice
     layers with a capacity limit and experts-choice layers (dropless, Soft MoE, dense, hash and BASE
     layers have none)."""
     found = {}
     for name, layer in moe_layers(model):
         factor = getattr(layer, "capacity_factor", None)
         if isinstance(factor, (int, float)) and not isinstance(factor, bool):
-            found[name] = layer
+            found[layer_label(name, layer)] = layer
     return found
 
 

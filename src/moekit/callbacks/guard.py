@@ -16,6 +16,8 @@ from torch.optim import Optimizer
 
 from moekit.moe import routing_modules
 
+from .moe_stats import layer_label
+
 __all__ = ["NonFiniteGuard", "NonFiniteTrainingError", "BadStep"]
 
 log = logging.getLogger("moekit")
@@ -264,7 +266,7 @@ class NonFiniteGuard(Callback):
         router_layer, weights_finite, input_finite = None, None, None
         for name, layer in routing_modules(net):
             if layer.router_logits_finite() is False:
-                router_layer = name
+                router_layer = layer_label(name, layer)
                 weights_finite = all(bool(torch.isfinite(p).all()) for p in layer.parameters())
                 checksum = self._input_checksums.get(name)
                 input_finite = None if checksum is None else bool(torch.isfinite(checksum))

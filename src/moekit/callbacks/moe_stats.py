@@ -53,7 +53,7 @@ from moekit.loggers import logging_step
 from moekit.moe import RoutingModule, routing_modules
 from moekit.moe.stats import REAL_TOKENS
 
-__all__ = ["ExpertLoadMonitor", "RoutingStatsSums", "LayerFigures", "load_heatmap"]
+__all__ = ["ExpertLoadMonitor", "RoutingStatsSums", "LayerFigures", "layer_label", "load_heatmap"]
 
 SumOverRanks = Callable[[Tensor], Tensor]
 """Maps a tensor to its elementwise sum over all ranks (identity in a single process)."""
@@ -255,8 +255,11 @@ def load_heatmap(loads: Sequence[Tensor], max_width: int = 512) -> Tensor:
     return image.permute(2, 0, 1).contiguous()
 
 
-def _clean_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+def layer_label(name: str, layer: nn.Module) -> str:
+    """The name logs and reports give a routing module found at ``name`` in a model: the qualified name without the
+    segments wrappers insert (a wrapped model logs under the same keys), or the module's class name where it is the
+    model itself (one bare MoE layer, whose qualified name is empty)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS) or type(layer).__name__
 
 
 class ExpertLoadMonitor(Callback):
@@ -292,7 +295,7 @@ class ExpertLoadMonitor(Callback):
         one), named without the segments wrappers insert; called at the start of training and of each
         validation epoch. Returns ``{name: layer}``."""
         root = module.net if isinstance(getattr(module, "net", None), nn.Module) else module
-        self._layers = {_clean_name(name): layer for name, layer in routing_modules(root)}
+        self._layers = {layer_label(name, layer): layer for name, layer in routing_modules(root)}
         return self._layers
 
     def accumulate(self, sums: RoutingStatsSums) -> None:

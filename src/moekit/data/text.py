@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .corpora import PathLike, check_source_args, load_corpus
 from .resumable import ResumableTrainOrderMixin
-from .tokenizers import DOCUMENT_SEPARATOR, TOKENIZER_KEYS, build_tokenizer, encode_corpus
+from .tokenizers import TOKENIZER_KEYS, build_tokenizer, document_bytes, encode_corpus
 
 __all__ = ["PAD_TARGET", "DocumentWindows", "TextDataModule", "TokenWindows", "split_bytes"]
 
@@ -255,11 +255,9 @@ class TextDataModule(ResumableTrainOrderMixin, L.LightningDataModule):
                 )
             split_tokens[split] = tokens[start:end]
         self.tokens, self.split_tokens = tokens, split_tokens
-        sizes = [len(document.encode("utf-8")) for document in documents]
-        sizes = [size + len(DOCUMENT_SEPARATOR.encode("utf-8")) for size in sizes[:-1]] + sizes[-1:]
-        document_bytes = torch.tensor(sizes, dtype=torch.float64)
+        sizes = document_bytes(documents).double()
         self.bytes_per_token = {
-            split: split_bytes(document_bytes, lengths, *bounds[split]) / len(part)
+            split: split_bytes(sizes, lengths, *bounds[split]) / len(part)
             for split, part in split_tokens.items()
             if len(part) > 0
         }

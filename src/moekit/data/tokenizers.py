@@ -26,6 +26,7 @@ __all__ = [
     "GPT2Tokenizer",
     "TextTokenizer",
     "build_tokenizer",
+    "document_bytes",
     "encode_corpus",
 ]
 
@@ -262,6 +263,17 @@ def build_tokenizer(
     return GPT2Tokenizer(vocab_file, merges_file)  # type: ignore[arg-type]
 
 
+def _pieces(documents: Sequence[str], separator: str) -> list[str]:
+    """The documents as ``separator.join(documents)`` lays them out: each but the last with the separator appended."""
+    return [document + separator for document in documents[:-1]] + list(documents[-1:])
+
+
+def document_bytes(documents: Sequence[str], separator: str = DOCUMENT_SEPARATOR) -> Tensor:
+    """``[n_documents]`` int64: the UTF-8 bytes of each document in ``separator.join(documents)``, its separator
+    included (all but the last), so that the sum is the joined text's size (the byte tokenizer's ``lengths``)."""
+    return torch.tensor([len(piece.encode("utf-8")) for piece in _pieces(documents, separator)], dtype=torch.long)
+
+
 def encode_corpus(
     tokenizer: TextTokenizer, documents: Sequence[str], separator: str = DOCUMENT_SEPARATOR
 ) -> tuple[Tensor, Tensor]:
@@ -273,9 +285,9 @@ def encode_corpus(
     with the separator appended (all but the last), so no token spans two documents; any other
     tokenizer is called once per document the same way.
     """
-    pieces = [document + separator for document in documents[:-1]] + list(documents[-1:])
+    pieces = _pieces(documents, separator)
     if isinstance(tokenizer, ByteTokenizer):
-        lengths = torch.tensor([len(piece.encode("utf-8")) for piece in pieces], dtype=torch.long)
+        lengths = document_bytes(documents, separator)
         return torch.from_numpy(tokenizer.encode_array(separator.join(documents)).astype(np.int64)), lengths
     if hasattr(tokenizer, "encode_batch"):
         encoded = tokenizer.encode_batch(pieces)
