@@ -294,3 +294,21 @@ def test_int8_keeps_its_256_levels_on_small_weights(std, slack):
     assert bool((q.scale.float() >= step).all()), "the grid spans the group"
     assert bool((q.scale.float() <= step * slack).all())
     assert bool(((q.dequantize() - w).abs() <= q.scale.float()).all())
+
+
+@pytest.mark.parametrize(("name", "largest_ok"), [("ternary", 6e4), ("int4", 4.5e5)])
+def test_weights_past_the_float16_scales_are_refused_naming_the_bank(name, largest_ok):
+    """A ternary group with |w| up to 1e5 (int4: a range of 2e6) got an infinite float16 scale and NaN weights,
+    silently; the largest weights a float16 scale holds still quantize finitely."""
+    torch.manual_seed(0)
+    net = _TwoBanks().eval()
+    with torch.no_grad():
+        net.second.fc1_weight.mul_(largest_ok / net.second.fc1_weight.abs().max())
+    fine = copy.deepcopy(net)
+    quantize_experts(fine, QuantSpec(QuantFormat(name, group_size=4), "rtn"))
+    assert all(bool(torch.isfinite(t).all()) for t in fine.state_dict().values() if t.is_floating_point())
+    with torch.no_grad():
+        net.second.fc1_weight.mul_(10)
+    with pytest.raises(ValueError, match=r"second.fc1: a group of weights needs a scale of .* past float16's largest"):
+        quantize_experts(net, QuantSpec(QuantFormat(name, group_size=4), "rtn"))
+    assert isinstance(net.second, ExpertBank) and isinstance(net.first, ExpertBank)  # left as it was
