@@ -763,18 +763,29 @@ def _run_cli(case: Case, paths: dict[str, Path]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def cli_results(request, inputs) -> dict[str, Future]:
-    """Start the subprocess cases this session selected, ``CLI_WORKERS`` at a time."""
-    selected = {
-        item.callspec.params["case"].id
-        for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params
-    }
+def cli_results(request, inputs) -> Callable[[Case], subprocess.CompletedProcess]:
+    """The result of a subprocess case, each run once. Alone, pytest starts every case the session selected,
+    ``CLI_WORKERS`` at a time; a pytest-xdist worker collects every test but runs only its share, so there a case
+    starts when its test asks (starting them all ran every case on every worker: twice the work on 2 workers)."""
+    spread = "PYTEST_XDIST_WORKER" in os.environ
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("OMP_NUM_THREADS", "1")  # CLI_WORKERS processes on as many cores: no oversubscription
-        executor = ThreadPoolExecutor(max_workers=CLI_WORKERS)
-        futures = {c.id: executor.submit(_run_cli, c, inputs) for c in CASES if c.cli and c.id in selected}
-        yield futures
+        env.setenv("OMP_NUM_THREADS", "1")  # one thread a process: no oversubscription
+        executor = ThreadPoolExecutor(max_workers=1 if spread else CLI_WORKERS)
+        futures: dict[str, Future] = {}
+        if not spread:
+            selected = {
+                item.callspec.params["case"].id
+                for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params
+            }
+            futures = {c.id: executor.submit(_run_cli, c, inputs) for c in CASES if c.cli and c.id in selected}
+
+        def result(case: Case) -> subprocess.CompletedProcess:
+            if case.id not in futures:
+                futures[case.id] = executor.submit(_run_cli, case, inputs)
+            return futures[case.id].result()
+
+        yield result
         executor.shutdown(cancel_futures=True)
 
 
@@ -797,7 +808,7 @@ def test_bad_input_stops_with_one_clear_paragraph(case, inputs, cli_results, ear
     kept = {name: _tree_hashes(inputs[name]) for name in case.keeps}
     paths = {**inputs, "tmp": tmp_path}
     if case.cli:
-        result = cli_results[case.id].result()
+        result = cli_results(case)
         output = result.stdout + result.stderr
         assert result.returncode == 1, f"exit status {result.returncode}:\n{output[-3000:]}"
         if not case.hydra:
