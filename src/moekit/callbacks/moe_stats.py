@@ -266,7 +266,8 @@ class ExpertLoadMonitor(Callback):
     """Logs the expert load and routing statistics of every MoE layer (see the module docstring).
 
     Layers are named relative to ``pl_module.net`` when the module has one (the moekit tasks), else
-    relative to the module: ``moe/blocks.3.mlp/load_cv``.
+    relative to the module: ``moe/blocks.3.mlp/load_cv``; a network that is one bare layer by its class
+    (``moe/TopKMoE/load_cv``, :func:`layer_label`).
 
     Args:
         log_every_n_steps: optimizer steps per training interval; None uses the trainer's
