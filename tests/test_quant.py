@@ -139,14 +139,17 @@ def _correlated_inputs(n: int, d: int) -> torch.Tensor:
     return x * (1 + 4 * (torch.arange(d) % 7 == 0))
 
 
-@pytest.mark.parametrize("name", FORMATS)
-def test_batched_gptq_equals_the_papers_one_row_at_a_time_loop(name):
-    fmt = QuantFormat(name, group_size=16)
+@pytest.mark.parametrize(
+    ("name", "group_size", "block_size"),
+    [(name, 16, 32) for name in FORMATS] + [("int4", 24, 16), ("int2", 12, 8)],  # groups starting inside a block
+)
+def test_batched_gptq_equals_the_papers_one_row_at_a_time_loop(name, group_size, block_size):
+    fmt = QuantFormat(name, group_size=group_size)
     w = torch.randn(3, 64, 10)
     x = [_correlated_inputs(200, 64) for _ in range(3)]
     hessian = torch.stack([xe.t() @ xe for xe in x]).double()
     hessian[1, 5, :] = hessian[1, :, 5] = 0  # an input no token sets
-    q = gptq_quantize(w, hessian, fmt, block_size=32)
+    q = gptq_quantize(w, hessian, fmt, block_size=block_size)
     for e in range(3):
         expected = reference_gptq(w[e], hessian[e], fmt)
         torch.testing.assert_close(q.codes[e], expected, rtol=0, atol=0)

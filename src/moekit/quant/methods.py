@@ -123,8 +123,10 @@ def gptq_quantize(
         for i in range(i2 - i1):
             col = i1 + i
             if col % g == 0:
-                # the group's rows as the errors so far left them (rows past this block: all but this block's)
-                group = torch.cat([W1[:, :, i : i + g], W[:, :, i2 : col + g]], dim=2)
+                # the group's rows as the errors so far left them: its rows past this block still lack the updates
+                # this block's rows owe them (applied lazily at the block's end), so they are applied here
+                ahead = W[:, :, i2 : col + g] - torch.bmm(err1[:, :, :i], U[:, i1 : i1 + i, i2 : col + g])
+                group = torch.cat([W1[:, :, i : i + g], ahead], dim=2)
                 grid = fit_quantizer(fmt, group.float(), dim=-1)  # scale [E, N, 1]
                 scales.append(grid.scale[..., 0])
                 if grid.zero is not None:
