@@ -4,6 +4,7 @@ targets on an odd batch, and a frozen backbone that stays frozen (batch-norm sta
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,11 +97,13 @@ def test_a_frozen_backbone_stays_in_eval_mode_while_the_head_trains():
     assert all(m.training for m in unfrozen.modules())
 
 
-def test_training_epoch_cross_entropy_of_padded_documents_is_the_mean_over_real_tokens():
+@pytest.mark.parametrize("masked", ["padding", "targets"])
+def test_training_epoch_cross_entropy_of_padded_documents_is_the_mean_over_real_tokens(masked):
     """``data.pack=false`` batches hold different amounts of padding: the training epoch's ``train/ce_epoch`` is the
     mean negative log-likelihood over the epoch's real target tokens (as ``val/ce`` is over the split's), not a mean
     of batch means weighed by positions, padding included. Learning rate 0: the weights of every batch are the
-    start's; the checkpoint holds the count of real tokens, for a resumed epoch to go on from."""
+    start's; the checkpoint holds the count of real tokens, for a resumed epoch to go on from. ``targets``: every
+    input real, some targets left out of the loss (a prompt's): ``val/ce`` weighed batches by their real inputs."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -110,9 +113,10 @@ def test_training_epoch_cross_entropy_of_padded_documents_is_the_mean_over_real_
     net |= {"num_heads": 2, "dropout": 0.0, "moe": {"recipe": "mixtral", "num_experts": 4}}
     task = LanguageModel(net=net, vocab_size=32, optimizer={"lr": 0.0, "weight_decay": 0.0})
     lengths = torch.tensor([8, 1, 2, 8, 3, 8])  # batches of two: 9, 10 and 11 real targets of 16 positions
-    mask = torch.arange(8) < lengths[:, None]
+    real = torch.arange(8) < lengths[:, None]
+    mask = real if masked == "padding" else torch.ones(6, 8, dtype=torch.bool)
     inputs = torch.where(mask, torch.randint(1, 32, (6, 8)), 0)
-    targets = torch.where(mask, torch.randint(0, 32, (6, 8)), -100)
+    targets = torch.where(real, torch.randint(0, 32, (6, 8)), -100)
     data = DataLoader(TensorDataset(inputs, targets, mask), batch_size=2)
     trainer = L.Trainer(
         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -121,11 +125,11 @@ def test_training_epoch_cross_entropy_of_padded_documents_is_the_mean_over_real_
     trainer.fit(task, data, data)
     with torch.no_grad():
         logits = task.eval()(inputs, mask)
-    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / mask.sum()
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / real.sum()
     metrics = trainer.callback_metrics
     torch.testing.assert_close(metrics["val/ce"], nll)
     torch.testing.assert_close(metrics["train/ce_epoch"], nll)
     checkpoint = {}
     task.on_save_checkpoint(checkpoint)
     counts = [count for _, count in checkpoint["moekit_epoch_means"]["sums"].values()]
-    assert counts and all(int(count) == mask.sum() for count in counts)
+    assert counts and all(int(count) == real.sum() for count in counts)

@@ -408,7 +408,8 @@ class TransformerLM(nn.Module):
         ``padding_mask: [batch, tokens]`` bool, True for real tokens (not with a cache): no token attends to padding,
         and padding gets no expert, takes no capacity and counts in no auxiliary loss or routing statistic, so the
         logits of the real tokens do not depend on the padding that follows them (its own logits are meaningless);
-        padding before them shifts their positions, which learned position embeddings see (rotary ones do not).
+        padding before them shifts their positions, which learned position embeddings see (rotary ones do not), and so
+        do layers that group tokens by position (Lory's segments): pad those models' inputs on the right.
         """
         check_input_ids(input_ids, "TransformerLM")
         batch, tokens = input_ids.shape

@@ -159,12 +159,12 @@ class LanguageModel(MoETask):
         padding_mask = rest[0] if rest else None
         logits = self(input_ids, padding_mask)
         ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD_TARGET)
-        if split == "train":  # the epoch means weigh a batch by its real targets, counted on the device (no host read)
-            real_targets = targets.numel() if padding_mask is None else (targets != PAD_TARGET).sum()
+        # the means weigh a batch by its real targets (a real input's target may be left out: a prompt's), on the device
+        real_targets = (targets != PAD_TARGET).sum()
+        if split == "train":
             loss = self.add_aux_losses(split, ce, batch_size=real_targets)
             self.log("train/ppl", ce.detach().exp(), on_step=True, on_epoch=False, prog_bar=True)
         else:  # token-weighted over the split, as ppl and bpb (the count read on the host: evaluation only)
-            real_targets = targets.numel() if padding_mask is None else padding_mask.sum()
             loss = self.add_aux_losses(split, ce, batch_size=int(real_targets))
             self.eval_ce[split].update(ce.detach(), weight=real_targets)
         return loss
