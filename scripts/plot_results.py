@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kept from the existing {out / 'results.md'}: the sections of {', '.join(report.kept)}", file=sys.stderr)
     for figure in report.figures:
         print(f"wrote {figure}")
-    print(f"wrote {out / 'results.md'} ({len(results)} runs)")
+    repeats = len(results) - report.runs
+    left_out = f"; {repeats} earlier record(s) of the same seeds left out" if repeats else ""
+    print(f"wrote {out / 'results.md'} ({report.runs} runs{left_out})")
     return 0
 
 

@@ -94,7 +94,7 @@ def test_quick_run_prints_tables_with_the_baseline_at_one(capsys):
     assert all(float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("%") for row in layers)
     scaling = next(rows for title, rows in tables.items() if title.startswith("Scaling experts"))
     assert [row[0] for row in scaling] == ["4", "8", "16"]
-    assert "Soft MoE: 16 slots in total (one slot each at 16 experts)" in out  # the quick shapes, not the full ones
+    assert "Soft MoE: 16 slots in total, 16 / experts for each expert; " in out  # the quick shapes, not the full ones
     assert all(re.fullmatch(r"\d+\.\d \(\d+\.\d\dx\)", cell) for row in scaling for cell in row[2:])
 
 

@@ -29,7 +29,7 @@ from moekit.analysis.records import (
     model_family,
     step_time_key,
 )
-from moekit.analysis.report import time_notes
+from moekit.analysis.report import time_notes, write_report
 from moekit.analysis.step_times import STEP_TIMES_KIND, attach_step_times, load_step_times
 from moekit.analysis.tables import markdown_table, merge_markdown_tables
 from moekit.callbacks import ThroughputMonitor
@@ -761,6 +761,13 @@ def test_the_time_notes_count_a_run_made_twice_once():
     assert note.startswith("the runs of results_pareto ran on 2 machines")
 
 
+def test_the_report_counts_a_run_made_twice_once(tmp_path):
+    """plot_results.py said "(4 runs)" of three seeds, one recorded twice, while its table counted 3."""
+    seeds = [dict(r, finished_at="2026-01-02T00:00:00+00:00") for r in PARETO[:3]]
+    first = dict(seeds[1], finished_at="2026-01-01T00:00:00+00:00")
+    assert write_report(_results([first, *seeds]), tmp_path).runs == 3
+
+
 def test_the_benchmarked_time_of_a_multi_process_run_counts_each_process_steps(tmp_path):
     """4 processes, batches of 100 each, 4000 examples in all: 10 steps side by side, not 40. At a benchmarked step
     of 0.5 s (one process's batch of 100) the run's time is 5 s; one process with the same examples takes 20 s."""
@@ -1053,3 +1060,23 @@ def test_plot_script_takes_step_times_and_names_the_runs_left_without(tmp_path):
         "plot_results.py", str(tmp_path / "runs"), "--step-times", str(tmp_path / "none.json"), cwd=tmp_path
     )
     assert bad.returncode == 1 and "none.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(("count", "unit"), [("elements", "token"), ("rows", "image")])
+def test_a_record_without_a_model_summary_takes_its_unit_from_what_the_counter_counted(count, unit):
+    """train() goes on when the model summary cannot be measured (summary None): a language model's record said
+    "images/s" and FLOPs per "image" though its counter counted tokens (a batch's elements)."""
+    from types import SimpleNamespace
+
+    from moekit.analysis.records import build_run_record
+
+    record = build_run_record(
+        run_config={"task_name": "run", "model": {}},
+        overrides=[],
+        net=torch.nn.Linear(2, 2),
+        summary=None,
+        counter=ThroughputMonitor(count=count, log=False),
+        metrics={},
+        trainer=SimpleNamespace(),
+    )
+    assert record["flops"]["example"] == unit and record["training"]["throughput_unit"] == f"{unit}s/s"

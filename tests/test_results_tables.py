@@ -87,3 +87,14 @@ def test_the_keys_left_out_of_a_setting_are_those_hydra_leaves_out_of_a_job_fold
     excluded = hydra["job"]["config"]["override_dirname"]["exclude_keys"]
     assert excluded and not any(_in_setting(key) for key in excluded)
     assert not _in_setting("seed") and _in_setting("moe.num_experts") and _in_setting("model.embed_dim")
+
+
+def test_counts_take_their_prefix_after_rounding():
+    """999996 printed as "1000.00K" and a tick of 999.9K as "1e+03K": the prefix was chosen before rounding."""
+    from moekit.analysis.figures import _tick_label
+    from moekit.utils.format import si
+
+    assert [si(v) for v in (999996, 999994, 999_996_000, -999996, 1500, 999.4, 999.96, 2e15, None)] == [
+        "1.00M", "999.99K", "1.00G", "-1.00M", "1.50K", "999.4", "1.00K", "2000.00T", "-",
+    ]  # fmt: skip
+    assert [_tick_label(v) for v in (999_900, 999_400, 24e12, 300)] == ["1M", "999K", "24T", "300"]

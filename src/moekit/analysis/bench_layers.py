@@ -311,15 +311,17 @@ def table_scaling(args) -> None:
     expert_counts = (8, 16, 32, 64, 128, 256) if not args.quick else (4, 8, 16)
     x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
     print(f"\n### Scaling experts, batch {batch} x {tokens} tokens, d={dim}, expert mlp {hidden}\n")
+    per_expert = {experts: max(1, slots // experts) for experts in expert_counts}  # at least one slot an expert
+    more = [f"{experts * per} at {experts} experts" for experts, per in per_expert.items() if experts * per != slots]
     print(
-        f"Soft MoE: {slots} slots in total (one slot each at {expert_counts[-1]} experts); tokens-choice top-1 and "
-        "experts-choice: capacity factor 1.0 (total expert work fixed). Times are fwd+bwd ms; ratios are against the "
-        "dense Mlp of the same run.\n"
+        f"Soft MoE: {slots} slots in total, {slots} / experts for each expert"
+        + (f" (at least one: {', '.join(more)})" if more else "")
+        + "; tokens-choice top-1 and experts-choice: capacity factor 1.0 (total expert work fixed). Times are fwd+bwd "
+        "ms; ratios are against the dense Mlp of the same run.\n"
     )
     print("| experts | dense Mlp | SoftMoE | TopKMoE top-1 cf1 | ExpertsChoice cf1 |")
     print("|---:|---:|---:|---:|---:|")
-    for experts in expert_counts:
-        per = max(1, slots // experts)
+    for experts, per in per_expert.items():
         cands = [
             Candidate("dense", Mlp(dim, hidden)),
             Candidate("soft", SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)),

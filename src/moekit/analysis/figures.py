@@ -29,8 +29,8 @@ def pyplot():
 def _tick_label(value: float) -> str:
     """A short tick label: ``300``, ``0.5``, ``24T`` (SI prefixes from 10^4 on)."""
     if abs(value) >= 1e4:
-        for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-            if abs(value) >= scale:
+        for unit, scale in (("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12), ("P", 1e15)):
+            if float(f"{abs(value) / scale:.3g}") < 1e3 or unit == "P":  # as printed: 999.9K is 1M, not 1e+03K
                 return f"{value / scale:.3g}{unit}"
     return f"{value:.4g}"
 

@@ -22,12 +22,13 @@ __all__ = ["Report", "write_report", "time_notes"]
 
 @dataclass(frozen=True)
 class Report:
-    """What :func:`write_report` wrote: the table text (as in ``results.md``), the figures, and the tasks whose
-    sections were kept from an earlier ``results.md``."""
+    """What :func:`write_report` wrote: the table text (as in ``results.md``), the figures, the tasks whose
+    sections were kept from an earlier ``results.md``, and the runs the table counts (a seed recorded twice once)."""
 
     table: str
     figures: list[Path]
     kept: list[str]
+    runs: int
 
 
 def write_report(results: Sequence[RunResult], out: str | Path) -> Report:
@@ -39,7 +40,8 @@ def write_report(results: Sequence[RunResult], out: str | Path) -> Report:
     if table_file.exists():  # like the figures of sweeps not drawn now, their sections stay
         table, kept = merge_markdown_tables(table_file.read_text(), table)
     write_text_atomic(table_file, table)
-    return Report(table=table, figures=plot_all(results, out), kept=kept)
+    runs = len(drop_repeats(results)[0])
+    return Report(table=table, figures=plot_all(results, out), kept=kept, runs=runs)
 
 
 def time_notes(results: Sequence[RunResult], step_times_given: bool) -> list[str]:

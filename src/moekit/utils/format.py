@@ -10,7 +10,8 @@ def si(value: float | None) -> str:
     significant digits below; ``-`` for None."""
     if value is None:
         return "-"
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= scale:
+    if not float(f"{abs(value):.4g}") >= 1e3:  # NaN too
+        return f"{value:.4g}"
+    for unit, scale in (("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        if float(f"{abs(value) / scale:.2f}") < 1e3 or unit == "T":  # as printed: 999996 is 1.00M, not 1000.00K
             return f"{value / scale:.2f}{unit}"
-    return f"{value:.4g}"
