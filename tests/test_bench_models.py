@@ -111,17 +111,20 @@ def test_quick_run_prints_both_tables(capsys):
 
 
 def test_sweep_times_each_value_of_a_setting_against_one_dense_baseline(capsys):
+    """A model without the swept key (top-1 has no slots) runs once: it stopped the sweep with Hydra's error."""
     bench.main(
-        ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "vit", "--models", "soft_moe"]
+        ["--quick", "--rounds", "1", "--allocator", "system", "--groups", "vit", "--models", "soft_moe", "top1"]
         + ["--sweep", "moe.slots_per_expert=1,2", "--override", "moe.capacity_factor=null"]
     )
-    (rows,) = _tables(capsys.readouterr().out).values()
+    out = capsys.readouterr().out
+    (rows,) = _tables(out).values()
     assert [row[0] for row in rows] == [
         "dense",
         "soft_moe slots_per_expert=1",
         "soft_moe slots_per_expert=2",
+        "top1",
     ]
-    assert rows[0][7] == "1.00x"
+    assert rows[0][7] == "1.00x" and "(top1: no moe.slots_per_expert in its config, timed once)" in out
     # Twice the slots: the experts process twice the rows, so the forward FLOPs grow.
     flops = [float(row[3].rstrip("KMG")) for row in rows[1:]]
     assert flops[1] > flops[0]

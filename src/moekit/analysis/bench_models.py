@@ -354,8 +354,11 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             applied += kept
             if dropped:
                 print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
-            # The dense twin runs once where its config lacks the swept key (moe.num_experts), else once per value.
-            per_value = sweep and (i > 0 or applicable_overrides(overrides, [f"{sweep[0]}={sweep[1][0]}"])[0])
+            # A model runs once where its config lacks the swept key (the dense twin and moe.num_experts, top-1 and
+            # moe.slots_per_expert), else once per value.
+            per_value = sweep and applicable_overrides(overrides, [f"{sweep[0]}={sweep[1][0]}"])[0]
+            if sweep and not per_value and i > 0:
+                print(f"({model}: no {sweep[0]} in its config, timed once)")
             settings = sweep[1] if per_value else [None]
             for value in settings:
                 swept = [] if value is None else [f"{sweep[0]}={value}"]
@@ -364,7 +367,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                     dense[value] = name
                 size = None if swept and sweep[0] == "data.batch_size" else batch_size  # the swept size, not --quick's
                 candidate = build_candidate(name, [*overrides, *kept, *swept], size, args.device)
-                candidate.baseline = dense.get(value, dense.get(None, name))
+                candidate.baseline = dense.get(value) or dense.get(None) or next(iter(dense.values()))
                 candidates.append(candidate)
         check_overrides_applied(group, args.override, applied)
         times = time_models(candidates, args.rounds, args.steps, args.warmup)
