@@ -160,3 +160,25 @@ def test_upcycling_into_mixture_of_depths_blocks_copies_the_wrapped_blocks_and_k
     assert "the Mixture-of-Depths routers of blocks.1.depth_router, blocks.2.depth_router start fresh" in caplog.text
     dense_only = ImageClassifier(net=dict(net, moe="none"), num_classes=10, init_from=str(path), init_mode="upcycle")
     assert torch.equal(dense_only.net.blocks[2].block.mlp.fc1.weight, dense.net.blocks[2].mlp.fc1.weight)
+
+
+@pytest.mark.parametrize("mode", ["finetune", "upcycle"])
+def test_weights_saved_with_a_tied_weight_once_load_under_both_names(mode, tmp_path):
+    """safetensors' ``save_model`` stores the LM's tied embedding and output weight under one name: loading the
+    file said "missing: token_embedding.weight ... build the model with the configuration it was trained with"."""
+    from safetensors.torch import save_model
+
+    from moekit.models import TransformerLM
+    from moekit.tasks import LanguageModel
+
+    shape = {"vocab_size": 40, "max_seq_len": 16, "dim": 32, "depth": 2, "num_heads": 2, "mlp_ratio": 2.0}
+    source = TransformerLM(**shape, moe=None if mode == "upcycle" else "mixtral")
+    save_model(source, tmp_path / "tied.safetensors")
+    net = {"_target_": "moekit.models.TransformerLM", **shape, "moe": "mixtral"}
+    task = LanguageModel(net=net, vocab_size=40, init_from=str(tmp_path / "tied.safetensors"), init_mode=mode)
+    assert task.net.head.weight is task.net.token_embedding.weight
+    assert torch.equal(task.net.token_embedding.weight, source.token_embedding.weight)
+    if mode == "finetune":
+        x = torch.randint(0, 40, (2, 16))
+        with torch.no_grad():
+            assert torch.equal(task.net.eval()(x), source.eval()(x))

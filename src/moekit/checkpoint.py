@@ -37,6 +37,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor, nn
 
+from moekit.models.export import with_tied_names
 from moekit.moe import depth_routers, moe_layers
 from moekit.quant.quantize import QUANT_METADATA_KEY
 from moekit.utils.atomic import atomic_write
@@ -245,7 +246,7 @@ def load_weights(
     """Copy ``state`` into ``net``. Keys under ``skip_prefixes`` (a classifier head being replaced)
     are left at their fresh values (logged, with the checkpoint's shapes); any other missing, unexpected or
     mis-shaped key is an error that lists the keys. Returns the names of the skipped parameters."""
-    own = net.state_dict()
+    own, state = net.state_dict(), with_tied_names(net, state)
     skipped = [k for k in own if k.startswith(skip_prefixes)] if skip_prefixes else []
     wanted = {k for k in own if k not in skipped}
     given = {k for k in state if not (skip_prefixes and k.startswith(skip_prefixes))}

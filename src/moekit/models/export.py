@@ -1,4 +1,5 @@
-"""Export a model's weights as a safetensors file that timm's ``pretrained=True`` loads.
+"""Export a model's weights as a safetensors file that timm's ``pretrained=True`` loads, and read back files that
+store a tied weight once (:func:`with_tied_names`).
 
 Round trip::
 
@@ -13,14 +14,29 @@ Round trip::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from safetensors.torch import save
-from torch import nn
+from torch import Tensor, nn
 
 from moekit.utils.atomic import atomic_write
 
-__all__ = ["export_safetensors"]
+__all__ = ["export_safetensors", "with_tied_names"]
+
+
+def with_tied_names(net: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with each weight that ``net`` ties under several names (an LM's embedding and output) given under
+    all of them: safetensors' ``save_model`` and other writers that drop duplicates store it under one."""
+    state, names_of = dict(state), {}
+    for name, tensor in net.state_dict(keep_vars=True).items():
+        if tensor.numel():
+            names_of.setdefault((tensor.data_ptr(), tensor.shape), []).append(name)
+    for names in names_of.values():
+        held = next((name for name in names if name in state), None)
+        for name in names if held is not None else ():
+            state.setdefault(name, state[held])
+    return state
 
 
 def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:

@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from moekit.moe import ExpertBank, MixtureOfDepths, depth_routers, moe_layers
 
+from .export import with_tied_names
+
 __all__ = ["upcycle", "upcycle_vit"]
 
 log = logging.getLogger("moekit")
@@ -153,7 +155,7 @@ def upcycle(
 def _upcycle(
     moe_model: nn.Module, source: dict[str, Tensor], noise_std: float, caller: str, gate_last: Mapping[str, bool]
 ) -> nn.Module:
-    source, fresh_routers = _into_depth_blocks(moe_model, source)
+    source, fresh_routers = _into_depth_blocks(moe_model, with_tied_names(moe_model, source))
     layers = {f"{name}.": layer for name, layer in moe_layers(moe_model)}
     if not layers and not fresh_routers:
         raise ValueError(f"{caller}: {type(moe_model).__name__} has no MoE layer to upcycle into")

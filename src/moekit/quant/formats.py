@@ -92,15 +92,7 @@ class GroupQuantizer:
 def _half_at_least(scale: Tensor) -> Tensor:
     """``scale`` rounded up to the nearest float16 value (the grid still spans the range), as float32. Subnormal
     float16 values serve small scales (down to 2^-24): the weights of a group spanning less than 255 x 2^-14 keep
-    all 256 levels of int8. A scale past float16's largest value (65504) is an error, not an infinite scale that
-    would turn the group's weights into NaN."""
-    largest = torch.finfo(torch.float16).max
-    if bool((scale > largest).any()):
-        raise ValueError(
-            f"a group of weights needs a scale of {float(scale.max()):.4g}, past float16's largest value {largest:.0f} "
-            "(the stored scales are float16): its weights are too large for the format; keep this model in float or "
-            "scale the weights down"
-        )
+    all 256 levels of int8."""
     nearest = scale.clamp(min=2**-24).half()
     up = torch.nextafter(nearest, nearest.new_tensor(float("inf")))
     return torch.where(nearest.float() < scale, up, nearest).float()

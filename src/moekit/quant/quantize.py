@@ -214,6 +214,18 @@ def _quantize_matrix(
     rows: Tensor | None,
 ) -> tuple[QuantizedCodes, int]:
     """Codes of one ``[E, I, O]`` matrix, and how many experts fell back to round-to-nearest."""
+    q, fallback = _codes(weight, spec, hessian, rows)
+    if not bool(torch.isfinite(q.scale).all()):  # a group's range past float16: its scale inf, its weights NaN
+        largest = torch.finfo(torch.float16).max
+        raise ValueError(
+            f"weights up to |w| = {float(weight.abs().max()):.4g} need scales past float16's largest value "
+            f"{largest:.0f} in {spec.fmt.name} (the stored scales are float16); keep this model in float or scale "
+            "its weights down"
+        )
+    return q, fallback
+
+
+def _codes(weight: Tensor, spec: QuantSpec, hessian: Tensor | None, rows: Tensor | None) -> tuple[QuantizedCodes, int]:
     if spec.method == "rtn":
         return rtn_quantize(weight, spec.fmt), 0
     inputs = weight.shape[1]
