@@ -30,7 +30,7 @@ def with_tied_names(net: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Te
     all of them: safetensors' ``save_model`` and other writers that drop duplicates store it under one."""
     state, names_of = dict(state), {}
     for name, tensor in net.state_dict(keep_vars=True).items():
-        if tensor.numel():
+        if tensor.numel() and not tensor.is_meta:  # meta tensors all sit at address 0
             names_of.setdefault((tensor.data_ptr(), tensor.shape), []).append(name)
     for names in names_of.values():
         held = next((name for name in names if name in state), None)
