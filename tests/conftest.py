@@ -3,10 +3,13 @@
 and run the scripts."""
 
 import moekit  # noqa: F401, I001 - before torch, as the scripts do: it sets OpenMP's idle spin (moekit/utils/openmp.py)
+import fcntl
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -187,6 +190,27 @@ def one_thread_no_reexec(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder ``build(folder)`` fills once per test session, for module-scoped fixtures of runs that several
+    tests only read. Each pytest-xdist worker collects every test and builds its own module fixtures, so two workers
+    running tests of one module each trained the module's reference run; here the first worker builds the folder
+    in the session's shared temporary directory under a file lock, and the others wait and reuse it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above each worker's own
+    folder, done = shared / name, shared / f"{name}.built"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker's failed build: try again
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
 
 
 def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from kill_points import kill_overrides
 
+from conftest import built_once
 from resume_helpers import (
     TIMING_SUFFIX,
     assert_same_training_state,
@@ -48,10 +49,11 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference")
-    status, output = finish(start(train_command(*OVERRIDES, f"paths.output_dir={out}")))
-    assert status == 0, output[-3000:]
-    return out
+    def build(out: Path) -> None:
+        status, output = finish(start(train_command(*OVERRIDES, f"paths.output_dir={out}")))
+        assert status == 0, output[-3000:]
+
+    return built_once(tmp_path_factory, "resume_logs_reference", build)
 
 
 @pytest.mark.slow
@@ -99,25 +101,27 @@ def tracked_resume(tmp_path_factory) -> Path:
     checkpoint at step 3) and resumed with ``ckpt_path=last`` to the end of its epoch; its folder."""
     if not TRACKERS:
         pytest.skip("neither mlflow nor wandb is installed (pip install -e '.[loggers]')")
-    out = tmp_path_factory.mktemp("tracked")
-    args = train_command(
-        *[o for o in OVERRIDES if not o.startswith(("logger=", "trainer.max_epochs="))],
-        f"logger=[csv,{','.join(TRACKERS)}]",
-        "trainer.max_epochs=1",
-        f"paths.output_dir={out}",
-        f"hydra.run.dir={out}",
-        *([f"logger.mlflow.tracking_uri=sqlite:///{out}/mlflow.db"] if "mlflow" in TRACKERS else []),
-    )
-    with pytest.MonkeyPatch.context() as env:  # W&B's settings and caches in the test's folder
-        for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-            env.setenv(name, str(out / "wandb-home"))
-        env.setenv("WANDB_MODE", "offline")
-        status, output = finish(start([*args, *kill_overrides("kill_during_write", 6)]))
-        assert status == -9, output[-3000:]
-        assert load_checkpoint(out / "checkpoints" / "last.ckpt")["global_step"] == 3
-        status, output = finish(start([*args, "ckpt_path=last"]))
-    assert status == 0, output[-3000:]
-    return out
+
+    def build(out: Path) -> None:
+        args = train_command(
+            *[o for o in OVERRIDES if not o.startswith(("logger=", "trainer.max_epochs="))],
+            f"logger=[csv,{','.join(TRACKERS)}]",
+            "trainer.max_epochs=1",
+            f"paths.output_dir={out}",
+            f"hydra.run.dir={out}",
+            *([f"logger.mlflow.tracking_uri=sqlite:///{out}/mlflow.db"] if "mlflow" in TRACKERS else []),
+        )
+        with pytest.MonkeyPatch.context() as env:  # W&B's settings and caches in the test's folder
+            for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+                env.setenv(name, str(out / "wandb-home"))
+            env.setenv("WANDB_MODE", "offline")
+            status, output = finish(start([*args, *kill_overrides("kill_during_write", 6)]))
+            assert status == -9, output[-3000:]
+            assert load_checkpoint(out / "checkpoints" / "last.ckpt")["global_step"] == 3
+            status, output = finish(start([*args, "ckpt_path=last"]))
+        assert status == 0, output[-3000:]
+
+    return built_once(tmp_path_factory, "resume_logs_tracked", build)
 
 
 def test_a_resumed_run_continues_its_mlflow_run(tracked_resume):
