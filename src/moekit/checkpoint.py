@@ -10,8 +10,7 @@
   between the complete temporary file and the rename: the tests kill runs in the middle of a write with it.
 * Reading weights users bring (:func:`read_state_dict`, :func:`load_weights`): our Lightning checkpoints (sharded
   folders too), safetensors or torch state dicts (timm exports), with errors that name the file and the mismatched keys.
-* Quantized checkpoints (``scripts/quantize.py``; :mod:`moekit.quantized_checkpoint`): :func:`load_task`
-  reads them too.
+* Quantized checkpoints (``scripts/quantize.py``; :mod:`moekit.quantized_checkpoint`): :func:`load_task` reads them.
 * Reading training checkpoints (:func:`check_ckpt_path`, :func:`read_training_checkpoint`, :func:`load_task`):
   a missing, corrupt, sharded or foreign checkpoint is a :class:`CheckpointError` naming it, the checkpoints
   beside it and the fix. Resuming from them (``ckpt_path=last`` / ``auto``, the checks against the run that

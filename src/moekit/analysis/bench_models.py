@@ -30,8 +30,7 @@ its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language`
 (``results=scaling``; not run by default), against its ``moe=none`` twin; ``s16`` - Soft MoE S/16
 (``experiment=soft_moe_vit_s16_imagenet``: 224 px, batch 128, bf16) against ViT-S/16 (not run by default; a GPU's
 table: a CPU takes seconds per step). ``--quick`` adds ``debug=tiny`` (the tiny model of each family).
-The ``s16`` group's ImageNet folder is a stand-in of empty class folders: the benchmark reads no images, only the
-data config's shapes.
+The ``s16`` group's ImageNet folder is a stand-in of empty class folders: the benchmark reads only the config's shapes.
 On ``--device cuda`` each table also shows the achieved TFLOP/s (3x the forward FLOPs per step: forward and
 backward) and its share of the GPU's measured peak (one 8192^3 matmul in the step's precision): the model FLOPs
 utilisation, MFU.
@@ -354,8 +353,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             applied += kept
             if dropped:
                 print(f"({model}: {' '.join(dropped)} left out, no such key in its config)")
-            # A model runs once where its config lacks the swept key (the dense twin and moe.num_experts, top-1 and
-            # moe.slots_per_expert), else once per value.
+            # A model runs once where its config lacks the swept key (dense and moe.*, top-1 and slots), else per value.
             per_value = sweep and applicable_overrides(overrides, [f"{sweep[0]}={sweep[1][0]}"])[0]
             if sweep and not per_value and i > 0:
                 print(f"({model}: no {sweep[0]} in its config, timed once)")

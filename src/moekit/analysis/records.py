@@ -142,8 +142,7 @@ def build_run_record(
         metrics: what :func:`~moekit.commands.train.train` returns (``val/*`` after fit, ``test/*`` after test).
         trainer: the Lightning trainer (steps, world size, the best checkpoint's score).
     """
-    # a language model counts tokens: its summary says so, or (no summary) the counter's count of a batch's elements
-    per_token = hasattr(summary, "flops_per_token") if summary is not None else counter.count == "elements"
+    per_token = hasattr(summary, "flops_per_token") if summary is not None else counter.count == "elements"  # LM
     forward = None if summary is None else float(summary.flops_per_token if per_token else summary.flops_per_image)
     # Training FLOPs: forward + backward ~ 3 x the forward (the backward pass costs about twice the forward:
     # gradients with respect to activations and to weights), times the examples trained on. An estimate:
