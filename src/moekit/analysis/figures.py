@@ -12,6 +12,7 @@ from pathlib import Path
 
 from moekit.analysis.aggregate import Group, Metric, Stat, figure_kind, group_results, metrics_of, setting_label
 from moekit.analysis.records import RunResult
+from moekit.utils.format import with_prefix
 
 __all__ = ["pyplot", "plot_pareto", "plot_scaling", "plot_language", "plot_ablations", "plot_all"]
 
@@ -28,11 +29,7 @@ def pyplot():
 
 def _tick_label(value: float) -> str:
     """A short tick label: ``300``, ``0.5``, ``24T`` (SI prefixes from 10^4 on)."""
-    if abs(value) >= 1e4:
-        for unit, scale in (("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12), ("P", 1e15)):
-            if float(f"{abs(value) / scale:.3g}") < 1e3 or unit == "P":  # as printed: 999.9K is 1M, not 1e+03K
-                return f"{value / scale:.3g}{unit}"
-    return f"{value:.4g}"
+    return with_prefix(value, ".3g", largest="P") if abs(value) >= 1e4 else f"{value:.4g}"
 
 
 def _log_x(ax, base: float = 10) -> None:
