@@ -14,7 +14,7 @@ from torch import nn
 from conftest import TINY_NET
 from moekit.moe import SoftMoE, TopKMoE, collect_moe_outputs, moe_layers
 from moekit.tasks import ImageClassifier
-from moekit.tasks.optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
+from moekit.tasks.optim import ScheduleConfig, build_optimizer, clip_grad_norm, lr_lambda, param_groups
 
 
 def test_cosine_schedule_with_warmup():
@@ -101,6 +101,86 @@ def test_adamw_is_fused_by_default_and_steps_as_the_default_implementation():
             o.zero_grad()
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b)
+
+
+def _clipped_runs(clip):
+    """Three fused AdamW steps of a linear layer whose gradient norm changes from step to step (10-30x the
+    clipping norm of 0.5), each clipped by ``clip``; the weights and each step's gradients after the step."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5)
+    optimizer = build_optimizer(param_groups(model, 0.1), lr=0.1, eps=1e-3)  # a large eps: the scale matters
+    grads = []
+    for step in range(3):
+        x = torch.randn(16, 6) * (step + 1)
+        model(x).square().sum().backward()
+        clip(optimizer)
+        optimizer.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()], grads, optimizer
+
+
+def test_norm_clipping_inside_the_fused_step_clips_as_clip_grad_norm():
+    """clip_grad_norm folds the clipping factor into the fused kernel (its grad_scale), which leaves the clipped
+    gradients behind: weights and gradients as after torch's clip_grad_norm_, and the scale only for one step."""
+    params = lambda o: [p for g in o.param_groups for p in g["params"]]  # noqa: E731
+    norms = []
+    weights, grads, optimizer = _clipped_runs(lambda o: norms.append(clip_grad_norm(o, 0.5)))
+    expected, expected_grads, _ = _clipped_runs(lambda o: torch.nn.utils.clip_grad_norm_(params(o), 0.5))
+    unclipped, _, _ = _clipped_runs(lambda o: None)
+    assert all(n > 5.0 for n in norms), "the clipping binds at every step"
+    assert not hasattr(optimizer, "grad_scale") and not optimizer._optimizer_step_post_hooks
+    for ours, theirs in zip(grads, expected_grads):
+        assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in ours])) == pytest.approx(0.5, rel=1e-5)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    for a, b, c in zip(weights, expected, unclipped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert (a - c).abs().max() > 1e-3, "clipping changes the weights"
+
+
+@pytest.mark.e2e
+def test_a_fused_optimizer_is_clipped_inside_its_step_under_lightning():
+    """MoETask.configure_gradient_clipping gets what Lightning passes it: the clipping factor reaches the fused
+    step (as its grad_scale, the gradients' norm over the clipping norm), the gradients it leaves have the
+    clipping norm, and the scale ends with the step."""
+    from lightning import Trainer
+
+    seen = []
+
+    class Norms(Callback):
+        def on_train_start(self, trainer, module):  # runs before the clipping's own hook, which ends the scale
+            trainer.optimizers[0].register_step_post_hook(lambda o, *_: seen.append(("scale", o.grad_scale.item())))
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):  # before clipping
+            seen.append(("before", _total_norm(module)))
+
+        def on_train_batch_end(self, trainer, module, *args):  # after the step
+            seen.append(("after", _total_norm(module)))
+            assert not hasattr(trainer.optimizers[0], "grad_scale")
+
+    task = ImageClassifier(net=TINY_NET, num_classes=10)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        gradient_clip_val=0.05,
+        callbacks=[Norms()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,)))
+    trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=16))
+    assert trainer.optimizers[0].defaults["fused"]
+    assert [kind for kind, _ in seen] == ["before", "scale", "after"] * 2
+    for (_, before), (_, scale), (_, after) in zip(seen[::3], seen[1::3], seen[2::3]):
+        assert before > 0.5 and scale == pytest.approx(before / 0.05, rel=1e-4)
+        assert after == pytest.approx(0.05, rel=1e-4)
+
+
+def _total_norm(module) -> float:
+    return torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None]).item()
 
 
 def test_training_loss_is_cross_entropy_plus_the_aux_losses():

@@ -82,7 +82,7 @@ from moekit.configs import CONFIG_DIR, compose, instantiate
 from moekit.models.summary import LMSummary, ModelSummary
 from moekit.moe import update_balancing_biases
 from moekit.tasks import LanguageModel, MoETask
-from moekit.tasks.optim import build_optimizer, param_groups
+from moekit.tasks.optim import build_optimizer, clip_grad_norm, param_groups
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 from moekit.utils.atomic import write_json_atomic
 from moekit.utils.machine import machine_info, resolve_precision
@@ -294,9 +294,8 @@ def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
     loss.backward()
     device_sync(c.device)
     update_start = time.perf_counter()
-    if c.clip_val:  # Lightning's norm clipping (precision plugin): over the optimizer's parameters
-        params = [p for group in c.optimizer.param_groups for p in group["params"]]
-        torch.nn.utils.clip_grad_norm_(params, c.clip_val)
+    if c.clip_val:  # MoETask.configure_gradient_clipping: inside the fused step
+        clip_grad_norm(c.optimizer, c.clip_val)
     c.optimizer.step()
     update_balancing_biases(c.task.net)  # MoETask.optimizer_step
     c.optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_ba
 from moekit.resume import FIT_STARTED_KEY
 
 from .epoch_means import EpochMeans
-from .optim import ScheduleConfig, build_optimizer, lr_lambda, param_groups
+from .optim import ScheduleConfig, build_optimizer, clip_grad_norm, lr_lambda, param_groups
 
 __all__ = ["MoETask", "plain"]
 
@@ -169,19 +169,20 @@ class MoETask(LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Norm clipping under expert parallelism takes the norm over all experts of the expert group
-        (each rank holds only some). A fused optimizer is clipped here: Lightning refuses to clip one under
-        mixed precision, as it would unscale a float16 scaler's gradients itself, and float16 runs build none
-        (:meth:`configure_optimizers`). Everything else clips as Lightning does."""
+        (each rank holds only some). A fused optimizer is clipped here, by the norm inside its step
+        (:func:`~moekit.tasks.optim.clip_grad_norm`): Lightning refuses to clip one under mixed precision, as it
+        would unscale a float16 scaler's gradients itself, and float16 runs build none (:meth:`configure_optimizers`).
+        Everything else clips as Lightning does."""
         clip_norm = getattr(self.trainer.strategy, "clip_gradient_norm", None)
         norm = gradient_clip_algorithm in (None, "norm")
         if gradient_clip_val and norm and clip_norm is not None:
             if clip_norm(optimizer, gradient_clip_val) is not None:
                 return
         if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             if norm:
-                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+                clip_grad_norm(optimizer, gradient_clip_val)  # inside the fused step
             else:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
                 torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["ScheduleConfig", "param_groups", "lr_lambda", "build_optimizer"]
+__all__ = ["ScheduleConfig", "param_groups", "lr_lambda", "build_optimizer", "clip_grad_norm"]
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) -> list[dict]:
@@ -134,8 +134,8 @@ def build_optimizer(
     grows with its total parameters, not its active ones: on a 2-core AMD EPYC the fused step of 200M expert
     weights took 0.33x the time of the default, and on an H100 the fused update of Soft MoE S/16 (923M
     parameters) 15 ms instead of 33. It leaves unscaling to a float16 ``GradScaler``; a float16 run turns it off
-    (:meth:`moekit.tasks.MoETask.configure_optimizers`), and clipping runs before the step
-    (:meth:`~moekit.tasks.MoETask.configure_gradient_clipping`). The fused kernel takes all-DTensor or all-plain
+    (:meth:`moekit.tasks.MoETask.configure_optimizers`), and norm clipping runs inside the step
+    (:func:`clip_grad_norm`). The fused kernel takes all-DTensor or all-plain
     parameters; FSDP with expert parallelism (sharded DTensors beside plain local experts) runs the default.
     """
     if name == "adamw":
@@ -145,3 +145,31 @@ def build_optimizer(
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
     raise ValueError(f"optimizer name={name!r}; allowed: 'adamw', 'sgd'")
+
+
+def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float) -> Tensor:
+    """Clip the gradients of ``optimizer``'s parameters to a total 2-norm of ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does; returns their norm before clipping.
+
+    A fused optimizer (fused AdamW, which :func:`build_optimizer` builds) clips inside its next step: its kernel
+    divides each gradient by ``optimizer.grad_scale`` as it reads it (the hook by which a float16 ``GradScaler``
+    unscales) and stores the quotient back. Set to ``max(1, norm / max_norm)`` for that step alone, it clips by
+    ``clip_grad_norm_``'s factor (a division where that multiplies: the same gradients up to rounding) without
+    a pass of its own that reads and writes every gradient, a pass that grows with an MoE model's total
+    parameters, not its active ones. DTensor parameters (FSDP) clip by ``clip_grad_norm_``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+    if not fused or any(isinstance(p, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    optimizer.grad_scale = norm.float().add(1e-6).div(max_norm).clamp(min=1.0)  # clip_grad_norm_'s eps
+
+    def end_of_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        optimizer.__dict__.pop("grad_scale", None)
+        handle.remove()
+
+    handle = optimizer.register_step_post_hook(end_of_step)
+    return norm
