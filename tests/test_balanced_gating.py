@@ -8,6 +8,7 @@ import torch
 from test_lm_models import TINY_TRANSFORMER, assert_causal
 
 from conftest import reference_expert
+from distributed import spawn
 from moekit.models import TransformerLM
 from moekit.moe import StrictlyBalancedMoE
 from moekit.moe.capacity import experts_choice_capacity
@@ -63,6 +64,36 @@ def test_position_scope_balances_the_tokens_of_each_position():
         mask[:, t] = batchwise_mask_loop(scores[:, t], 3)
     torch.testing.assert_close(out, paper_loop(layer, x, mask.view(30, 4)), atol=1e-5, rtol=1e-5)
     assert layer.causal_safe and not StrictlyBalancedMoE(8, 16).causal_safe
+
+
+def test_position_scope_refuses_training_batches_too_small_to_balance():
+    """Each expert takes R(k B / E), at least one, of a position's B tokens: with k B < E a token would get about
+    E / B experts instead of k. Training refuses it; inference runs at any batch size."""
+    torch.manual_seed(0)
+    layer = StrictlyBalancedMoE(8, 16, num_experts=8, top_k=2, balance_scope="position").train()
+    with pytest.raises(ValueError, match=r"top_k=2 and num_experts=8 needs batches of at least 4 sequences.* 8 exp"):
+        layer(torch.randn(1, 5, 8))
+    layer(torch.randn(4, 5, 8))  # k B = E: each expert takes one token of each position
+    assert layer.stats["mean_experts_per_token"] == 2.0
+    assert layer.eval()(torch.randn(1, 5, 8)).shape == (1, 5, 8)
+
+
+def _thresholds_with_an_empty_rank(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    layer = StrictlyBalancedMoE(8, 16, num_experts=4, top_k=2).train()
+    x = torch.randn(2, 6, 8)  # the same on both ranks; rank 1's batch is all padding
+    layer(x, padding_mask=torch.full((2, 6), rank == 0))
+    scores = torch.softmax(x.reshape(12, 8) @ layer.router_weight.t(), -1)
+    below = 12 - experts_choice_capacity(12, 4, 2)  # rank 0's 12 tokens: each expert leaves 6 out
+    assert layer.has_thresholds()
+    torch.testing.assert_close(layer.thresholds.detach(), scores.t().kthvalue(below, dim=-1).values)
+
+
+@pytest.mark.e2e
+def test_a_rank_whose_first_batch_is_padding_takes_the_other_ranks_thresholds():
+    """The first training batch sets the thresholds, averaged over the ranks that had real tokens: a rank with none
+    still joins the all-reduce (else the other ranks would wait for it) and takes their thresholds."""
+    spawn(_thresholds_with_an_empty_rank, 2)
 
 
 def test_thresholds_learn_to_agree_with_the_batchwise_mask():

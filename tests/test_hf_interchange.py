@@ -187,6 +187,33 @@ def test_a_transformers_model_loads_with_its_logits(case, tmp_path):
         torch.testing.assert_close(torch.cat(pieces, dim=1), ours(input_ids), **TOL)
 
 
+@pytest.mark.parametrize(
+    "model_type, left_out",
+    [
+        ("mixtral", ["rope_parameters", "rope_theta", "rms_norm_eps"]),
+        (
+            "qwen2_moe",
+            ["rope_parameters", "rope_theta", "rms_norm_eps", "shared_expert_intermediate_size", "norm_topk_prob"],
+        ),
+    ],
+)
+def test_settings_a_config_leaves_out_take_transformers_defaults(model_type, left_out, tmp_path):
+    """save_pretrained writes every setting, a hand-written config.json need not: transformers then takes its config
+    class's defaults (Mixtral: rope_theta 1e6 and rms_norm_eps 1e-5; Qwen2-MoE: a shared expert of 5632), and so
+    does moekit. Also: max_seq_len=0 is passed on (and refused), not read as 'the config's'."""
+    random_hf(model_type).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in left_out}))
+    theirs = hf_lm(tmp_path)
+    if model_type == "mixtral":
+        assert (theirs.config.rope_parameters["rope_theta"], theirs.config.rms_norm_eps) == (1e6, 1e-5)
+    else:
+        assert theirs.config.shared_expert_intermediate_size == 5632
+    assert_same_logits(load_hf_lm(tmp_path, max_seq_len=32).eval(), theirs)
+    with pytest.raises(ValueError, match="max_seq_len=0"):
+        load_hf_lm(tmp_path, max_seq_len=0)
+
+
 def test_sharded_and_fused_expert_folders_load_the_same_weights(tmp_path):
     theirs = random_hf("mixtral", num_key_value_heads=2)
     theirs.save_pretrained(tmp_path / "whole")

@@ -503,6 +503,12 @@ def test_an_upcycled_transformer_lm_computes_its_dense_twin(recipe):
     torch.testing.assert_close(upcycled(input_ids), dense(input_ids), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"upcycle: the dense weights do not fit the MoE model: .*shape mismatches"):
         upcycle(TransformerLM(**{**common, "mlp_ratio": 4.0}, moe=moe), dense)
+    with pytest.raises(
+        ValueError,
+        match=r"token_embedding.weight and head.weight are one tensor in this model .* "
+        r"differ .*tie_embeddings=false",
+    ):  # else the head's weights would overwrite the embedding
+        upcycle(TransformerLM(**{**common, "tie_embeddings": True}, moe=moe), dense)
 
 
 @torch.no_grad()
@@ -601,6 +607,8 @@ def test_sequences_longer_than_max_seq_len_are_refused():
         (dict(prompt_ids=torch.zeros(2, 0, dtype=torch.long)), "at least one token"),
         (dict(prompt_ids=torch.tensor([[1, VOCAB]])), rf"token id {VOCAB}, outside the model's vocabulary 0 .. 49"),
         (dict(prompt_ids=torch.tensor([[-1, 2]])), "token id -1, outside"),  # were IndexErrors of the embedding
+        (dict(vocab_limit=0), r"vocab_limit=0 must be an int >= 1"),  # every logit -inf: NaN, then token 0
+        (dict(vocab_limit=-3), r"vocab_limit=-3 must be an int >= 1"),  # counted from the end of the vocabulary
     ],
 )
 def test_bad_generate_arguments(kwargs, message):

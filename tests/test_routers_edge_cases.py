@@ -26,6 +26,19 @@ def test_hash_refuses_a_seed_that_is_not_an_int():
         HashMoE(8, 16, num_experts=4, vocab_size=10, hash_seed="7")
 
 
+def test_hash_names_ids_outside_its_vocabulary_and_routes_padding_whatever_its_id():
+    """An id past vocab_size was torch's bare IndexError; padding may hold any id (a -100), it gets no expert."""
+    layer = HashMoE(8, 16, num_experts=4, vocab_size=10)
+    x = torch.randn(1, 3, 8)
+    for ids, shown in (([1, 2, 10], "1 .. 10"), ([1, 2, -1], "-1 .. 2")):
+        with pytest.raises(ValueError, match=rf"token ids {shown} given, outside its vocabulary 0 .. 9"):
+            layer(x, token_ids=torch.tensor([ids]))
+    mask = torch.tensor([[True, True, False]])
+    out = layer(x, token_ids=torch.tensor([[1, 2, -100]]), padding_mask=mask)
+    torch.testing.assert_close(out[:, :2], layer(x[:, :2], token_ids=torch.tensor([[1, 2]])))
+    assert not out[0, 2].any()
+
+
 # ----------------------------------------------------------------------------- strictly balanced
 def test_strictly_balanced_thresholds_take_no_gradient_when_their_loss_is_off():
     # DDP (find_unused_parameters=False, configs/trainer/ddp.yaml) stops on a trainable parameter without a gradient

@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from safetensors.torch import save
 from torch import Tensor, nn
 
@@ -27,15 +28,23 @@ __all__ = ["export_safetensors", "with_tied_names"]
 
 def with_tied_names(net: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``state`` with each weight that ``net`` ties under several names (an LM's embedding and output) given under
-    all of them: safetensors' ``save_model`` and other writers that drop duplicates store it under one."""
+    all of them: safetensors' ``save_model`` and other writers that drop duplicates store it under one. Weights
+    that ``state`` holds apart under names ``net`` ties are a ``ValueError``: loaded, one would overwrite the other."""
     state, names_of = dict(state), {}
     for name, tensor in net.state_dict(keep_vars=True).items():
         if tensor.numel() and not tensor.is_meta:  # meta tensors all sit at address 0
             names_of.setdefault((tensor.data_ptr(), tensor.shape), []).append(name)
     for names in names_of.values():
-        held = next((name for name in names if name in state), None)
-        for name in names if held is not None else ():
-            state.setdefault(name, state[held])
+        held = [name for name in names if name in state]
+        apart = [name for name in held[1:] if not torch.equal(state[name], state[held[0]])]
+        if apart:
+            raise ValueError(
+                f"{held[0]} and {apart[0]} are one tensor in this model (tied) but differ in the weights given, "
+                "which were trained with them apart; build the model untied (tie_embeddings=false for moekit's "
+                "language models), as the model that wrote them"
+            )
+        for name in names if held else ():
+            state.setdefault(name, state[held[0]])
     return state
 
 

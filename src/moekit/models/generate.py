@@ -127,11 +127,14 @@ def generate(
     padding rows, which the tokenizer cannot decode).
 
     Raises:
-        ValueError: bad sampling arguments, a prompt that is not ``[batch, T0 >= 1]`` token ids of the model's
-            vocabulary, or, without ``slide``, ``T0 + max_new_tokens - 1`` tokens to run beyond the model's
-            ``max_seq_len`` (:func:`tokens_run`, checked before any work).
+        ValueError: bad sampling arguments or ``vocab_limit``, a prompt that is not ``[batch, T0 >= 1]`` token ids
+            of the model's vocabulary, or, without ``slide``, ``T0 + max_new_tokens - 1`` tokens to run beyond the
+            model's ``max_seq_len`` (:func:`tokens_run`, checked before any work).
     """
     check_generation(max_new_tokens, temperature, top_k, top_p)
+    bad_limit = isinstance(vocab_limit, bool) or not isinstance(vocab_limit, int) or vocab_limit < 1
+    if vocab_limit is not None and bad_limit:
+        raise ValueError(f"vocab_limit={vocab_limit!r} must be an int >= 1 (the tokenizer's vocabulary size), or None")
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
         shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__
         raise ValueError(f"prompt_ids of shape {shape}; expected [batch, tokens] with at least one token per row")

@@ -32,6 +32,22 @@ __all__ = [
 ]
 
 
+# transformers' defaults (MixtralConfig, Qwen2MoeConfig) of the settings moekit reads that a config.json may leave
+# out: save_pretrained writes them all, a hand-written config need not, and transformers then takes these.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8},
+    "qwen2_moe": {
+        "rope_theta": 1e4,
+        "rms_norm_eps": 1e-6,
+        "num_key_value_heads": 16,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "qkv_bias": True,
+    },
+}
+
+
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     """``folder/config.json``, checked to be a layout moekit reads."""
     path = Path(folder) / "config.json"
@@ -60,7 +76,7 @@ def _rope_base(config: Mapping[str, Any], path: str) -> float:
         raise HFInterchangeError(
             f"{path}: rope scaling {scaling or rope!r}; moekit's rotary positions are the default (unscaled) ones"
         )
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return float(rope.get("rope_theta", config["rope_theta"]))
 
 
 def _attention_window(config: Mapping[str, Any]) -> int | None:
@@ -85,7 +101,9 @@ def check_attention_window(config: Mapping[str, Any], max_seq_len: int, path: st
 
 def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> dict[str, Any]:
     """The :class:`~moekit.models.TransformerLM` keywords of a transformers config (all but ``max_seq_len`` and
-    ``dropout``, which are not the architecture's). ``moe`` is a recipe mapping of the ``top_k`` layer."""
+    ``dropout``, which are not the architecture's). ``moe`` is a recipe mapping of the ``top_k`` layer. A setting
+    the config leaves out takes transformers' default for its layout (:data:`HF_DEFAULTS`)."""
+    config = {**HF_DEFAULTS.get(config.get("model_type"), {}), **config}
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     depth = config["num_hidden_layers"]
     if config.get("hidden_act", "silu") != "silu":
@@ -100,8 +118,8 @@ def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> d
         dense_hidden, shared, moe_blocks = expert_hidden, 0, list(range(depth))
     else:
         expert_hidden, experts = config["moe_intermediate_size"], config["num_experts"]
-        normalize, shared = config.get("norm_topk_prob", False), config.get("shared_expert_intermediate_size", 0)
-        step, only_dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+        normalize, shared = config["norm_topk_prob"], config["shared_expert_intermediate_size"]
+        step, only_dense = config["decoder_sparse_step"], set(config.get("mlp_only_layers") or [])
         moe_blocks = [i for i in range(depth) if i not in only_dense and experts > 0 and (i + 1) % step == 0]
         dense_hidden = config["intermediate_size"] if len(moe_blocks) < depth else expert_hidden
     if not moe_blocks:
@@ -125,7 +143,7 @@ def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> d
         "granularity": dense_hidden / expert_hidden,
         "switch_loss_weight": float(config.get("router_aux_loss_coef", 0.0)),
     }
-    qkv_bias = config.get("qkv_bias", True) if config["model_type"] == "qwen2_moe" else False
+    qkv_bias = config["qkv_bias"] if config["model_type"] == "qwen2_moe" else False
     return {
         "vocab_size": config["vocab_size"],
         "dim": dim,
@@ -139,7 +157,7 @@ def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> d
         "qkv_bias": qkv_bias,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "norm": "rmsnorm",
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "norm_eps": float(config["rms_norm_eps"]),
         "pos_embedding": "rope",
         "rope_base": _rope_base(config, path),
         "moe": moe,
@@ -275,7 +293,7 @@ def load_hf_lm(folder: str | os.PathLike, max_seq_len: int | None = None, **over
     config = read_hf_config(folder)
     path = str(Path(folder) / "config.json")
     settings = hf_model_settings(config, path)
-    max_seq_len = max_seq_len or config["max_position_embeddings"]
+    max_seq_len = config["max_position_embeddings"] if max_seq_len is None else max_seq_len
     check_attention_window(config, max_seq_len, path)
     model = TransformerLM(**settings, max_seq_len=max_seq_len, **overrides)
     model.load_state_dict(read_hf_state_dict(folder, config))

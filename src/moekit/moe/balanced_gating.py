@@ -54,7 +54,8 @@ class StrictlyBalancedMoE(MoELayer):
         """Attributes:
         top_k: ``k``, the average number of experts per token (each expert takes ``R(k N / E)`` tokens).
         balance_scope: ``"batch"`` (the paper's: all tokens of the forward) or ``"position"`` (the tokens of each
-            sequence position; causal).
+            sequence position; causal; training batches of at least ``num_experts / top_k`` sequences, so that
+            each expert's share of a position's tokens is one or more).
         threshold_loss_weight: the weight of ``L_batchwise``, which trains the thresholds.
         z_loss_weight: ST-MoE router z-loss weight (0 = off).
         """
@@ -149,16 +150,21 @@ class StrictlyBalancedMoE(MoELayer):
         ``m`` tokens per expert of this batch (up to ties); averaged over the processes of a distributed run.
         ``scores_NE`` holds the real tokens only."""
         num_tokens = scores_NE.shape[0]
-        if num_tokens == 0:
-            return
         below = num_tokens - self.tokens_per_expert(num_tokens)
-        if below > 0:
-            self.thresholds.copy_(scores_NE.t().kthvalue(below, dim=-1).values)
-        else:  # every expert took every token: no score was left out, the threshold lets every token in
-            self.thresholds.zero_()
-        if dist.is_available() and dist.is_initialized():  # every rank starts from the same thresholds
-            dist.all_reduce(self.thresholds)
-            self.thresholds /= dist.get_world_size()
+        # [E thresholds, 1 if this process had real tokens]: a process whose batch is all padding adds nothing
+        thresholds_E1 = self.thresholds.new_zeros(self.num_experts + 1)
+        if num_tokens:
+            thresholds_E1[-1] = 1.0
+            if below > 0:  # else every expert took every token: the threshold 0 lets every token in
+                thresholds_E1[:-1] = scores_NE.t().kthvalue(below, dim=-1).values
+        if dist.is_available() and dist.is_initialized():  # every rank, also an empty one: the same thresholds
+            dist.all_reduce(thresholds_E1)
+            contributors = round(thresholds_E1[-1].item())
+        else:
+            contributors = 1 if num_tokens else 0
+        if contributors == 0:  # no real token anywhere: the next training batch sets them
+            return
+        self.thresholds.copy_(thresholds_E1[:-1] / contributors)
         self.thresholds_set.fill_(True)
         self._thresholds_set = True
 
@@ -171,6 +177,13 @@ class StrictlyBalancedMoE(MoELayer):
         x_ND = x.reshape(B * T, D)
         logits_NE = router_logits(x_ND, self.router_weight)
         scores_NE = torch.softmax(logits_NE, dim=-1)
+        if self.training and self.balance_scope == "position" and self.top_k * B < self.num_experts:
+            raise ValueError(
+                f"balance_scope='position' with top_k={self.top_k} and num_experts={self.num_experts} needs batches of "
+                f"at least {math.ceil(self.num_experts / self.top_k)} sequences: each expert takes at least one of a "
+                f"position's {B} tokens, so a token would get about {self.num_experts / B:g} experts, not "
+                f"{self.top_k}; train with larger batches, fewer experts, or balance_scope='batch' (non-causal models)"
+            )
         if self.training and not self.has_thresholds():  # once: the first training batch
             self._set_thresholds(scores_NE.detach() if mask_N is None else scores_NE.detach()[mask_N])
 

@@ -154,7 +154,16 @@ class HashRouter(Router):
                 "moekit.models.fit_hash_routing(model, token_ids) (the training template does this when training "
                 "starts), or load a fitted checkpoint"
             )
-        expert_ids = self.expert_of_token.index_select(0, token_ids.reshape(-1)).unsqueeze(1)
+        ids_N = token_ids.reshape(-1)
+        if mask is not None:  # padding may hold any id (a -100): it is routed to expert 0 and dropped by the mask
+            ids_N = torch.where(mask, ids_N, 0)
+        try:
+            expert_ids = self.expert_of_token.index_select(0, ids_N).unsqueeze(1)
+        except IndexError:  # on CPUs; a GPU's index check is a device-side assert
+            raise ValueError(
+                f"HashMoE: token ids {int(ids_N.min())} .. {int(ids_N.max())} given, outside its vocabulary 0 .. "
+                f"{self.vocab_size - 1}; build the layer with the tokenizer's vocab_size and pass the input ids"
+            ) from None
         gates = torch.ones(expert_ids.shape, device=token_ids.device)
         return Routing(expert_ids, gates)
 
