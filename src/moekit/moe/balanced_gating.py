@@ -173,10 +173,6 @@ class StrictlyBalancedMoE(MoELayer):
         tokens]`` bool, True for real tokens."""
         self._check_input(x)
         B, T, D = x.shape
-        mask_N = self._token_mask(padding_mask, B, T)
-        x_ND = x.reshape(B * T, D)
-        logits_NE = router_logits(x_ND, self.router_weight)
-        scores_NE = torch.softmax(logits_NE, dim=-1)
         if self.training and self.balance_scope == "position" and self.top_k * B < self.num_experts:
             raise ValueError(
                 f"balance_scope='position' with top_k={self.top_k} and num_experts={self.num_experts} needs batches of "
@@ -184,6 +180,10 @@ class StrictlyBalancedMoE(MoELayer):
                 f"position's {B} tokens, so a token would get about {self.num_experts / B:g} experts, not "
                 f"{self.top_k}; train with larger batches, fewer experts, or balance_scope='batch' (non-causal models)"
             )
+        mask_N = self._token_mask(padding_mask, B, T)
+        x_ND = x.reshape(B * T, D)
+        logits_NE = router_logits(x_ND, self.router_weight)
+        scores_NE = torch.softmax(logits_NE, dim=-1)
         if self.training and not self.has_thresholds():  # once: the first training batch
             self._set_thresholds(scores_NE.detach() if mask_N is None else scores_NE.detach()[mask_N])
 
