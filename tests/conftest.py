@@ -37,6 +37,16 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _deterministic_mode_restored():
+    """An in-process run with ``trainer.deterministic=true`` turns torch's deterministic algorithms on for the whole
+    process, and with them the filling of every new tensor: a later test's forked processes then fill in OpenMP
+    regions of a pool that did not survive the fork, and hang."""
+    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
+@pytest.fixture(autouse=True)
 def _no_distributed_state_left():
     """A run in this process under a DDP strategy (the ImageNet recipe's, on one CPU) leaves Lightning's process group
     of one and its variables (``LOCAL_RANK``, ``MASTER_PORT``, ...) behind: processes a later test forks would inherit

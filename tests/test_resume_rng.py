@@ -10,17 +10,15 @@ sampler and loader) loads that state and must see the same batches and model dra
 from __future__ import annotations
 
 import io
-import os
 import random
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset
 
+from distributed import spawn
 from moekit.data import ImageClassificationDataModule
 from moekit.data.resumable import ResumableRandomSampler
 
@@ -111,33 +109,25 @@ def test_a_checkpoint_with_only_the_torch_state_per_batch_still_resumes():
     assert resumed_first[1:] == first[STOP + 1 :] and resumed_second == second
 
 
-def _rank_resumes(rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _seed_all(100 + rank)  # each rank's generators differ
-        sampler, saved = ResumableRandomSampler(SIZE, BATCH, SEED, world, rank), {}
+def _rank_resumes(rank: int, world: int, results) -> None:
+    _seed_all(100 + rank)  # each rank's generators differ
+    sampler, saved = ResumableRandomSampler(SIZE, BATCH, SEED, world, rank), {}
 
-        def checkpoint(steps: int) -> None:
-            if steps == 1:  # a collective: every rank's states are gathered
-                saved["state"] = sampler.state_dict(consumed_batches=steps, epoch_done=False)
+    def checkpoint(steps: int) -> None:
+        if steps == 1:  # a collective: every rank's states are gathered
+            saved["state"] = sampler.state_dict(consumed_batches=steps, epoch_done=False)
 
-        first = _epoch(_loader(sampler), checkpoint)
-        assert len(saved["state"]["ranks"]) == world
-        _seed_all(999)
-        resumed = ResumableRandomSampler(SIZE, BATCH, SEED, world, rank)
-        resumed.load_state_dict(saved["state"])
-        results[rank] = _epoch(_loader(resumed)) == first[1:]
-    finally:
-        dist.destroy_process_group()
+    first = _epoch(_loader(sampler), checkpoint)
+    assert len(saved["state"]["ranks"]) == world
+    _seed_all(999)
+    resumed = ResumableRandomSampler(SIZE, BATCH, SEED, world, rank)
+    resumed.load_state_dict(saved["state"])
+    results[rank] = _epoch(_loader(resumed)) == first[1:]
 
 
 def test_each_rank_resumes_with_its_own_batch_states():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     results = mp.get_context("fork").Manager().dict()
-    mp.start_processes(_rank_resumes, args=(2, port, results), nprocs=2, start_method="fork")
+    spawn(_rank_resumes, 2, results)
     assert dict(results) == {0: True, 1: True}
 
 
