@@ -13,6 +13,7 @@ from moekit.analysis import bench_models as bench
 from moekit.analysis.bench_model_tables import print_table
 from moekit.analysis.step_times import STEP_TIMES_KIND, load_step_times
 from moekit.moe import collect_moe_outputs, moe_layers
+from moekit.tasks.muon import MuonAdamW
 from moekit.utils.machine import resolve_precision
 
 pytestmark = pytest.mark.usefixtures("one_thread_no_reexec")
@@ -28,8 +29,9 @@ def test_timed_step_is_a_training_step():
     layers = [layer for _, layer in moe_layers(net)]
     assert len(layers) == 1 and layers[0].experts.num_experts == 4 and layers[0].top_k == 2
     assert c.precision == "bf16-mixed" and c.clip_val == 1.0
-    assert isinstance(c.optimizer, torch.optim.AdamW)
-    assert [g["weight_decay"] for g in c.optimizer.param_groups] == [0.05, 0.0]
+    assert isinstance(c.optimizer, MuonAdamW)  # the ViT family's: Muon for the matrices, AdamW for the rest
+    groups = [(g["algorithm"], g["weight_decay"]) for g in c.optimizer.param_groups]
+    assert groups == [("muon", 0.05), ("muon", 0.05), ("adamw", 0.05), ("adamw", 0.0)]
     assert c.optimizer.param_groups[0]["lr"] == 4.0e-3
     images, labels = c.batch
     assert images.shape == (4, 1, 28, 28) and labels.max() < 10 and c.examples_per_step == 4

@@ -130,7 +130,9 @@ def test_slot_pictures_under_sharded_strategies_are_logged_without_a_hang(tmp_pa
 # 8 x 1, 2 x 4): every step sees the same images whatever the world size, with no augmentation and
 # float32 and no batch norm, so resuming the 2-process run's step-2 checkpoint in 1 or 4 processes must take
 # the step it took itself: the same weights at step 3, to a thousandth of the step (gradients summed over ranks in
-# another order differ in the last bits, and Adam divides the smallest of them by their own small scale).
+# another order differ in the last bits, and Adam divides the smallest of them by their own small scale). Muon's
+# Newton-Schulz steps run in float32: in bfloat16 (its choice on CPUs with bf16 dot products) a last-bit difference
+# can flip the rounding of an input to 8 bits, a change of a few thousandths of the step.
 def _resume_overrides(data_root: Path, world: int) -> list[str]:
     return [
         *VIT,
@@ -142,6 +144,7 @@ def _resume_overrides(data_root: Path, world: int) -> list[str]:
         "trainer.max_epochs=1000",  # max_steps ends the run
         "model.stem=patch",  # the conv stem's batch norm would see 8 / world images per rank
         "task.optimizer.lr=1e-2",
+        "task.optimizer.ns_dtype=float32",
         "task.scheduler.warmup_steps=0",
         "test=false",
     ]

@@ -19,6 +19,8 @@ __all__ = ["check_settings"]
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "32", "bf16", "16", "64")
 """``trainer.precision``'s values: Lightning's names (and its 16 / 32 / 64) and ``auto`` (the machine's best)."""
+OPTIMIZERS = ("adamw", "sgd", "muon")
+"""``task.optimizer.name``'s values (:func:`moekit.tasks.optim.build_optimizer`)."""
 
 
 def _number(value: Any) -> bool:
@@ -85,7 +87,14 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.optimizer.weight_decay": (_non_negative, "a finite number >= 0", "0 turns it off"),
     "task.optimizer.betas": (_betas, "two numbers in [0, 1)", "e.g. [0.9, 0.999]"),
     "task.optimizer.eps": (_positive, "a finite number > 0", "e.g. 1e-8"),
-    "task.optimizer.momentum": (_fraction, "a number in [0, 1)", "e.g. 0.9"),
+    "task.optimizer.name": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}", "e.g. adamw"),
+    "task.optimizer.momentum": (_optional(_fraction), "a number in [0, 1) or null", "null: sgd 0.9, muon 0.95"),
+    "task.optimizer.ns_steps": (_count, "a positive int", "Muon's Newton-Schulz steps, 5 in the paper"),
+    "task.optimizer.ns_dtype": (
+        lambda v: v in ("auto", "float32", "bfloat16"),
+        "auto, float32 or bfloat16",
+        "auto: bfloat16 on GPUs and CPUs with bf16 dot products (avx512_bf16, AMX), else float32",
+    ),
     "task.scheduler.warmup_steps": (
         _non_negative,
         "a number >= 0",

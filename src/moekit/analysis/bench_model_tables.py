@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,12 +105,13 @@ def vs_dense(c: Candidate, candidates: list[Candidate], times: dict[str, StepTim
     return times[c.name].seconds / times[c.baseline or candidates[0].name].seconds
 
 
-def describe(c: Candidate) -> str:
+def describe(c: Candidate, optimizers: Sequence[str] = ()) -> str:
+    """A table's setting from its first model ``c``: batch, precision, the optimizers of its rows, clipping."""
     images, targets = c.batch
     if c.unit == "token":
         shape = f"batch {targets.shape[0]} x {targets.shape[1]} tokens"
     else:
         shape = f"batch {images.shape[0]} images {'x'.join(map(str, images.shape[1:]))}"
-    optim = type(c.optimizer).__name__
+    optim = " / ".join(dict.fromkeys(optimizers or [type(c.optimizer).__name__]))
     clip = f", clip {c.clip_val:g}" if c.clip_val else ""
     return f"{shape}, {c.precision}, {optim}{clip}"

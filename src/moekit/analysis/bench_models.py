@@ -3,9 +3,9 @@
 A benchmark, not a test: it prints tables of step times and of ratios measured in the same run. A
 step is what ``scripts/train.py`` trains, built from the same Hydra configs: the task's
 ``training_step`` (forward, task loss + MoE auxiliary losses) under the trainer's precision
-(``bf16-mixed``: bf16 autocast), backward, gradient clipping at ``trainer.gradient_clip_val``, an
-optimizer step with the task's optimizer (AdamW, its parameter groups; no schedule), the loss-free
-balancing update and ``zero_grad``, on a random batch of the data config's shapes and batch size.
+(``bf16-mixed``: bf16 autocast), backward, gradient clipping at ``trainer.gradient_clip_val``, a step of
+the task's optimizer (``task.optimizer``, its parameter groups; no schedule), the loss-free balancing update
+and ``zero_grad``, on a random batch of the data config's shapes and batch size.
 The models of a table are timed in interleaved rounds, so that a slow phase of the machine hits all of
 them alike: in each round every model takes ``--warmup`` untimed steps, then ``--steps`` timed ones in a
 row; its time is the median over all its timed steps. The warm-up step matters: a model's first step
@@ -21,13 +21,15 @@ which grows with a model's total parameters where the forward and backward grow 
     python scripts/bench_models.py --groups vit --models soft_moe --sweep moe.slots_per_expert=1,2,4 \
         --override moe.capacity_factor=null
     python scripts/bench_models.py --groups scaling --sweep moe.num_experts=8,16,32,64,128,256
+    python scripts/bench_models.py --groups main --sweep task.optimizer.name=adamw,muon   # the optimizers' step
     python scripts/bench_models.py --groups vit --vit-width 64 96 128 --json logs/bench_models/pareto.json
     python scripts/bench_models.py --quick                  # tiny shapes, a smoke run
 
 Groups: ``vit`` - the Pareto sweep's models (``results=pareto``: each ``moe=`` recipe of the sweep), against
 its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language``), ``mod_transformer_lm`` and
 ``lory_transformer_lm``, against ``dense_transformer_lm``; ``scaling`` - the expert-scaling sweep's routers
-(``results=scaling``; not run by default), against its ``moe=none`` twin; ``s16`` - Soft MoE S/16
+(``results=scaling``; not run by default), against its ``moe=none`` twin; ``main`` - the main job
+(``experiment=soft_moe_vit``) against ``experiment=dense_vit`` (not run by default); ``s16`` - Soft MoE S/16
 (``experiment=soft_moe_vit_s16_imagenet``: 224 px, batch 128, bf16) against ViT-S/16 (not run by default; a GPU's
 table: a CPU takes seconds per step). ``--quick`` adds ``debug=tiny`` (the tiny model of each family).
 The ``s16`` group's ImageNet folder is a stand-in of empty class folders: the benchmark reads only the config's shapes.
@@ -82,7 +84,7 @@ from moekit.configs import CONFIG_DIR, compose, instantiate
 from moekit.models.summary import LMSummary, ModelSummary
 from moekit.moe import update_balancing_biases
 from moekit.tasks import LanguageModel, MoETask
-from moekit.tasks.optim import build_optimizer, clip_grad_norm, param_groups
+from moekit.tasks.optim import clip_grad_norm, optimizer_for
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 from moekit.utils.atomic import write_json_atomic
 from moekit.utils.machine import machine_info, resolve_precision
@@ -110,6 +112,7 @@ GROUPS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "moe_lstm_lm_matched": ["experiment=results/moe_lstm_lm_matched"],
         },
     ),
+    "main": ([], {"dense_vit": ["experiment=dense_vit"], "soft_moe_vit": ["experiment=soft_moe_vit"]}),
     "s16": (
         ["experiment=soft_moe_vit_s16_imagenet", f"data.root={STAND_IN_ROOT}"],
         {"vit_s16": ["moe=none"], "soft_moe_s16": []},
@@ -242,10 +245,7 @@ def build_candidate(
     device = torch.device(device)
     task.to(device).train()
     # MoETask.configure_optimizers without the schedule (that needs a trainer for its length).
-    config = dict(task.optimizer_config)
-    weight_decay = config.pop("weight_decay")
-    decay_1d = config.pop("decay_1d", False)
-    optimizer = build_optimizer(param_groups(task.net, weight_decay, decay_1d), **config)
+    optimizer = optimizer_for(task.net, task.optimizer_config)
     batch = _random_batch(task, datamodule, batch_size or datamodule.batch_size, device)
     examples = batch[1].numel()  # images, or target tokens
     clip_val = cfg.trainer.get("gradient_clip_val")
@@ -371,7 +371,8 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         what = f", width {variant[0].split('=')[1]}" if variant else ""
         extras = f", overrides: {' '.join(args.override)}" if args.override else ""
         setup = " ".join(base) or "experiments"
-        title = f"{group}: {setup}{what}, {describe(candidates[0])}{extras}"
+        optimizers = [type(c.optimizer).__name__ for c in candidates]
+        title = f"{group}: {setup}{what}, {describe(candidates[0], optimizers)}{extras}"
         print_table(title, candidates, times, peak=args.peak)
         for c in candidates if args.profile else []:
             print_top_operators(f"{c.name}, one training step", lambda c=c: train_step(c), c.device)
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}, "
-        f"OpenMP {machine['openmp_spin']}; one training step (forward, backward, clip, AdamW step), median of "
+        f"OpenMP {machine['openmp_spin']}; one training step (forward, backward, clip, optimizer step), median of "
         f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} warm-up step(s) each"
     )
     if args.peak:

@@ -29,7 +29,7 @@ from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_ba
 from moekit.resume import FIT_STARTED_KEY
 
 from .epoch_means import EpochMeans
-from .optim import ScheduleConfig, build_optimizer, clip_grad_norm, lr_lambda, param_groups
+from .optim import ScheduleConfig, clip_grad_norm, lr_lambda, optimizer_for
 
 __all__ = ["MoETask", "plain"]
 
@@ -69,7 +69,7 @@ class MoETask(LightningModule):
     """Base of the tasks. ``self.net`` is the network; subclasses call :meth:`setup_training` in
     their ``__init__`` after ``save_hyperparameters``.
 
-    Optimizer config: ``{name: adamw|sgd, lr, weight_decay, betas, eps, decay_1d}``; scheduler config:
+    Optimizer config: ``{name: adamw|sgd|muon, lr, weight_decay, betas, eps, decay_1d}``; scheduler config:
     the fields of :class:`~moekit.tasks.optim.ScheduleConfig`.
     """
 
@@ -195,11 +195,8 @@ class MoETask(LightningModule):
                 "step); train with trainer.precision=16-mixed (float16 autocast with a gradient scaler), bf16-mixed "
                 "or bf16-true"
             )
-        config = dict(self.optimizer_config)
-        weight_decay = config.pop("weight_decay")
-        decay_1d = config.pop("decay_1d", False)
         fused = not str(self.trainer.precision).startswith("16")  # a float16 GradScaler unscales before clipping
-        optimizer = build_optimizer(param_groups(self.net, weight_decay, decay_1d), **config, fused=fused)
+        optimizer = optimizer_for(self.net, self.optimizer_config, fused=fused)
         total = self.trainer.estimated_stepping_batches  # inf (or -1 for data of no length) when nothing limits it
         total = int(total) if 0 <= total < math.inf else math.inf
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))

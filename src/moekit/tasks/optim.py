@@ -8,14 +8,16 @@ root decay (with an optional linear cooldown, as in ViT/Soft MoE training), or c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ScheduleConfig", "param_groups", "lr_lambda", "build_optimizer", "clip_grad_norm"]
+from moekit.config_checks import OPTIMIZERS
+
+__all__ = ["ScheduleConfig", "param_groups", "lr_lambda", "build_optimizer", "optimizer_for", "clip_grad_norm"]
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) -> list[dict]:
@@ -125,10 +127,14 @@ def build_optimizer(
     lr: float = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    momentum: float = 0.9,
+    momentum: float | None = None,
     fused: bool = True,
+    ns_steps: int = 5,
+    ns_dtype: str = "auto",
 ) -> torch.optim.Optimizer:
-    """``adamw`` or ``sgd`` (with momentum) over pre-built parameter groups.
+    """``adamw``, ``sgd`` (momentum default 0.9) or ``muon`` (:class:`~moekit.tasks.muon.MuonAdamW`, over the groups
+    of :func:`~moekit.tasks.muon.muon_param_groups`; momentum default 0.95, ``ns_steps`` and ``ns_dtype`` its
+    Newton-Schulz settings) over pre-built parameter groups.
 
     ``fused``: AdamW's fused kernel, one pass over all tensors per step instead of several. An MoE model's update
     grows with its total parameters, not its active ones: on a 2-core AMD EPYC the fused step of 200M expert
@@ -138,13 +144,40 @@ def build_optimizer(
     (:func:`clip_grad_norm`). The fused kernel takes all-DTensor or all-plain
     parameters; FSDP with expert parallelism (sharded DTensors beside plain local experts) runs the default.
     """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer name={name!r}; allowed: {', '.join(map(repr, OPTIMIZERS))}")
+    params = list(params)
     if name == "adamw":
-        params = list(params)
         fused = fused and _one_tensor_kind(params)
         return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    raise ValueError(f"optimizer name={name!r}; allowed: 'adamw', 'sgd'")
+        return torch.optim.SGD(params, lr=lr, momentum=0.9 if momentum is None else momentum)
+    from .muon import MuonAdamW
+
+    if not all(isinstance(group, dict) and "algorithm" in group for group in params):
+        raise ValueError(
+            "optimizer name='muon' takes param groups that say which algorithm trains them ('algorithm': 'muon' "
+            "or 'adamw'): build them with moekit.tasks.muon.muon_param_groups(model, weight_decay)"
+        )
+    momentum = 0.95 if momentum is None else momentum
+    return MuonAdamW(params, lr=lr, momentum=momentum, betas=betas, eps=eps, ns_steps=ns_steps, ns_dtype=ns_dtype,
+                     fused=fused)  # fmt: skip
+
+
+def optimizer_for(model: nn.Module, config: Mapping[str, Any], fused: bool = True) -> torch.optim.Optimizer:
+    """The optimizer that a task's ``optimizer`` config (``name``, ``weight_decay``, ``decay_1d``, and the
+    keywords of :func:`build_optimizer`) builds for ``model``, over :func:`param_groups`, or for ``muon`` over
+    :func:`~moekit.tasks.muon.muon_param_groups`."""
+    config = dict(config)
+    weight_decay = config.pop("weight_decay", 0.0)
+    decay_1d = config.pop("decay_1d", False)
+    if config.get("name") == "muon":
+        from .muon import muon_param_groups
+
+        groups = muon_param_groups(model, weight_decay, decay_1d)
+    else:
+        groups = param_groups(model, weight_decay, decay_1d)
+    return build_optimizer(groups, **config, fused=fused)
 
 
 def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float) -> Tensor:
