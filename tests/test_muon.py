@@ -259,3 +259,12 @@ def test_task_optimizer_name_muon_trains_under_lightning_with_norm_clipping():
     assert {n for n, p in task.net.named_parameters() if id(p) in muon} == set(hidden_matrices(task.net))
     assert all(not torch.equal(before[n], p) for n, p in task.net.named_parameters() if id(p) in muon)
     assert norms[-1] == pytest.approx(0.05, rel=1e-4)
+
+
+def test_the_summary_counts_each_algorithms_tensors_and_names_the_newton_schulz_dtype():
+    model = _Net()
+    optimizer = MuonAdamW(muon_param_groups(model, 0.05), ns_dtype="float32")
+    assert optimizer.summary() == (
+        "Muon for 1 hidden matrices (128 weights), AdamW for 5 other tensors (116); Newton-Schulz steps in "
+        "float32 on cpu (ns_dtype=float32)"
+    )

@@ -197,6 +197,8 @@ class MoETask(LightningModule):
             )
         fused = not str(self.trainer.precision).startswith("16")  # a float16 GradScaler unscales before clipping
         optimizer = optimizer_for(self.net, self.optimizer_config, fused=fused)
+        if hasattr(optimizer, "summary"):  # Muon: which parameters it trains, its Newton-Schulz dtype
+            log.info("task.optimizer.name=%s: %s", self.optimizer_config["name"], optimizer.summary())
         total = self.trainer.estimated_stepping_batches  # inf (or -1 for data of no length) when nothing limits it
         total = int(total) if 0 <= total < math.inf else math.inf
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule, total))

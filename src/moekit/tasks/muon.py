@@ -178,6 +178,20 @@ class MuonAdamW(torch.optim.Optimizer):
             self._auto_dtypes[device.type] = torch.bfloat16 if fast_bf16 else torch.float32
         return self._auto_dtypes[device.type]
 
+    def summary(self) -> str:
+        """What trains with which algorithm, and the Newton-Schulz dtype ``auto`` chose, for the run's log."""
+        counts = {"muon": [0, 0], "adamw": [0, 0]}
+        for group in self.param_groups:
+            counts[group["algorithm"]][0] += len(group["params"])
+            counts[group["algorithm"]][1] += sum(p.numel() for p in group["params"])
+        devices = {p.device for group in self.param_groups if group["algorithm"] == "muon" for p in group["params"]}
+        dtypes = ", ".join(f"{str(self._ns_dtype(d)).removeprefix('torch.')} on {d.type}" for d in devices) or "-"
+        return (
+            f"Muon for {counts['muon'][0]} hidden matrices ({counts['muon'][1]:,} weights), AdamW for "
+            f"{counts['adamw'][0]} other tensors ({counts['adamw'][1]:,}); Newton-Schulz steps in {dtypes} "
+            f"(ns_dtype={self.ns_dtype})"
+        )
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
