@@ -18,7 +18,8 @@ matrices, each orthogonalised on its own, as a dense layer's weight would be.
 Which parameters Muon takes is :func:`hidden_matrices`: the weights of ``nn.Linear``, convolutions (flattened to
 ``[out, in * kernel]``), ``nn.LSTM`` (each gate's matrix) and :class:`~moekit.moe.ExpertBank`. Routers, the
 output head (and the embedding a head is tied to), embeddings, position embeddings, Soft MoE's dispatch
-``phi``, matrices with a side of 1, norms and biases train with AdamW.
+``phi``, matrices with a side of 1, norms and biases train with AdamW. A fused weight is one matrix: timm's
+``qkv`` ``[3 D, D]``, and a gated expert bank's gate and up projections (``fc1`` ``[E, in, 2 H]``) per expert.
 """
 
 from __future__ import annotations
