@@ -21,6 +21,8 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true
 """``trainer.precision``'s values: Lightning's names (and its 16 / 32 / 64) and ``auto`` (the machine's best)."""
 OPTIMIZERS = ("adamw", "sgd", "muon")
 """``task.optimizer.name``'s values (:func:`moekit.tasks.optim.build_optimizer`)."""
+NS_DTYPES = ("auto", "float32", "bfloat16")
+"""``task.optimizer.ns_dtype``'s values (:class:`moekit.tasks.muon.MuonAdamW`)."""
 
 
 def _number(value: Any) -> bool:
@@ -91,8 +93,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.optimizer.momentum": (_optional(_fraction), "a number in [0, 1) or null", "null: sgd 0.9, muon 0.95"),
     "task.optimizer.ns_steps": (_count, "a positive int", "Muon's Newton-Schulz steps, 5 in the paper"),
     "task.optimizer.ns_dtype": (
-        lambda v: v in ("auto", "float32", "bfloat16"),
-        "auto, float32 or bfloat16",
+        lambda v: v in NS_DTYPES,
+        f"one of {', '.join(NS_DTYPES)}",
         "auto: bfloat16 on GPUs and CPUs with bf16 dot products (avx512_bf16, AMX), else float32",
     ),
     "task.scheduler.warmup_steps": (

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
 from torch.optim.adamw import adamw
+
+from moekit.config_checks import NS_DTYPES
 
 from .optim import param_groups
 
@@ -38,6 +40,7 @@ __all__ = ["MuonAdamW", "hidden_matrices", "muon_param_groups", "orthogonalize"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Layout = Literal["matrix", "experts", "lstm"]
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 
 
 def orthogonalize(u_BMN: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype | None = None) -> Tensor:
@@ -76,12 +79,11 @@ def hidden_matrices(model: nn.Module) -> dict[str, Layout]:
 
     head = model.get_classifier() if hasattr(model, "get_classifier") else getattr(model, "head", None)
     excluded = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    layouts: dict[int, Layout] = {}
     for module in model.modules():
         if isinstance(module, (Router, DepthRouter, nn.Embedding)):
             excluded.update(id(p) for p in module.parameters())
-    layouts: dict[int, Layout] = {}
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        elif isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             layouts[id(module.weight)] = "matrix"
         elif isinstance(module, ExpertBank):
             layouts.update({id(module.fc1_weight): "experts", id(module.fc2_weight): "experts"})
@@ -105,7 +107,7 @@ def muon_param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = Fa
     groups = []
     for group in param_groups(model, weight_decay, decay_1d):
         rest = [p for p in group["params"] if id(p) not in by_id]
-        for layout in ("matrix", "experts", "lstm"):
+        for layout in LAYOUTS:
             params = [p for p in group["params"] if by_id.get(id(p)) == layout]
             if params:
                 groups.append({**group, "params": params, "algorithm": "muon", "layout": layout})
@@ -150,18 +152,18 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
         if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
             raise ValueError(f"ns_steps={ns_steps!r} must be a positive int (5 is Muon's)")
-        if ns_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"ns_dtype={ns_dtype!r}; allowed: 'auto', 'float32', 'bfloat16'")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype={ns_dtype!r}; allowed: {', '.join(map(repr, NS_DTYPES))}")
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, betas=tuple(betas), eps=eps,
             algorithm="adamw", layout="matrix",
         )  # fmt: skip
         super().__init__(params, defaults)
         for group in self.param_groups:
-            if group["algorithm"] not in ("muon", "adamw") or group["layout"] not in ("matrix", "experts", "lstm"):
+            if group["algorithm"] not in ("muon", "adamw") or group["layout"] not in LAYOUTS:
                 raise ValueError(
                     f"param group algorithm={group['algorithm']!r}, layout={group['layout']!r}; allowed: algorithm "
-                    "'muon' or 'adamw', layout 'matrix', 'experts' or 'lstm' (muon_param_groups builds them)"
+                    f"'muon' or 'adamw', layout one of {', '.join(LAYOUTS)} (muon_param_groups builds them)"
                 )
         self.ns_steps = ns_steps
         self.ns_dtype = ns_dtype
