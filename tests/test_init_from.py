@@ -2,6 +2,7 @@
 (``task.init_mode=upcycle``) and the refusals that name the fix, from checkpoint files and sharded folders."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +183,49 @@ def test_weights_saved_with_a_tied_weight_once_load_under_both_names(mode, tmp_p
         x = torch.randint(0, 40, (2, 16))
         with torch.no_grad():
             assert torch.equal(task.net.eval()(x), source.eval()(x))
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded_folder"])
+def test_upcycling_from_a_training_checkpoint_checks_the_network_it_saved(tmp_path, layout, caplog):
+    """A training checkpoint keeps its network's config (``hyper_parameters.net``): upcycling rebuilds that network
+    (on the meta device) and refuses what no weight's shape shows, here 4 attention heads of width 8 where the MoE
+    model has 2 of 16, naming the setting and its modules. A config that no longer builds leaves the weights' check
+    alone, with a warning."""
+
+    def training_checkpoint(net: dict, name: str):
+        """A checkpoint of a fresh network built from ``net``, as scripts/train.py saves one, and its weights."""
+        state = ImageClassifier(net=net, num_classes=10).net.state_dict()
+        weights, path = {f"net.{k}": v for k, v in state.items()}, tmp_path / name
+        if layout == "file":
+            torch.save({"state_dict": weights, "hyper_parameters": {"net": net}}, path)
+            return str(path), state
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"state_dict": weights}, checkpoint_id=path)
+        torch.save({"epoch": 0, "hyper_parameters": {"net": net}}, path / SHARDED_METADATA)
+        return str(path), state
+
+    same, dense = training_checkpoint(DENSE, "same")
+    upcycled = ImageClassifier(net=TOP2, num_classes=10, init_from=same, init_mode="upcycle")
+    assert torch.equal(upcycled.net.blocks[1].mlp.experts.fc1_weight[0], dense["blocks.1.mlp.fc1.weight"].t())
+    four_heads, _ = training_checkpoint(dict(DENSE, num_heads=4), "heads")
+    fresh = ImageClassifier(net=TOP2, num_classes=10)
+    with pytest.raises(ValueError) as info:
+        fresh._initialise_from(four_heads, "upcycle")
+    message = str(info.value)
+    assert (
+        "architecture differences ['num_heads: dense 4 vs MoE 2 (blocks.0.attn, blocks.1.attn, blocks.2.attn" in message
+    )
+    assert "head_dim: dense 8 vs MoE 16" in message and "build the MoE model with the dense model's settings" in message
+    assert "missing keys" not in message and "shape mismatches" not in message
+    unbuildable, _ = training_checkpoint(dict(DENSE), "old")
+    meta = Path(unbuildable) / SHARDED_METADATA if layout == "sharded_folder" else Path(unbuildable)
+    saved = torch.load(meta, weights_only=False)
+    saved["hyper_parameters"]["net"]["_target_"] = "moekit.models.no_such_builder"
+    torch.save(saved, meta)
+    with caplog.at_level("WARNING", logger="moekit"):
+        ImageClassifier(net=TOP2, num_classes=10, init_from=unbuildable, init_mode="upcycle")
+    assert (
+        "could not be rebuilt from its config" in caplog.text
+        and "checks the weights' names and shapes only" in caplog.text
+    )

@@ -511,6 +511,28 @@ def test_an_upcycled_transformer_lm_computes_its_dense_twin(recipe):
         upcycle(TransformerLM(**{**common, "tie_embeddings": True}, moe=moe), dense)
 
 
+def test_upcycling_names_what_the_dense_twin_computes_otherwise_with_weights_of_the_same_shapes():
+    """One attention head of width 32 where the MoE model has 2 of 16, the rotary base of Mixtral and another norm
+    epsilon: every weight has the MoE model's shape, and each setting is refused with its modules, from the dense
+    module or from its weights with the module they belong to; nothing is written. Weights alone cannot tell."""
+    common = dict(TINY_TRANSFORMER, gated=True, tie_embeddings=False)
+    moe = TransformerLM(**common, moe="mixtral")
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    other = TransformerLM(**{**common, "num_heads": 1}, rope_base=1e6, norm_eps=1e-6, moe=None)
+    for dense, architecture in ((other, None), (other.state_dict(), other)):
+        with pytest.raises(ValueError) as info:
+            upcycle(moe, dense, architecture=architecture)
+        message = str(info.value)
+        assert (
+            "architecture differences ['num_heads: dense 1 vs MoE 2 (the model, blocks.0.attn, blocks.1.attn)'"
+            in message
+        )
+        assert "'base: dense 1000000.0 vs MoE 10000.0 (blocks.0.attn.rope)'" in message
+        assert "'eps: dense 1e-06 vs MoE 1e-05 (blocks.0.norm1, blocks.0.norm2, blocks.1.norm1" in message
+        assert all(torch.equal(v, before[k]) for k, v in moe.state_dict().items())
+    assert upcycle(moe, other.state_dict()) is moe
+
+
 @torch.no_grad()
 def test_upcycling_into_a_mixture_of_depths_lm_keeps_its_routers_fresh():
     """The dense twin has no Mixture-of-Depths routers: they keep their fresh values, every other weight is copied."""

@@ -532,6 +532,21 @@ def test_upcycling_with_noise_breaks_the_expert_symmetry():
     torch.testing.assert_close(weights[0], dense.blocks[3].mlp.fc1.weight.t(), atol=1e-2, rtol=0)
 
 
+def test_upcycling_refuses_a_dense_vit_of_other_heads_and_activation_with_weights_of_the_same_shapes():
+    moe = dropless_top2()
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        upcycle_vit(moe, timm.create_model("vit_tiny_patch4_28", num_heads=2, act_layer="relu"))
+    message = str(info.value)
+    assert (
+        "architecture differences ['num_heads: dense 2 vs MoE 4 (blocks.0.attn, blocks.1.attn, blocks.2.attn" in message
+    )
+    assert "'class: dense ReLU vs MoE GELU (blocks.0.mlp.act, blocks.1.mlp.act, blocks.2.mlp.act, " in message
+    assert "blocks.3.mlp.experts.act, blocks.4.mlp.experts.act, blocks.5.mlp.experts.act)'" in message
+    assert "shape" not in message and "missing" not in message
+    assert all(torch.equal(v, before[k]) for k, v in moe.state_dict().items())
+
+
 def test_upcycling_errors_list_the_offending_keys_and_write_nothing():
     moe = dropless_top2()
     before = {k: v.clone() for k, v in moe.state_dict().items()}

@@ -19,13 +19,23 @@ from timm.layers import GluMlp
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
-from moekit.moe import ExpertBank, MixtureOfDepths, depth_routers, moe_layers
+from moekit.moe import ExpertBank, MixtureOfDepths, depth_routers, moe_layers, routing_modules
 
 from .export import with_tied_names
 
-__all__ = ["upcycle", "upcycle_vit"]
+__all__ = ["ARCHITECTURE_FIELDS", "architecture_differences", "upcycle", "upcycle_vit"]
 
 log = logging.getLogger("moekit")
+
+# Settings that change what a module computes without changing the shape of a weight (which the key-by-key check
+# sees): an upcycled model agrees with its dense model on them wherever both have the module.
+ARCHITECTURE_FIELDS = (
+    "num_heads", "num_kv_heads", "head_dim", "scale",  # attention: timm's and moekit's
+    "eps", "approximate", "negative_slope",  # norms and activations
+    "base",  # rotary position embeddings
+    "global_pool", "num_prefix_tokens", "no_embed_class", "has_class_token", "pool_include_prefix",  # timm's ViT
+    "gate_last",  # which half of a timm GluMlp's fc1 is the gate
+)  # fmt: skip
 
 
 def _dense_mlp(entries: Mapping[str, Tensor], prefix: str, offending: list[str]) -> nn.Module:
@@ -72,6 +82,56 @@ def _into_depth_blocks(model: nn.Module, source: dict[str, Tensor]) -> tuple[dic
     return source, fresh
 
 
+def _dense_names(moe_model: nn.Module):
+    """The dense model's name of each module of ``moe_model``: the block a Mixture-of-Depths wrapper holds,
+    ``blocks.i.block.*``, is the dense ``blocks.i.*``."""
+    wrapped = [f"{name}.block" for name, module in moe_model.named_modules() if isinstance(module, MixtureOfDepths)]
+
+    def dense_name(name: str) -> str:
+        inner = next((w for w in wrapped if name == w or name.startswith(f"{w}.")), None)
+        return name if inner is None else inner.removesuffix(".block") + name[len(inner) :]
+
+    return dense_name
+
+
+def architecture_differences(moe_model: nn.Module, dense: nn.Module) -> list[str]:
+    """Where ``dense`` computes otherwise than ``moe_model`` beyond its weights: outside the MoE layers and
+    Mixture-of-Depths routers, a module of another class or another value of an :data:`ARCHITECTURE_FIELDS` setting
+    (the attention's heads, say); in an MoE layer, experts whose activation is not that of the dense MLP they copy.
+    One line per difference, naming the modules that have it. Modules that only one of the models has are the key
+    check's to report."""
+    dense_name = _dense_names(moe_model)
+    routed = tuple(f"{name}." for name, _ in routing_modules(moe_model))
+    found: dict[tuple[str, str, str], list[str]] = {}
+
+    def compare(name: str, mine: nn.Module, theirs: nn.Module, fields=ARCHITECTURE_FIELDS) -> None:
+        if type(mine) is not type(theirs):
+            found.setdefault(("class", type(theirs).__name__, type(mine).__name__), []).append(name or "the model")
+            return
+        for field in fields:
+            ours, other = getattr(mine, field, None), getattr(theirs, field, None)
+            if ours != other:
+                found.setdefault((field, repr(other), repr(ours)), []).append(name or "the model")
+
+    for name, module in moe_model.named_modules():
+        if f"{name}.".startswith(routed) or isinstance(module, MixtureOfDepths):
+            continue
+        try:
+            other = dense.get_submodule(dense_name(name))
+        except AttributeError:
+            continue
+        compare(name, module, other)
+    for name, layer in moe_layers(moe_model):
+        try:
+            act = dense.get_submodule(dense_name(name)).get_submodule("act")
+        except AttributeError:
+            continue
+        compare(f"{name}.experts.act", layer.experts.act, act, ("approximate", "negative_slope"))
+    return [
+        f"{what}: dense {theirs} vs MoE {mine} ({', '.join(names)})" for (what, theirs, mine), names in found.items()
+    ]
+
+
 def _shape_check(bank: ExpertBank, mlp: nn.Module) -> None:
     """Raise ``load_dense_mlp``'s ``ValueError`` if ``mlp`` does not fit ``bank``, without writing to ``bank``."""
     probe = ExpertBank(
@@ -87,11 +147,11 @@ def _shape_check(bank: ExpertBank, mlp: nn.Module) -> None:
     probe.load_dense_mlp(mlp)
 
 
-def _glu_gate_last(moe_model: nn.Module, dense: nn.Module | Mapping[str, Tensor]) -> dict[str, bool]:
+def _glu_gate_last(moe_model: nn.Module, dense: nn.Module | None) -> dict[str, bool]:
     """Per MoE layer (``"<name>."``): whether the dense timm ``GluMlp`` there holds its gate in the second half of
-    ``fc1`` (``gate_last``), which its weights do not tell: the dense model's own MLP at that name when ``dense`` is a
-    module, else that of the ``GluMlp`` blocks ``moe_model`` kept dense (its twin has the same MLPs), else timm's
-    default (``gate_last=True``)."""
+    ``fc1`` (``gate_last``), which its weights do not tell: the dense model's own MLP at that name where the dense
+    module is known, else that of the ``GluMlp`` blocks ``moe_model`` kept dense (its twin has the same MLPs), else
+    timm's default (``gate_last=True``)."""
     kept = {m.gate_last for m in moe_model.modules() if isinstance(m, GluMlp)}
     default = kept.pop() if len(kept) == 1 else True
     orders = {}
@@ -112,6 +172,7 @@ def upcycle_vit(
     moe_model: nn.Module,
     dense: nn.Module | Mapping[str, Tensor],
     noise_std: float = 0.0,
+    architecture: nn.Module | None = None,
 ) -> nn.Module:
     """Initialise ``moe_model`` (an MoE ViT from :func:`~moekit.models.create_moe_vit`) from a dense ViT.
 
@@ -123,6 +184,10 @@ def upcycle_vit(
             ``moe_model``'s grid). Which half of a timm ``GluMlp``'s ``fc1`` is the gate (``gate_last``) is read from
             the dense module, or from the ``GluMlp`` blocks ``moe_model`` keeps dense, else timm's default.
         noise_std: std of Gaussian noise added to each expert copy to break their symmetry (0 = exact copies).
+        architecture: where ``dense`` is weights, the dense model they belong to (built on the meta device, say,
+            from the config it trained with), for the check of what its weights do not show
+            (:func:`architecture_differences`: attention heads, norm epsilons, activations, pooling); a ``dense``
+            module is checked itself.
 
     Returns:
         ``moe_model``. Its non-MoE weights equal the dense ones; each MoE layer's experts are copies of
@@ -130,30 +195,36 @@ def upcycle_vit(
         upcycled model computes the dense model's function.
 
     Raises:
-        ValueError: listing every missing key, unexpected key and shape mismatch, or naming the layers that the
-            weights hold as MoE layers already; nothing is written then.
+        ValueError: listing every missing key, unexpected key, shape mismatch and architecture difference, or naming
+            the layers that the weights hold as MoE layers already; nothing is written then.
     """
     source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
-    orders = _glu_gate_last(moe_model, dense)
-    return _upcycle(moe_model, checkpoint_filter_fn(source, moe_model), noise_std, "upcycle_vit", orders)
+    architecture = dense if isinstance(dense, nn.Module) else architecture
+    return _upcycle(moe_model, checkpoint_filter_fn(source, moe_model), noise_std, "upcycle_vit", architecture)
 
 
 def upcycle(
     moe_model: nn.Module,
     dense: nn.Module | Mapping[str, Tensor],
     noise_std: float = 0.0,
+    architecture: nn.Module | None = None,
     caller: str = "upcycle",
 ) -> nn.Module:
     """Initialise ``moe_model`` from its dense twin (the same model with ``moe=None``, e.g. a
     :class:`~moekit.models.TransformerLM`): ``dense`` is that model or its ``state_dict()``. Arguments, result and
     errors as :func:`upcycle_vit`'s (``caller`` names the function in the errors)."""
     source = dense.state_dict() if isinstance(dense, nn.Module) else dict(dense)
-    return _upcycle(moe_model, source, noise_std, caller, _glu_gate_last(moe_model, dense))
+    architecture = dense if isinstance(dense, nn.Module) else architecture
+    return _upcycle(moe_model, source, noise_std, caller, architecture)
 
 
 @torch.no_grad()
 def _upcycle(
-    moe_model: nn.Module, source: dict[str, Tensor], noise_std: float, caller: str, gate_last: Mapping[str, bool]
+    moe_model: nn.Module,
+    source: dict[str, Tensor],
+    noise_std: float,
+    caller: str,
+    architecture: nn.Module | None,
 ) -> nn.Module:
     source, fresh_routers = _into_depth_blocks(moe_model, with_tied_names(moe_model, source))
     layers = {f"{name}.": layer for name, layer in moe_layers(moe_model)}
@@ -171,6 +242,7 @@ def _upcycle(
             "(task.init_mode=finetune with the checkpoint's moe settings), or upcycle from its dense twin"
         )
 
+    gate_last = _glu_gate_last(moe_model, architecture)
     target = moe_model.state_dict()
     missing = [k for k in target if moe_prefix(k) is None and k not in source]
     unexpected = [k for k in source if moe_prefix(k) is None and k not in target]
@@ -191,11 +263,18 @@ def _upcycle(
             _shape_check(layer.experts, mlp)
         except ValueError as err:
             problems.append(f"{prefix[:-1]}: {err}")
-    if missing or unexpected or problems:
-        found = (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", problems))
+    differences = architecture_differences(moe_model, architecture) if architecture is not None else []
+    if missing or unexpected or problems or differences:
+        found = (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches", problems),
+            ("architecture differences", differences),
+        )
         raise ValueError(
             f"{caller}: the dense weights do not fit the MoE model: "
             + "; ".join(f"{what} {items}" for what, items in found if items)
+            + ("; build the MoE model with the dense model's settings" if differences else "")
         )
 
     moe_model.load_state_dict({k: source[k] for k in target if moe_prefix(k) is None}, strict=False)

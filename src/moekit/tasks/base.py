@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+import zipfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from moekit.checkpoint import TASK_KEY
+from moekit.checkpoint import SHARDED_METADATA, TASK_KEY, is_sharded_checkpoint
 from moekit.loggers import log_before_checkpoint, log_positions, resume_logs
 from moekit.models import compile_network
 from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_balancing_biases
@@ -31,7 +34,7 @@ from moekit.resume import FIT_STARTED_KEY
 from .epoch_means import EpochMeans
 from .optim import ScheduleConfig, clip_grad_norm, lr_lambda, optimizer_for
 
-__all__ = ["MoETask", "plain"]
+__all__ = ["MoETask", "plain", "trained_network"]
 
 log = logging.getLogger("moekit")
 
@@ -56,6 +59,35 @@ def _reopen_epoch(checkpoint: dict[str, Any]) -> None:
     progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
     for counts in (progress["total"], progress["current"]):
         counts["processed"] -= 1
+
+
+def trained_network(path: str | os.PathLike) -> nn.Module | None:
+    """The network a moekit checkpoint (a ``.ckpt`` file or sharded folder) was trained as, rebuilt on the meta device
+    from the config it saved (``hyper_parameters["net"]``): for upcycling's check of what weights do not show
+    (:func:`~moekit.models.upcycle.architecture_differences`). None for weights without that config."""
+    path = Path(path)
+    file = path / SHARDED_METADATA if is_sharded_checkpoint(path) else path
+    if not zipfile.is_zipfile(file):  # safetensors, a missing file: read_state_dict says what is wrong with it
+        return None
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:
+        return None
+    config = checkpoint.get("hyper_parameters", {}).get("net") if isinstance(checkpoint, Mapping) else None
+    if not isinstance(config, Mapping) or "_target_" not in config:
+        return None
+    try:
+        with torch.device("meta"):
+            return instantiate(config)
+    except Exception as err:  # a config of another moekit version
+        log.warning(
+            "%s: the network it saved could not be rebuilt from its config (%s: %s); upcycling from it checks the "
+            "weights' names and shapes only",
+            path,
+            type(err).__name__,
+            err,
+        )
+        return None
 
 
 def plain(config: Any) -> Any:

@@ -24,7 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from moekit.checkpoint import CLASS_NAMES_KEY, head_prefixes, load_weights, read_state_dict
 
-from .base import MoETask, plain
+from .base import MoETask, plain, trained_network
 
 __all__ = ["ImageClassifier"]
 
@@ -139,7 +139,7 @@ class ImageClassifier(MoETask):
                 state = {k: v for k, v in state.items() if not k.startswith(heads)}
                 state |= {k: v for k, v in own.items() if k.startswith(heads)}
                 log.info("%s: the classifier head (%d classes) starts fresh", path, self.hparams.num_classes)
-            upcycle_vit(self.net, state)
+            upcycle_vit(self.net, state, architecture=trained_network(path))
             return
         load_weights(self.net, state, source=path, skip_prefixes=heads if head_changed else ())
 

@@ -31,7 +31,7 @@ from moekit.models import fit_hash_routing, upcycle
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HF_PREFIX
 
-from .base import MoETask, plain
+from .base import MoETask, plain, trained_network
 
 __all__ = ["LanguageModel"]
 
@@ -96,7 +96,7 @@ class LanguageModel(MoETask):
         if hf_folder is not None:
             load_weights(self.net, read_hf_state_dict(hf_folder), source=init_from)
         elif init_from and init_mode == "upcycle":
-            upcycle(self.net, read_state_dict(init_from))
+            upcycle(self.net, read_state_dict(init_from), architecture=trained_network(init_from))
         elif init_from:
             load_weights(self.net, read_state_dict(init_from), source=init_from)
         if compile:
