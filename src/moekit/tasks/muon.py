@@ -19,7 +19,9 @@ Which parameters Muon takes is :func:`hidden_matrices`: the weights of ``nn.Line
 ``[out, in * kernel]``), ``nn.LSTM`` (each gate's matrix) and :class:`~moekit.moe.ExpertBank`. Routers, the
 output head (and the embedding a head is tied to), embeddings, position embeddings, Soft MoE's dispatch
 ``phi``, matrices with a side of 1, norms and biases train with AdamW. A fused weight is one matrix: timm's
-``qkv`` ``[3 D, D]``, and a gated expert bank's gate and up projections (``fc1`` ``[E, in, 2 H]``) per expert.
+``qkv`` ``[3 D, D]``, and a gated expert bank's gate and up projections (``fc1`` ``[E, in, 2 H]``) per expert
+(the main job trained to the same accuracy with the query, key and value projections orthogonalised apart:
+docs/results.md).
 """
 
 from __future__ import annotations
