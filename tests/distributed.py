@@ -1,15 +1,13 @@
 """Run a function on ``world`` CPU processes joined by a gloo process group (tests only).
 
-``spawn(fn, world, *args)`` forks the processes (``torch.multiprocessing.start_processes``): each rank starts as a
-copy of the test process, with torch and moekit already imported, and runs single-threaded (no OpenMP pool is
-used across the fork); an exception in any rank fails the call with its traceback. Where a forked process could not
-run a backward pass (torch refuses autograd in a child forked after the parent's autograd engine started its
-worker threads, as Dynamo's tracing of some layers does in tests/test_compile.py, which may run earlier in the same
-pytest worker), the ranks are forked from a fresh server process instead (``forkserver``, which imports torch,
-Lightning and moekit once), and import ``fn``'s test module.
+``spawn(fn, world, *args)`` starts the ranks (``torch.multiprocessing.start_processes``) from a fork server: a
+process started once per pytest worker, which imports torch, Lightning and moekit and then only forks. So nothing a
+test left in the test process reaches the ranks: an OpenMP pool or autograd worker threads that do not survive a fork
+(a rank forked from the test process after tests/test_compile.py's tracing could abort in its backward pass, or be
+refused it), torch's deterministic mode, a process group. Each rank imports ``fn``'s test module, runs
+single-threaded, and an exception in any rank fails the call with its traceback.
 """
 
-import faulthandler
 import os
 import socket
 
@@ -34,30 +32,10 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def _backward() -> None:
-    faulthandler.disable()  # torch's refusal can abort the process: no thread dump in the test's output
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-    torch.ones(1, requires_grad=True).sum().backward()
-
-
-_FORK_RUNS_AUTOGRAD = [True]  # once it cannot, it never can again in this process
-
-
-def _fork_runs_autograd() -> bool:
-    if _FORK_RUNS_AUTOGRAD[0]:
-        probe = mp.get_context("fork").Process(target=_backward)
-        probe.start()
-        probe.join()
-        _FORK_RUNS_AUTOGRAD[0] = probe.exitcode == 0
-    return _FORK_RUNS_AUTOGRAD[0]
+# Imported by the fork server before it forks any rank: moekit first, as the scripts do (OpenMP's idle spin).
+PRELOAD = ["moekit", "torch", "lightning", "moekit.moe", "moekit.tasks", "distributed"]
 
 
 def spawn(fn, world: int, *args) -> None:
-    if _fork_runs_autograd():
-        method = "fork"
-    else:  # fork from a fresh server process that has imported the heavy modules once
-        method = "forkserver"
-        mp.get_context(method).set_forkserver_preload(
-            ["moekit", "torch", "lightning", "moekit.moe", "moekit.tasks", "distributed"]
-        )
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method=method)
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="forkserver")
