@@ -154,16 +154,12 @@ def _glu_gate_last(moe_model: nn.Module, dense: nn.Module | None) -> dict[str, b
     timm's default (``gate_last=True``)."""
     kept = {m.gate_last for m in moe_model.modules() if isinstance(m, GluMlp)}
     default = kept.pop() if len(kept) == 1 else True
-    orders = {}
+    dense_name, orders = _dense_names(moe_model), {}
     for name, _ in moe_layers(moe_model):
-        mlp = None
-        if isinstance(dense, nn.Module):
-            for where in (name, name.replace(".block.", ".")):  # a Mixture-of-Depths block wraps the dense one
-                try:
-                    mlp = dense.get_submodule(where)
-                    break
-                except AttributeError:
-                    continue
+        try:
+            mlp = dense.get_submodule(dense_name(name)) if dense is not None else None
+        except AttributeError:
+            mlp = None
         orders[f"{name}."] = mlp.gate_last if isinstance(mlp, GluMlp) else default
     return orders
 
