@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+import fork_server
 from moekit.configs import compose
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 from moekit.moe import ExpertBank
@@ -171,7 +172,7 @@ def reference_gptq(w_IO: torch.Tensor, hessian: torch.Tensor, fmt, damping: floa
 
 
 # ---------------------------------------------------------------------------------------------
-# The training template: compose configs like the scripts do, run the scripts as subprocesses.
+# The training template: compose configs like the scripts do, run the scripts in processes of their own.
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
@@ -223,17 +224,16 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
     return folder
 
 
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a script a test runs: this process's, without the restart under tcmalloc (the tests run
+    every script forked from their fork server) and with Hydra's short error messages."""
+    return dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0", **extra)
+
+
 def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``python scripts/<args[0]> <args[1:]>`` in a subprocess; returns its exit status and output."""
-    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0")
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / args[0]), *args[1:]],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """``python scripts/<args[0]> <args[1:]>`` in a process forked from the tests' fork server (tests/fork_server.py:
+    torch, Lightning and moekit imported once); returns its exit status and output."""
+    return fork_server.run_script(REPO / "scripts" / args[0], list(args[1:]), cwd=cwd, env=script_env(), timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Helpers of the kill-and-resume tests: run ``scripts/train.py`` as a real subprocess, wait for a file
+"""Helpers of the kill-and-resume tests: run ``scripts/train.py`` in a process of its own, wait for a file
 or a logged step, SIGKILL it, and compare the final training state and test metrics of two runs."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import io
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from conftest import REPO
+import fork_server
+from conftest import REPO, script_env
 from moekit.checkpoint import WRITE_DELAY_ENV
 from moekit.loggers import read_metrics_csv
 
@@ -29,23 +29,25 @@ def train_command(*overrides: str) -> list[str]:
     return [sys.executable, str(REPO / "scripts" / "train.py"), *overrides]
 
 
-def start(args: list[str], write_delay: float = 0.0) -> subprocess.Popen:
-    """Start ``args`` in the repository root, stdout and stderr together; every checkpoint write pauses
-    ``write_delay`` seconds before its rename (``moekit.checkpoint``)."""
-    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
+def start(args: list[str], write_delay: float = 0.0) -> fork_server.Child:
+    """Start ``args`` (``[sys.executable, <script>, *arguments]``) in the repository root, forked from the tests' fork
+    server, stdout and stderr together; every checkpoint write pauses ``write_delay`` seconds before its rename
+    (``moekit.checkpoint``)."""
+    assert args[0] == sys.executable, args
+    env = script_env(PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))  # kill_points
     if write_delay:
         env[WRITE_DELAY_ENV] = str(write_delay)
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return fork_server.Child(Path(args[1]), args[2:], cwd=REPO, env=env, stderr_to_stdout=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+def finish(proc: fork_server.Child, timeout: float = 240) -> tuple[int, str]:
     """Wait for ``proc``: its exit status and output."""
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
 
 
-def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
+def wait_for(condition: Callable[[], bool], proc: fork_server.Child, what: str, timeout: float = 180) -> None:
     """Poll ``condition`` every 10 ms until it holds; fail if ``proc`` ends first or after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -57,7 +59,7 @@ def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, t
         time.sleep(0.01)
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: fork_server.Child) -> None:
     """SIGKILL ``proc`` and check that the signal is what ended it."""
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)

@@ -7,18 +7,18 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
-import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning import LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from conftest import REPO, compose_config
+from conftest import compose_config
+from distributed import spawn
 from moekit.callbacks import ExpertLoadMonitor
 from moekit.callbacks.moe_stats import RoutingStatsSums, layer_label, load_heatmap
 from moekit.commands.train import train
@@ -149,63 +149,37 @@ def test_dropless_interval_load_equals_one_forward_over_all_tokens():
 
 
 # ---------------------------------------------------------------------------------------------
-DDP_SCRIPT = textwrap.dedent(
-    """
-    import json, socket, sys
-    import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from moekit.callbacks.moe_stats import RoutingStatsSums
-    from moekit.moe import TopKMoE
-
-    SIZES = [4, 2, 3, 5]  # sequences of 6 tokens in each micro-batch: rank r gets micro-batches r, r + 2
+_MICRO_BATCHES = [4, 2, 3, 5]  # sequences of 6 tokens in each micro-batch: rank r gets micro-batches r, r + 2
 
 
-    def figures(indices, sum_over_ranks=None):
-        torch.manual_seed(0)
-        layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0, switch_loss_weight=0.01)
-        generator = torch.Generator().manual_seed(1)
-        batches = [torch.randn(n, 6, 8, generator=generator) for n in SIZES]
-        sums = RoutingStatsSums()
-        for i in indices:
-            layer(batches[i])
-            sums.add("moe", layer.stats, layer.aux_losses, layer.forward_tokens)
-        f = sums.compute(sum_over_ranks)["moe"]
-        return {"load": f.expert_load.tolist(), "scalars": f.scalars, "forwards": f.forwards, "tokens": f.tokens}
+def _figures(indices, sum_over_ranks=None) -> dict:
+    torch.manual_seed(0)
+    layer = TopKMoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0, switch_loss_weight=0.01)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(n, 6, 8, generator=generator) for n in _MICRO_BATCHES]
+    sums = RoutingStatsSums()
+    for i in indices:
+        layer(batches[i])
+        sums.add("moe", layer.stats, layer.aux_losses, layer.forward_tokens)
+    f = sums.compute(sum_over_ranks)["moe"]
+    return {"load": f.expert_load.tolist(), "scalars": f.scalars, "forwards": f.forwards, "tokens": f.tokens}
 
 
-    def worker(rank, port, out):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _ddp_figures(rank: int, world: int, out: Path) -> None:
+    def sum_over_ranks(tensor):
+        dist.all_reduce(tensor)
+        return tensor
 
-        def sum_over_ranks(tensor):
-            dist.all_reduce(tensor)
-            return tensor
-
-        result = figures(range(rank, len(SIZES), 2), sum_over_ranks)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({"ddp": result, "single": figures(range(len(SIZES)))}, f)
-        dist.destroy_process_group()
-
-
-    if __name__ == "__main__":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        # fork: the workers inherit the imports (lightning takes seconds to import)
-        mp.start_processes(worker, args=(port, sys.argv[1]), nprocs=2, start_method="fork")
-    """
-)
+    result = _figures(range(rank, len(_MICRO_BATCHES), world), sum_over_ranks)
+    if rank == 0:
+        out.write_text(json.dumps(result))
 
 
 @pytest.mark.e2e
 def test_ddp_reduction_equals_one_process_fed_all_the_data(tmp_path):
-    script, out = tmp_path / "ddp_figures.py", tmp_path / "figures.json"
-    script.write_text(DDP_SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(out.read_text())
-    ddp, single = figures["ddp"], figures["single"]
+    out = tmp_path / "figures.json"
+    spawn(_ddp_figures, 2, out)
+    ddp, single = json.loads(out.read_text()), _figures(range(len(_MICRO_BATCHES)))
     assert ddp["forwards"] == single["forwards"] == 4 and ddp["tokens"] == single["tokens"] == 14 * 6
     assert ddp["load"] == pytest.approx(single["load"], rel=1e-5)
     assert set(ddp["scalars"]) == set(single["scalars"]) and "aux/switch" in ddp["scalars"]

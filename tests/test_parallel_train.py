@@ -6,14 +6,14 @@ Resuming in as many processes as saved is test_sigterm_to_one_rank_saves_on_all_
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_script
+from conftest import REPO, run_script, script_env
+from fork_server import Child
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
 
 pytestmark = pytest.mark.e2e  # fits models in subprocesses (make test-fast leaves it out)
@@ -79,17 +79,8 @@ def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model
 def _train_or_kill(out: Path, seconds: float, *overrides: str) -> None:
     """``_train``, but a run still going after ``seconds`` (ranks stuck in a collective, deaf to SIGTERM) is
     killed with all its processes and fails the test."""
-    env = dict(os.environ, MOEKIT_NO_REEXEC="1", HYDRA_FULL_ERROR="0")
-    args = [sys.executable, str(REPO / "scripts" / "train.py"), f"paths.output_dir={out}", *overrides]
-    proc = subprocess.Popen(
-        args,
-        cwd=out.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    args = [f"paths.output_dir={out}", *overrides]
+    proc = Child(REPO / "scripts" / "train.py", args, out.parent, script_env(), stderr_to_stdout=True, new_session=True)
     try:
         output, _ = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -225,7 +216,6 @@ def test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly(tmp_path, ti
     Resumed mid-epoch with 2 processes, the run ends with the weights of an uninterrupted run."""
     import signal
     import subprocess
-    import sys
     import time
 
     from conftest import REPO
@@ -245,13 +235,7 @@ def test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly(tmp_path, ti
         *_distributed(2, "ddp"),
     ]
     args = [f"paths.output_dir={out}", *common, "trainer.max_steps=100000"]
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "scripts" / "train.py"), *args],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = Child(REPO / "scripts" / "train.py", args, tmp_path, script_env(), stderr_to_stdout=True)
     try:
         deadline = time.monotonic() + 120
         while not (children := _children(proc.pid)) and time.monotonic() < deadline:
