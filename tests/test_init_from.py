@@ -185,6 +185,21 @@ def test_weights_saved_with_a_tied_weight_once_load_under_both_names(mode, tmp_p
             assert torch.equal(task.net.eval()(x), source.eval()(x))
 
 
+def _training_checkpoint(net: torch.nn.Module, config: dict, path: Path, layout: str) -> tuple[str, dict]:
+    """A checkpoint of ``net`` built from ``config``, as scripts/train.py saves one (a file or a sharded folder), and
+    its weights."""
+    state = net.state_dict()
+    weights = {f"net.{k}": v for k, v in state.items()}
+    if layout == "file":
+        torch.save({"state_dict": weights, "hyper_parameters": {"net": config}}, path)
+        return str(path), state
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"state_dict": weights}, checkpoint_id=path)
+    torch.save({"epoch": 0, "hyper_parameters": {"net": config}}, path / SHARDED_METADATA)
+    return str(path), state
+
+
 @pytest.mark.parametrize("layout", ["file", "sharded_folder"])
 def test_upcycling_from_a_training_checkpoint_checks_the_network_it_saved(tmp_path, layout, caplog):
     """A training checkpoint keeps its network's config (``hyper_parameters.net``): upcycling rebuilds that network
@@ -193,17 +208,7 @@ def test_upcycling_from_a_training_checkpoint_checks_the_network_it_saved(tmp_pa
     alone, with a warning."""
 
     def training_checkpoint(net: dict, name: str):
-        """A checkpoint of a fresh network built from ``net``, as scripts/train.py saves one, and its weights."""
-        state = ImageClassifier(net=net, num_classes=10).net.state_dict()
-        weights, path = {f"net.{k}": v for k, v in state.items()}, tmp_path / name
-        if layout == "file":
-            torch.save({"state_dict": weights, "hyper_parameters": {"net": net}}, path)
-            return str(path), state
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save({"state_dict": weights}, checkpoint_id=path)
-        torch.save({"epoch": 0, "hyper_parameters": {"net": net}}, path / SHARDED_METADATA)
-        return str(path), state
+        return _training_checkpoint(ImageClassifier(net=net, num_classes=10).net, net, tmp_path / name, layout)
 
     same, dense = training_checkpoint(DENSE, "same")
     upcycled = ImageClassifier(net=TOP2, num_classes=10, init_from=same, init_mode="upcycle")
@@ -229,3 +234,41 @@ def test_upcycling_from_a_training_checkpoint_checks_the_network_it_saved(tmp_pa
         "could not be rebuilt from its config" in caplog.text
         and "checks the weights' names and shapes only" in caplog.text
     )
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded_folder"])
+def test_finetuning_from_a_training_checkpoint_refuses_a_network_that_computes_otherwise(tmp_path, layout):
+    """Fine-tuning checks the network a training checkpoint saved as upcycling does: other attention heads and another
+    activation (in the experts too) are refused, naming each with its modules, and nothing is written. What fine-tuning
+    may change loads: the head's classes, the pooling, stochastic depth, the routers' capacity."""
+    path, state = _training_checkpoint(ImageClassifier(net=TOP2, num_classes=10).net, TOP2, tmp_path / "top2", layout)
+    moe = dict(TOP2["moe"], capacity_factor=1.0)
+    changed = dict(TOP2, num_classes=5, global_pool="avg", drop_path_rate=0.1, moe=moe)
+    task = ImageClassifier(net=changed, num_classes=5, init_from=path)
+    assert torch.equal(task.net.blocks[1].mlp.experts.fc1_weight, state["blocks.1.mlp.experts.fc1_weight"])
+    assert torch.equal(task.net.blocks[2].attn.qkv.weight, state["blocks.2.attn.qkv.weight"])
+    other = ImageClassifier(net=dict(TOP2, num_heads=4, act_layer="relu"), num_classes=10)
+    before = {k: v.clone() for k, v in other.net.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        other._initialise_from(path, "finetune")
+    message = str(info.value)
+    assert "architecture differences ['num_heads: checkpoint 2 vs model 4 (blocks.0.attn, blocks.1.attn" in message
+    assert "class: checkpoint GELU vs model ReLU (blocks.0.mlp.act, blocks.2.mlp.act" in message
+    assert "blocks.1.mlp.experts.act, blocks.3.mlp.experts.act)" in message
+    assert "Build the model with the configuration the checkpoint was trained with" in message
+    assert all(torch.equal(v, before[k]) for k, v in other.net.state_dict().items())
+
+
+def test_finetuning_a_language_model_refuses_another_rotary_base_and_loads_plain_weights_unchecked(tmp_path):
+    from moekit.models import TransformerLM
+    from moekit.tasks import LanguageModel
+
+    shape = {"vocab_size": 40, "max_seq_len": 16, "dim": 32, "depth": 2, "num_heads": 2, "moe": "mixtral"}
+    config = {"_target_": "moekit.models.TransformerLM", **shape}
+    source = TransformerLM(**shape)
+    path, _ = _training_checkpoint(source, config, tmp_path / "lm.ckpt", "file")
+    with pytest.raises(CheckpointError, match=r"base: checkpoint 10000.0 vs model 500.0 \("):
+        LanguageModel(net=dict(config, rope_base=500.0), vocab_size=40, init_from=path)
+    torch.save(source.state_dict(), tmp_path / "weights.pt")  # no config to rebuild: the key check alone
+    task = LanguageModel(net=dict(config, rope_base=500.0), vocab_size=40, init_from=str(tmp_path / "weights.pt"))
+    assert torch.equal(task.net.token_embedding.weight, source.token_embedding.weight)

@@ -547,6 +547,16 @@ def test_upcycling_refuses_a_dense_vit_of_other_heads_and_activation_with_weight
     assert all(torch.equal(v, before[k]) for k, v in moe.state_dict().items())
 
 
+def test_upcycling_takes_a_dense_vit_that_differs_only_in_training_regularisation():
+    """Stochastic depth, dropout and patch dropout are the identity in evaluation: a dense ViT trained with them
+    upcycles into an MoE ViT without them, to the dense model's function."""
+    dense = timm.create_model("vit_tiny_patch4_28", drop_path_rate=0.1, proj_drop_rate=0.1, patch_drop_rate=0.25)
+    moe = upcycle_vit(dropless_top2(), dense.eval()).eval()
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), dense(x))
+
+
 def test_upcycling_errors_list_the_offending_keys_and_write_nothing():
     moe = dropless_top2()
     before = {k: v.clone() for k, v in moe.state_dict().items()}

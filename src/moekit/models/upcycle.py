@@ -19,23 +19,14 @@ from timm.layers import GluMlp
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
-from moekit.moe import ExpertBank, MixtureOfDepths, depth_routers, moe_layers, routing_modules
+from moekit.moe import ExpertBank, MixtureOfDepths, depth_routers, moe_layers
 
+from .architecture import ARCHITECTURE_FIELDS, expert_activations, outside_routing, setting_differences
 from .export import with_tied_names
 
-__all__ = ["ARCHITECTURE_FIELDS", "architecture_differences", "upcycle", "upcycle_vit"]
+__all__ = ["architecture_differences", "upcycle", "upcycle_vit"]
 
 log = logging.getLogger("moekit")
-
-# Settings that change what a module computes without changing the shape of a weight (which the key-by-key check
-# sees): an upcycled model agrees with its dense model on them wherever both have the module.
-ARCHITECTURE_FIELDS = (
-    "num_heads", "num_kv_heads", "head_dim", "scale",  # attention: timm's and moekit's
-    "eps", "approximate", "negative_slope",  # norms and activations
-    "base",  # rotary position embeddings
-    "global_pool", "num_prefix_tokens", "no_embed_class", "has_class_token", "pool_include_prefix",  # timm's ViT
-    "gate_last",  # which half of a timm GluMlp's fc1 is the gate
-)  # fmt: skip
 
 
 def _dense_mlp(entries: Mapping[str, Tensor], prefix: str, offending: list[str]) -> nn.Module:
@@ -96,40 +87,16 @@ def _dense_names(moe_model: nn.Module):
 
 def architecture_differences(moe_model: nn.Module, dense: nn.Module) -> list[str]:
     """Where ``dense`` computes otherwise than ``moe_model`` beyond its weights: outside the MoE layers and
-    Mixture-of-Depths routers, a module of another class or another value of an :data:`ARCHITECTURE_FIELDS` setting
-    (the attention's heads, say); in an MoE layer, experts whose activation is not that of the dense MLP they copy.
-    One line per difference, naming the modules that have it. Modules that only one of the models has are the key
-    check's to report."""
+    Mixture-of-Depths routers, a module of another class or another value of an
+    :data:`~moekit.models.architecture.ARCHITECTURE_FIELDS` setting (the attention's heads, say); in an MoE layer,
+    experts whose activation is not that of the dense MLP they copy. One line per difference, naming the modules that
+    have it (:func:`~moekit.models.architecture.setting_differences`)."""
     dense_name = _dense_names(moe_model)
-    routed = tuple(f"{name}." for name, _ in routing_modules(moe_model))
-    found: dict[tuple[str, str, str], list[str]] = {}
-
-    def compare(name: str, mine: nn.Module, theirs: nn.Module, fields=ARCHITECTURE_FIELDS) -> None:
-        if type(mine) is not type(theirs):
-            found.setdefault(("class", type(theirs).__name__, type(mine).__name__), []).append(name or "the model")
-            return
-        for field in fields:
-            ours, other = getattr(mine, field, None), getattr(theirs, field, None)
-            if ours != other:
-                found.setdefault((field, repr(other), repr(ours)), []).append(name or "the model")
-
-    for name, module in moe_model.named_modules():
-        if f"{name}.".startswith(routed) or isinstance(module, MixtureOfDepths):
-            continue
-        try:
-            other = dense.get_submodule(dense_name(name))
-        except AttributeError:
-            continue
-        compare(name, module, other)
-    for name, layer in moe_layers(moe_model):
-        try:
-            act = dense.get_submodule(dense_name(name)).get_submodule("act")
-        except AttributeError:
-            continue
-        compare(f"{name}.experts.act", layer.experts.act, act, ("approximate", "negative_slope"))
-    return [
-        f"{what}: dense {theirs} vs MoE {mine} ({', '.join(names)})" for (what, theirs, mine), names in found.items()
+    pairs = [
+        *outside_routing(moe_model, dense, dense_name, ARCHITECTURE_FIELDS),
+        *expert_activations(moe_model, dense, lambda name: f"{dense_name(name)}.act"),
     ]
+    return setting_differences(pairs, ours="MoE", theirs="dense")
 
 
 def _shape_check(bank: ExpertBank, mlp: nn.Module) -> None:

@@ -25,16 +25,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from moekit.checkpoint import SHARDED_METADATA, TASK_KEY, is_sharded_checkpoint
+from moekit.checkpoint import SHARDED_METADATA, TASK_KEY, CheckpointError, is_sharded_checkpoint
 from moekit.loggers import log_before_checkpoint, log_positions, resume_logs
 from moekit.models import compile_network
+from moekit.models.architecture import checkpoint_differences
 from moekit.moe import collect_moe_outputs, discard_balancing_updates, update_balancing_biases
 from moekit.resume import FIT_STARTED_KEY
 
 from .epoch_means import EpochMeans
 from .optim import ScheduleConfig, clip_grad_norm, lr_lambda, optimizer_for
 
-__all__ = ["MoETask", "plain", "trained_network"]
+__all__ = ["MoETask", "check_trained_architecture", "plain", "trained_network"]
 
 log = logging.getLogger("moekit")
 
@@ -63,8 +64,8 @@ def _reopen_epoch(checkpoint: dict[str, Any]) -> None:
 
 def trained_network(path: str | os.PathLike) -> nn.Module | None:
     """The network a moekit checkpoint (a ``.ckpt`` file or sharded folder) was trained as, rebuilt on the meta device
-    from the config it saved (``hyper_parameters["net"]``): for upcycling's check of what weights do not show
-    (:func:`~moekit.models.upcycle.architecture_differences`). None for weights without that config."""
+    from the config it saved (``hyper_parameters["net"]``): for the checks of what weights do not show
+    (:mod:`moekit.models.architecture`). None for weights without that config."""
     path = Path(path)
     file = path / SHARDED_METADATA if is_sharded_checkpoint(path) else path
     if not zipfile.is_zipfile(file):  # safetensors, a missing file: read_state_dict says what is wrong with it
@@ -81,13 +82,27 @@ def trained_network(path: str | os.PathLike) -> nn.Module | None:
             return instantiate(config)
     except Exception as err:  # a config of another moekit version
         log.warning(
-            "%s: the network it saved could not be rebuilt from its config (%s: %s); upcycling from it checks the "
+            "%s: the network it saved could not be rebuilt from its config (%s: %s); starting from it checks the "
             "weights' names and shapes only",
             path,
             type(err).__name__,
             err,
         )
         return None
+
+
+def check_trained_architecture(net: nn.Module, path: str | os.PathLike) -> None:
+    """Refuse to fine-tune ``net`` from the moekit checkpoint ``path`` when the network that trained it computes
+    otherwise with weights of the same shapes (other attention heads, norm epsilons, activations: what the key-by-key
+    load cannot see; :func:`~moekit.models.architecture.checkpoint_differences`). Plain weights are not checked."""
+    trained = trained_network(path)
+    differences = checkpoint_differences(net, trained) if trained is not None else []
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was trained by a network that computes otherwise than this one with weights of "
+            f"the same shapes - architecture differences {differences}. Build the model with the configuration the "
+            "checkpoint was trained with (its run's results.json names it)"
+        )
 
 
 def plain(config: Any) -> Any:

@@ -24,7 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from moekit.checkpoint import CLASS_NAMES_KEY, head_prefixes, load_weights, read_state_dict
 
-from .base import MoETask, plain, trained_network
+from .base import MoETask, check_trained_architecture, plain, trained_network
 
 __all__ = ["ImageClassifier"]
 
@@ -141,6 +141,7 @@ class ImageClassifier(MoETask):
                 log.info("%s: the classifier head (%d classes) starts fresh", path, self.hparams.num_classes)
             upcycle_vit(self.net, state, architecture=trained_network(path))
             return
+        check_trained_architecture(self.net, path)
         load_weights(self.net, state, source=path, skip_prefixes=heads if head_changed else ())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

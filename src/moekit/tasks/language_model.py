@@ -31,7 +31,7 @@ from moekit.models import fit_hash_routing, upcycle
 from moekit.models.hf_import import apply_hf_settings, read_hf_state_dict
 from moekit.models.hf_layout import HF_PREFIX
 
-from .base import MoETask, plain, trained_network
+from .base import MoETask, check_trained_architecture, plain, trained_network
 
 __all__ = ["LanguageModel"]
 
@@ -98,6 +98,7 @@ class LanguageModel(MoETask):
         elif init_from and init_mode == "upcycle":
             upcycle(self.net, read_state_dict(init_from), architecture=trained_network(init_from))
         elif init_from:
+            check_trained_architecture(self.net, init_from)
             load_weights(self.net, read_state_dict(init_from), source=init_from)
         if compile:
             self.compile_net()
