@@ -1,8 +1,8 @@
 """The machine's fast path by default: every command-line entry restarts itself with tcmalloc preloaded when it is
 installed, and any process that imports ``moekit.moe`` without it (a notebook, a user's script) has glibc's malloc
 keep large freed blocks (``MOEKIT_ALLOCATOR=system`` keeps the system's defaults; run records name the allocator);
-importing moekit before torch shortens OpenMP's idle spin (a warning where torch came first); and
-``trainer.precision=auto``, the experiments' setting, trains in bf16 only where that is fast (GPUs, CPUs with AMX)."""
+and importing moekit before torch shortens OpenMP's idle spin (a warning where torch came first). (The precision
+``auto`` chooses: test_precision_choice.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from conftest import CONFIGS
 from moekit.utils.allocator import TUNED, find_tcmalloc
-from moekit.utils.machine import machine_info, resolve_precision
+from moekit.utils.machine import machine_info
 from moekit.utils.openmp import SPIN_ROUNDS
 
 pytestmark = pytest.mark.e2e  # starts processes
@@ -227,16 +227,6 @@ def test_a_users_openmp_wait_policy_is_left_alone():
     assert run.stdout.split() == ["None", "OMP_WAIT_POLICY=ACTIVE"], run.stderr
 
 
-@pytest.mark.parametrize(
-    ("flags", "expected"),
-    [({"avx512f", "amx_bf16", "amx_tile"}, "bf16-mixed"), ({"avx512f", "avx512_bf16"}, "32-true"), (set(), "32-true")],
-)
-def test_precision_auto_takes_bf16_only_on_cpus_with_amx(flags, expected):
-    precision, why = resolve_precision("auto", "cpu", flags)
-    assert precision == expected and ("has AMX" in why) == (expected == "bf16-mixed")
-    assert resolve_precision("bf16-mixed", "cpu", set()) == ("bf16-mixed", "as configured")
-
-
 def test_the_cpu_is_named_with_its_family_and_model(tmp_path, monkeypatch):
     """The pool's virtual machines call a Zen 1 and a Zen 4 EPYC both "AMD EPYC", at half and full speed: records,
     benchmark headers and the tables' machine counts tell them apart by the x86 family and model (the first
@@ -254,22 +244,6 @@ def test_the_cpu_is_named_with_its_family_and_model(tmp_path, monkeypatch):
     assert machine.machine_label({"cpu": machine.cpu_model(), "torch_threads": 2}) != zen1
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Neoverse-V2\n")
     assert machine.cpu_model() == "Neoverse-V2"
-
-
-def test_the_experiments_train_in_the_machines_precision_and_record_it(fake_fashion, tmp_path, caplog):
-    from conftest import compose_config, small_overrides
-    from moekit.commands.train import train
-
-    for experiment in ("soft_moe_vit", "moe_transformer_lm", "moe_lstm_lm"):
-        composed = compose_config("train", [f"experiment={experiment}"], tmp_path / experiment)
-        assert composed.trainer.precision == "auto", "the experiments leave the precision to the machine"
-    overrides = [*small_overrides(fake_fashion), "trainer.fast_dev_run=true", "trainer.precision=auto"]
-    cfg = compose_config("train", overrides, tmp_path)
-    with caplog.at_level("INFO", logger="moekit"):
-        train(cfg)
-    expected, why = resolve_precision("auto", "cpu")
-    assert f"trainer.precision=auto: {expected} ({why})" in caplog.text
-    assert cfg.trainer.precision == expected
 
 
 # What a restarted program reports: its arguments, the interpreter's -W options and the allocator; exits with status 3.
@@ -344,17 +318,6 @@ def test_a_jemalloc_the_user_preloaded_is_kept_and_named(tmp_path):
     )
     assert run.returncode == 3, run.stderr
     assert run.stdout.split() == ["[]", str(jemalloc), "jemalloc"], run.stdout + run.stderr
-
-
-def test_precision_auto_takes_float16_on_gpus_that_only_emulate_bf16(monkeypatch):
-    """A V100 or T4 (compute capability 7.x) runs bf16 only emulated, slower than float16: ``16-mixed`` there."""
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    assert resolve_precision("auto", "gpu") == ("16-mixed", "Tesla T4 has no bf16")
-    assert resolve_precision("auto", "auto")[0] == "16-mixed"
 
 
 @pytest.mark.skipif(find_tcmalloc() is None, reason="restarts with tcmalloc")

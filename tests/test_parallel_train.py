@@ -4,6 +4,7 @@ and takes the optimizer step the 2 processes took (the same weights to a thousan
 Resuming in as many processes as saved is test_sigterm_to_one_rank_saves_on_all_ranks_and_resumes_exactly's."""
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -26,9 +27,11 @@ def _distributed(world: int, strategy: str, **options) -> list[str]:
     return [f"trainer={strategy}", "trainer.accelerator=cpu", f"trainer.devices={world}", *extra]
 
 
-def _train(out: Path, *overrides: str) -> None:
+def _train(out: Path, *overrides: str) -> str:
+    """Run ``scripts/train.py``; its output (rank 0's and the ranks it starts)."""
     result = run_script("train.py", f"paths.output_dir={out}", *overrides, cwd=out.parent)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
 
 
 VIT = ["experiment=soft_moe_vit", "debug=tiny", "moe.num_experts=8", "trainer.precision=32-true"]
@@ -54,21 +57,26 @@ def _expert_shapes(ckpt: Path) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize(
-    "model,strategy,options",
+    "model,strategy,options,extra",
     [  # the ViT trains under each strategy in test_a_2_process_checkpoint_resumes_in_1_or_4_to_the_same_step
-        ("lm", "ddp", {"expert_parallel_size": 2}),
-        ("lm", "fsdp", {"activation_checkpointing": "true", "param_dtype": "bfloat16"}),
-        ("lm", "fsdp", {"expert_parallel_size": 2, "param_dtype": "bfloat16"}),
+        ("lm", "ddp", {"expert_parallel_size": 2}, ["trainer.precision=auto"]),
+        ("lm", "fsdp", {"activation_checkpointing": "true", "param_dtype": "bfloat16"}, []),
+        ("lm", "fsdp", {"expert_parallel_size": 2, "param_dtype": "bfloat16"}, []),
     ],
 )
-def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model, strategy, options):
+def test_strategy_trains_and_saves_full_checkpoint(tmp_path, tiny_fashion, model, strategy, options, extra):
     data = (
         [f"data.root={tiny_fashion}", "data.val_size=32", "data.batch_size=16", "trainer.max_epochs=1"]
         if model == "vit"
         else []
     )
     out = tmp_path / "run"
-    _train(out, *(VIT if model == "vit" else LM), *data, *_distributed(2, strategy, **options))
+    output = _train(out, *(VIT if model == "vit" else LM), *data, *_distributed(2, strategy, **options), *extra)
+    if "trainer.precision=auto" in extra:  # rank 1, which Lightning starts, trains in what rank 0 chose
+        chosen = re.findall(r"trainer\.precision=auto: (\S+) \((.*)\)", output)
+        assert len(chosen) == 2, output[-3000:]
+        (rank0, why), (rank1, handed) = chosen
+        assert rank1 == rank0 and handed == f"the choice of the process that started this one: {why}"
     shapes = _expert_shapes(out / "checkpoints" / "last.ckpt")
     experts = 8 if model == "vit" else 4
     assert shapes and all(shape[0] == experts for shape in shapes.values()), shapes  # full, not one rank's

@@ -113,7 +113,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "trainer.precision": (
         _precision,
         f"one of {', '.join(PRECISIONS)}",
-        "auto chooses bf16-mixed on GPUs and AMX CPUs, else 32-true",
+        "auto: bf16-mixed on GPUs and AMX CPUs, measured on CPUs with avx512_bf16 alone, else 32-true",
     ),
     "trainer.devices": (_devices, "a positive count, -1 (all), auto, or a list of device indices", "e.g. 1"),
     "data.num_workers": (_whole, "a whole number >= 0", "0 loads batches in the training process"),

@@ -1,7 +1,7 @@
 """Overhead of the expert-load monitor: a training step of the main job with and without it.
 
 The main job is ``experiment=soft_moe_vit`` (its model, optimizer and schedule; batch 256, the experiment's precision:
-``auto``, bf16 autocast on AMX CPUs, else float32; the header says which), trained by Lightning on random 28 x 28
+``auto``, bf16 autocast on AMX CPUs, float32 elsewhere: unmeasured here; the header says which), trained by Lightning on random 28 x 28
 images with a TensorBoard logger. The two arms - the default callbacks' ``ThroughputMonitor`` alone, and with
 :class:`~moekit.callbacks.ExpertLoadMonitor` (logging every 50 steps) - are fitted in alternating
 rounds from the same initial weights, so a slow phase of the machine hits both alike. A step is

@@ -105,13 +105,15 @@ def vs_dense(c: Candidate, candidates: list[Candidate], times: dict[str, StepTim
     return times[c.name].seconds / times[c.baseline or candidates[0].name].seconds
 
 
-def describe(c: Candidate, optimizers: Sequence[str] = ()) -> str:
-    """A table's setting from its first model ``c``: batch, precision, the optimizers of its rows, clipping."""
+def describe(candidates: Sequence[Candidate]) -> str:
+    """A table's setting: its first model's batch and clipping, and the precisions and optimizers of its rows."""
+    c = candidates[0]
     images, targets = c.batch
     if c.unit == "token":
         shape = f"batch {targets.shape[0]} x {targets.shape[1]} tokens"
     else:
         shape = f"batch {images.shape[0]} images {'x'.join(map(str, images.shape[1:]))}"
-    optim = " / ".join(dict.fromkeys(optimizers or [type(c.optimizer).__name__]))
+    precisions = " / ".join(dict.fromkeys(c.precision for c in candidates))
+    optim = " / ".join(dict.fromkeys(type(c.optimizer).__name__ for c in candidates))
     clip = f", clip {c.clip_val:g}" if c.clip_val else ""
-    return f"{shape}, {c.precision}, {optim}{clip}"
+    return f"{shape}, {precisions}, {optim}{clip}"

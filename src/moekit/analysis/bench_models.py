@@ -55,14 +55,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import gc
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +68,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning import LightningDataModule
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
@@ -85,6 +82,13 @@ from moekit.models.summary import LMSummary, ModelSummary
 from moekit.moe import update_balancing_biases
 from moekit.tasks import LanguageModel, MoETask
 from moekit.tasks.optim import clip_grad_norm, optimizer_for
+from moekit.tasks.precision import (
+    AUTOCAST_DTYPES,
+    autocast,
+    forward_backward_seconds,
+    no_trainer_warnings,
+    random_batch,
+)
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 from moekit.utils.atomic import write_json_atomic
 from moekit.utils.machine import machine_info, resolve_precision
@@ -134,8 +138,7 @@ QUICK = ["debug=tiny"]  # the tiny model of each family (configs/debug/models/)
 QUICK_BATCH = 8
 
 _MISSING = object()
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16}
-_FULL = {"32-true", "32"}
+_SUPPORTED = {"bf16-mixed", "bf16", "32-true", "32"}  # the precisions a step is timed in
 
 
 @dataclass
@@ -164,7 +167,7 @@ class Candidate:
     @property
     def compute_dtype(self) -> torch.dtype:
         """The matmuls' dtype: bf16 under ``bf16-mixed`` autocast, else float32."""
-        return _AUTOCAST.get(self.precision, torch.float32)
+        return AUTOCAST_DTYPES.get(self.precision, torch.float32)
 
     @property
     def flops_per_example(self) -> float | None:
@@ -196,26 +199,21 @@ def applicable_overrides(model: Sequence[str], overrides: Sequence[str]) -> tupl
     return kept, dropped
 
 
-def _precision(value: Any, accelerator: Any = "auto") -> str:
-    precision, _ = resolve_precision(value, accelerator)
-    if precision not in _AUTOCAST and precision not in _FULL:
+def _precision(cfg: DictConfig, task: MoETask, batch: tuple[Tensor, Tensor]) -> str:
+    """The trainer's precision; ``auto`` as ``scripts/train.py`` resolves it (measured on ``task`` where the CPU's
+    flags leave it open), and said so."""
+    precision, why = resolve_precision(
+        cfg.trainer.precision,
+        cfg.trainer.get("accelerator", "auto"),
+        measure=lambda: forward_backward_seconds(task, batch, ("32-true", "bf16-mixed")),
+    )
+    if why != "as configured":
+        print(f"({cfg.get('task_name')}: trainer.precision=auto: {precision}, {why})")
+    if precision not in _SUPPORTED:
         raise ValueError(
             f"trainer.precision={precision!r} is not supported by this benchmark; use bf16-mixed or 32-true"
         )
     return precision
-
-
-def _random_batch(task: MoETask, datamodule: LightningDataModule, batch_size: int, device) -> tuple[Tensor, Tensor]:
-    """A batch of the data module's shapes: ``(images [B, C, S, S], labels [B])`` or
-    ``(input_ids [B, T], targets [B, T])``."""
-    if isinstance(task, LanguageModel):
-        tokens = torch.randint(datamodule.vocab_size, (batch_size, datamodule.seq_len + 1))
-        batch = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    else:
-        size = datamodule.img_size
-        images = torch.randn(batch_size, datamodule.in_chans, size, size)
-        batch = images, torch.randint(datamodule.num_classes, (batch_size,))
-    return tuple(t.to(device) for t in batch)
 
 
 def _stand_in_imagefolder(num_classes: int) -> str:
@@ -246,7 +244,7 @@ def build_candidate(
     task.to(device).train()
     # MoETask.configure_optimizers without the schedule (that needs a trainer for its length).
     optimizer = optimizer_for(task.net, task.optimizer_config)
-    batch = _random_batch(task, datamodule, batch_size or datamodule.batch_size, device)
+    batch = random_batch(task, datamodule, batch_size or datamodule.batch_size, device)
     examples = batch[1].numel()  # images, or target tokens
     clip_val = cfg.trainer.get("gradient_clip_val")
     return Candidate(
@@ -256,20 +254,12 @@ def build_candidate(
         task=task,
         optimizer=optimizer,
         batch=batch,
-        precision=_precision(cfg.trainer.precision, cfg.trainer.get("accelerator", "auto")),
+        precision=_precision(cfg, task, batch),
         clip_val=float(clip_val) if clip_val else None,
         summary=summary,
         examples_per_step=examples,
         device=device,
     )
-
-
-@contextlib.contextmanager
-def _no_trainer_warnings():
-    """``self.log`` without a trainer only warns (and logs nothing): silence that warning alone."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*self\.log\(\).*trainer.*")
-        yield
 
 
 @dataclass(frozen=True)
@@ -284,12 +274,9 @@ class StepTiming:
 
 def train_step(c: Candidate) -> tuple[StepTiming, Tensor]:
     """One training step of ``c`` as Lightning runs it; returns its timing and the loss it minimised."""
-    autocast = (
-        torch.autocast(c.device.type, dtype=c.compute_dtype) if c.precision in _AUTOCAST else contextlib.nullcontext()
-    )
     device_sync(c.device)
     start = time.perf_counter()
-    with autocast, _no_trainer_warnings():
+    with autocast(c.precision, c.device), no_trainer_warnings():
         loss = c.task.training_step(c.batch, 0)
     loss.backward()
     device_sync(c.device)
@@ -371,8 +358,7 @@ def run_group(group: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         what = f", width {variant[0].split('=')[1]}" if variant else ""
         extras = f", overrides: {' '.join(args.override)}" if args.override else ""
         setup = " ".join(base) or "experiments"
-        optimizers = [type(c.optimizer).__name__ for c in candidates]
-        title = f"{group}: {setup}{what}, {describe(candidates[0], optimizers)}{extras}"
+        title = f"{group}: {setup}{what}, {describe(candidates)}{extras}"
         print_table(title, candidates, times, peak=args.peak)
         for c in candidates if args.profile else []:
             print_top_operators(f"{c.name}, one training step", lambda c=c: train_step(c), c.device)

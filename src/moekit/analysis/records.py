@@ -129,6 +129,7 @@ def build_run_record(
     counter: Any,
     metrics: Mapping[str, float],
     trainer: Any,
+    precision_reason: str = "as configured",
 ) -> dict[str, Any]:
     """The content of ``results.json`` for one run of ``scripts/train.py`` (:func:`moekit.commands.train.train`).
 
@@ -141,6 +142,7 @@ def build_run_record(
         counter: the run's :class:`~moekit.callbacks.ThroughputMonitor` (examples, batches, times).
         metrics: what :func:`~moekit.commands.train.train` returns (``val/*`` after fit, ``test/*`` after test).
         trainer: the Lightning trainer (steps, world size, the best checkpoint's score).
+        precision_reason: why the run trained in its precision (:func:`~moekit.commands.common.choose_precision`).
     """
     per_token = hasattr(summary, "flops_per_token") if summary is not None else counter.count == "elements"  # LM
     forward = None if summary is None else float(summary.flops_per_token if per_token else summary.flops_per_image)
@@ -183,6 +185,7 @@ def build_run_record(
             "mean_throughput": counter.mean_throughput,
             "throughput_unit": f"{'tokens' if per_token else 'images'}/s",
             "resumed_from": run_config.get("ckpt_path"),
+            "precision": {"value": (run_config.get("trainer") or {}).get("precision"), "reason": precision_reason},
         },
         "metrics": {
             "val": _split_metrics(metrics, "val"),

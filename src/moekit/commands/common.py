@@ -5,7 +5,9 @@ ended, and the lines a command prints at its end."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +18,15 @@ from lightning import LightningDataModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from moekit.configs import family_of, group_choice, instantiate
+from moekit.configs import check_target_keys, family_of, group_choice, instantiate
 from moekit.errors import OutputError
 from moekit.tasks import MoETask
+from moekit.tasks.precision import forward_backward_seconds, random_batch
 from moekit.utils.machine import resolve_precision
 
 __all__ = [
     "check_output_file",
+    "check_trainer_keys",
     "choose_precision",
     "datamodule_for",
     "inference_device",
@@ -63,13 +67,66 @@ def signal_ends_phase(phase: str, rerun: str) -> Iterator[None]:
         raise SystemExit(128 + signal.SIGTERM) from None
 
 
-def choose_precision(cfg: DictConfig) -> None:
-    """Replace ``trainer.precision=auto`` by this machine's fastest setting (:func:`resolve_precision`) and say
-    which and why."""
-    if cfg.trainer.get("precision") == "auto":
-        precision, why = resolve_precision("auto", cfg.trainer.get("accelerator", "auto"))
-        cfg.trainer.precision = precision
-        log.info("trainer.precision=auto: %s (%s)", precision, why)
+def check_trainer_keys(trainer: DictConfig) -> None:
+    """:func:`~moekit.configs.check_target_keys` of the trainer config, where ``precision=auto`` (moekit's value,
+    which :func:`choose_precision` replaces) passes."""
+    if trainer.get("precision") == "auto":
+        trainer = OmegaConf.merge(trainer, {"precision": "32-true"})
+    check_target_keys(trainer, "trainer")
+
+
+PRECISION_HANDOVER = "MOEKIT_AUTO_PRECISION"
+"""The environment variable by which a process hands its measured choice for ``auto`` to the processes it starts (the
+ranks Lightning's DDP launches run the command again, and must train in the precision rank 0 chose)."""
+
+
+def choose_precision(cfg: DictConfig, datamodule: LightningDataModule | None = None) -> str:
+    """Replace ``trainer.precision=auto`` by this machine's fastest setting (:func:`resolve_precision`), log which
+    and why, and return why (``"as configured"`` for another value).
+
+    Where the CPU's flags leave it open, the run's training step is timed in both precisions on a copy of its model,
+    built from ``cfg`` (the run's own model and random state are untouched) on a random batch of ``datamodule``'s
+    shapes; without ``datamodule`` nothing is measured. A rank started by the process that chose (Lightning's DDP
+    ranks) takes its choice; one of several processes started together (torchrun, Slurm, MPI), which could each
+    measure otherwise, does not measure.
+    """
+    if cfg.trainer.get("precision") != "auto":
+        return "as configured"
+    handed = os.environ.get(PRECISION_HANDOVER, "").split(":", 2)
+    if os.environ.get("LOCAL_RANK", "0") != "0" and len(handed) == 3 and handed[0] == str(os.getppid()):
+        precision, why = handed[1], f"the choice of the process that started this one: {handed[2]}"
+    else:
+        measure = None
+        if datamodule is not None and _started_with_others():
+            log.info(
+                "trainer.precision=auto: not measured in one of several processes started together, which could "
+                "each measure otherwise; set trainer.precision=bf16-mixed or 32-true to choose"
+            )
+        elif datamodule is not None:
+            measure = functools.partial(_time_step_precisions, cfg, datamodule)
+        precision, why = resolve_precision("auto", cfg.trainer.get("accelerator", "auto"), measure=measure)
+        os.environ[PRECISION_HANDOVER] = f"{os.getpid()}:{precision}:{why}"
+    cfg.trainer.precision = precision
+    log.info("trainer.precision=auto: %s (%s)", precision, why)
+    return why
+
+
+def _started_with_others() -> bool:
+    """Whether a launcher started this process with others, each running the command: torchrun
+    (``TORCHELASTIC_RUN_ID``), Slurm's ``srun`` or MPI. (Lightning's own DDP ranks are started by rank 0, which hands
+    them its choice.)"""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    return any(int(os.environ.get(name, "1") or 1) > 1 for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+
+
+def _time_step_precisions(cfg: DictConfig, datamodule: LightningDataModule) -> dict[str, float]:
+    """Seconds of the training step's forward and backward in float32 and in bf16 autocast, on a model built from
+    ``cfg`` without its ``init_from`` weights, at the data's batch size; the random state is restored after."""
+    with torch.random.fork_rng(devices=[]):
+        task = instantiate(cfg.task, net=cfg.model, init_from=None, _recursive_=False)
+        batch = random_batch(task, datamodule, datamodule.batch_size)
+        return forward_backward_seconds(task, batch, ("32-true", "bf16-mixed"))
 
 
 def datamodule_for(cfg: DictConfig, module: MoETask, same_labels: bool = True) -> LightningDataModule:

@@ -26,7 +26,7 @@ from moekit.tasks.base import LOG_POSITIONS_KEY
 from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
 from moekit.utils.machine import check_accelerator
 
-from .common import choose_precision, floats, signal_ends_phase, where
+from .common import check_trainer_keys, choose_precision, floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
@@ -61,9 +61,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     checkpoint's score as ``best/<monitored metric>``) and writes them with the model's size, FLOPs, time and
     machine to ``<paths.output_dir>/results.json``."""
     L.seed_everything(cfg.seed, workers=True)
-    choose_precision(cfg)  # "auto" -> this machine's; before the checks and the run record (which holds it)
-    for name in ("data", "model", "task", "trainer"):
+    for name in ("data", "model", "task"):
         check_target_keys(cfg.get(name), name)
+    check_trainer_keys(cfg.trainer)
     check_accelerator(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     if cfg.get("ckpt_path") in RESUME_ALIASES:
@@ -71,6 +71,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_ckpt_path(cfg.get("ckpt_path"), sharded_ok=True)
     _remove_stale_checkpoint_writes(output_dir, cfg.get("ckpt_path"))
     datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
+    precision_reason = choose_precision(cfg, datamodule)  # "auto" -> this machine's; before the run record holds it
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
     # where the checkpoint's logs end; MLflow / W&B log into its run, which they open before fit reads it
@@ -110,6 +111,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 counter=counter,
                 metrics=metrics,
                 trainer=trainer,
+                precision_reason=precision_reason,
             )
             report = next((c for c in callbacks if isinstance(c, RoutingReport)), None)
             if report is not None and report.layers:

@@ -176,10 +176,9 @@ class MuonAdamW(torch.optim.Optimizer):
         if self.ns_dtype != "auto":
             return getattr(torch, self.ns_dtype)
         if device.type not in self._auto_dtypes:  # read /proc/cpuinfo once, not at every step
-            from moekit.utils.machine import cpu_flags
+            from moekit.utils.machine import BF16_DOT_PRODUCTS, cpu_flags
 
-            bf16_units = {"amx_bf16", "avx512_bf16"}  # bf16 dot products in hardware
-            fast_bf16 = device.type == "cuda" or (device.type == "cpu" and bool(bf16_units & cpu_flags()))
+            fast_bf16 = device.type == "cuda" or (device.type == "cpu" and bool(BF16_DOT_PRODUCTS & cpu_flags()))
             self._auto_dtypes[device.type] = torch.bfloat16 if fast_bf16 else torch.float32
         return self._auto_dtypes[device.type]
 

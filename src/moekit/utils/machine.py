@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,8 @@ __all__ = [
     "cpu_model",
     "cpu_flags",
     "resolve_precision",
+    "BF16_DOT_PRODUCTS",
+    "BF16_MARGIN",
     "machine_info",
     "machine_label",
 ]
@@ -174,12 +176,33 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def resolve_precision(precision: Any, accelerator: Any = "auto", flags: set[str] | None = None) -> tuple[str, str]:
+BF16_DOT_PRODUCTS = frozenset({"amx_bf16", "avx512_bf16"})
+"""CPU flags of bf16 dot products in hardware. Without one, oneDNN emulates bf16 matmuls (0.2 GFLOP/s on a
+first-generation AMD EPYC, against 70 in float32)."""
+
+BF16_MARGIN = 1.1
+"""How much faster than float32 a measured bf16 autocast step must be for ``auto`` to choose it: float32 is the
+more accurate, and a smaller gain is within a measurement's noise."""
+
+
+def resolve_precision(
+    precision: Any,
+    accelerator: Any = "auto",
+    flags: set[str] | None = None,
+    measure: Callable[[], Mapping[str, float]] | None = None,
+) -> tuple[str, str]:
     """``trainer.precision``, with ``auto`` replaced by what this machine trains fastest in: ``(value, why)``.
 
-    On a CUDA GPU ``bf16-mixed`` (``16-mixed`` without bf16 support). On a CPU ``bf16-mixed`` only with AMX
-    (``amx_bf16``: bf16 matrix units), else ``32-true``: without AMX bf16 autocast runs slower than float32
-    (the main job's training step 1.67x slower on a Xeon with avx512_bf16 only). Other values pass through.
+    On a CUDA GPU ``bf16-mixed`` (``16-mixed`` without bf16 support). On a CPU:
+
+    - with AMX (``amx_bf16``, bf16 matrix units) ``bf16-mixed``;
+    - without bf16 dot products (neither AMX nor ``avx512_bf16``) ``32-true``;
+    - with ``avx512_bf16`` alone it depends on the CPU: bf16 autocast trained the main job 1.7x faster than float32
+      on a Zen 4 EPYC and 1.67x slower on a Xeon. ``measure()`` times the run's training step both ways (seconds
+      by precision: ``{"32-true": ..., "bf16-mixed": ...}``), and ``bf16-mixed`` is chosen where it is at least
+      :data:`BF16_MARGIN` times faster. Without ``measure``, ``32-true``.
+
+    Other values pass through.
     """
     import torch
 
@@ -193,15 +216,27 @@ def resolve_precision(precision: Any, accelerator: Any = "auto", flags: set[str]
             return "16-mixed", f"{torch.cuda.get_device_name()} has no bf16"
         return "bf16-mixed", "a CUDA GPU: bf16 autocast"
     flags = cpu_flags() if flags is None else flags
+    cpu = cpu_model()
     if "amx_bf16" in flags:
-        return "bf16-mixed", f"{cpu_model()} has AMX (bf16 matrix units)"
-    return "32-true", f"{cpu_model()} has no AMX, where bf16 autocast runs slower than float32"
+        return "bf16-mixed", f"{cpu} has AMX (bf16 matrix units)"
+    if not BF16_DOT_PRODUCTS & flags:
+        return "32-true", f"{cpu} has no bf16 dot products, where bf16 autocast runs far slower than float32"
+    if measure is None:
+        return "32-true", f"{cpu} has bf16 dot products without AMX; not measured, float32"
+    seconds = measure()
+    full, bf16 = seconds["32-true"], seconds["bf16-mixed"]
+    faster = bf16 * BF16_MARGIN <= full
+    return "bf16-mixed" if faster else "32-true", (
+        f"{cpu} has bf16 dot products without AMX; measured, a training step's forward and backward took "
+        f"{bf16 * 1e3:.0f} ms in bf16 autocast against {full * 1e3:.0f} ms in float32 ({full / bf16:.2f}x"
+        f"{'' if faster else f', under the {BF16_MARGIN}x that bf16 must gain'})"
+    )
 
 
 def machine_info() -> dict[str, Any]:
     """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
-    threads, torch / Python versions, the OS, the memory allocator, OpenMP's idle spin, and the GPU's name (None
-    without CUDA)."""
+    threads, torch / Python versions, the OS, the memory allocator, OpenMP's idle spin, whether the CPU has bf16
+    matrix units (AMX) and bf16 dot products, and the GPU's name (None without CUDA)."""
     import torch
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -216,6 +251,7 @@ def machine_info() -> dict[str, Any]:
         "allocator": active_allocator(),
         "openmp_spin": spin_setting(),
         "cpu_amx": "amx_bf16" in cpu_flags(),
+        "cpu_bf16_dot_products": bool(BF16_DOT_PRODUCTS & cpu_flags()),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
