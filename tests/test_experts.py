@@ -230,6 +230,43 @@ def test_expert_bank_under_bf16_autocast_runs_in_bf16():
     assert out.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("path", ["eager", "custom_op"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_cpu_loop_casts_float32_weights_expert_by_expert_as_casting_the_bank_first_does(path, with_bias):
+    """bf16 rows with the float32 parameters autocast leaves them: the loop casts each expert's weights as it runs
+    its product, and its values and gradients are those of the bank cast first (the bias gradient is summed in
+    float32, not rounded to bf16 first). The compiled path's custom operator does the same."""
+    from moekit.moe.grouped_linear import _loop_op
+
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 3, 1])  # an empty expert; 16 rows plus a tail of 2
+    x = torch.randn(18, 8).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(5, 8, 6, requires_grad=True)
+    b = torch.randn(5, 6, requires_grad=True) if with_bias else None
+    grad = torch.randn(18, 6).to(torch.bfloat16)
+
+    def run(weight, bias):
+        if path == "custom_op":
+            return _loop_op(x, weight, bias, counts)
+        return grouped_linear(x, weight, bias, counts, "loop")
+
+    out = run(w, b)
+    out.backward(grad)
+    assert out.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    got = [out.detach(), x.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if with_bias else [])
+    for t in [x, w] + ([b] if with_bias else []):
+        t.grad = None
+    ref = run(w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16))
+    ref.backward(grad)
+    for name, have, want in zip(["out", "x", "w"], got, [ref.detach(), x.grad, w.grad]):
+        assert torch.equal(have, want), name
+    if with_bias:
+        exact = torch.stack([grad[:5].float().sum(0), torch.zeros(6), *(grad[s:e].float().sum(0) for s, e in
+                             [(5, 12), (12, 15), (15, 16)])])  # fmt: skip
+        torch.testing.assert_close(got[3], exact, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[3], b.grad, rtol=0, atol=0.05)  # bf16 sums, rounded at each add
+
+
 def test_a_bank_larger_than_the_memory_left_is_refused_with_the_size(monkeypatch):
     import moekit.utils.machine as machine
 

@@ -269,21 +269,21 @@ class ExpertBank(nn.Module):
             return expert_parallel_apply(self._local_forward, x, group_sizes, self.num_experts, self.ep_group)
         return self._local_forward(x, group_sizes, no_tail)
 
-    def _cast(self, x: Tensor) -> tuple[Tensor, tuple[Tensor | None, ...]]:
-        """``x`` and the weights in the compute dtype: autocast's when enabled, else the input's."""
+    def _cast(self, x: Tensor, weights_too: bool = True) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+        """``x`` in the compute dtype (autocast's when enabled, else the input's), and the weights in it too unless
+        ``weights_too`` is False (:func:`grouped_linear` takes them in their own dtype and casts them itself)."""
         weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x = x.to(dtype)
-            weights = tuple(w.to(dtype) if w is not None else None for w in weights)
-        elif x.dtype != self.fc1_weight.dtype:  # e.g. FSDP mixed precision: compute in the input's dtype
+            x = x.to(torch.get_autocast_dtype(device_type))
+        # else e.g. FSDP mixed precision: compute in the input's dtype
+        if weights_too and x.dtype != self.fc1_weight.dtype:
             weights = tuple(w.to(x.dtype) if w is not None else None for w in weights)
         return x, weights
 
     def _local_forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """The experts held here on rows sorted by local expert."""
-        x, (w1, b1, w2, b2) = self._cast(x)
+        x, (w1, b1, w2, b2) = self._cast(x, weights_too=False)
         with torch.autocast(x.device.type, enabled=False):
             h = grouped_linear(x, w1, b1, group_sizes, self.kernel, no_tail)
             h = self.drop1(expert_activation(h, self.act, self.gated))
@@ -311,7 +311,7 @@ class ExpertBank(nn.Module):
     def hidden(self, x: Tensor, group_sizes: GroupSizes) -> Tensor:
         """``[rows, hidden]``: what reaches ``fc2`` for rows sorted by (local) expert, before dropout (the
         inputs whose statistics GPTQ needs for ``fc2``)."""
-        x, (w1, b1, _, _) = self._cast(x)
+        x, (w1, b1, _, _) = self._cast(x, weights_too=False)
         with torch.autocast(x.device.type, enabled=False):
             return expert_activation(grouped_linear(x, w1, b1, group_sizes, self.kernel), self.act, self.gated)
 

@@ -46,15 +46,23 @@ def _grouped_mm_takes(dtype: torch.dtype) -> bool:
 
 
 def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+    """Rows of expert ``e`` times ``weight[e]`` (plus ``bias[e]``), in ``x``'s dtype. Weights of another dtype
+    (float32 parameters for bf16 activations) are cast expert by expert as each product runs: a cast tile in the
+    cache, where casting the whole bank first reads and writes it once more in memory."""
     sizes = counts.tolist()  # the host sync the loop needs (free on CPU)
     rows = sum(sizes)
+    dtype = x.dtype
     out = x.new_empty(x.shape[0], weight.shape[-1])
     x_parts, out_parts, w_parts = x[:rows].split(sizes), out[:rows].split(sizes), weight.unbind(0)
     if bias is None:
-        for_each_expert(lambda e: torch.mm(x_parts[e], w_parts[e], out=out_parts[e]), sizes, x.device)
+        for_each_expert(lambda e: torch.mm(x_parts[e], w_parts[e].to(dtype), out=out_parts[e]), sizes, x.device)
     else:
         b_parts = bias.unbind(0)
-        for_each_expert(lambda e: torch.addmm(b_parts[e], x_parts[e], w_parts[e], out=out_parts[e]), sizes, x.device)
+        for_each_expert(
+            lambda e: torch.addmm(b_parts[e].to(dtype), x_parts[e], w_parts[e].to(dtype), out=out_parts[e]),
+            sizes,
+            x.device,
+        )
     if rows < x.shape[0]:
         out[rows:].zero_()
     return out
@@ -63,16 +71,18 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
 def _loop_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor, need_x: bool, need_w: bool, need_b: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of :func:`_loop_forward` (an empty tensor for each one not needed)."""
+    """The gradients of :func:`_loop_forward` (an empty tensor for each one not needed), each in its input's
+    dtype: the products run in ``x``'s, and a weight gradient of another dtype is cast expert by expert."""
     sizes = counts.tolist()
     rows = sum(sizes)
+    dtype = x.dtype
     grad_out = grad_out.contiguous()
     g_parts = grad_out[:rows].split(sizes)
     grad_x = grad_w = grad_b = x.new_empty(0)
     if need_x:
         grad_x = torch.empty_like(x)
         gx_parts, w_t = grad_x[:rows].split(sizes), weight.transpose(1, 2).unbind(0)
-        for_each_expert(lambda e: torch.mm(g_parts[e], w_t[e], out=gx_parts[e]), sizes, x.device)
+        for_each_expert(lambda e: torch.mm(g_parts[e], w_t[e].to(dtype), out=gx_parts[e]), sizes, x.device)
         if rows < x.shape[0]:
             grad_x[rows:].zero_()
     if need_w:
@@ -80,12 +90,15 @@ def _loop_backward(
         x_t, gw_parts = x[:rows].t().split(sizes, dim=1), grad_w.unbind(0)
         for e in (e for e, size in enumerate(sizes) if not size):
             gw_parts[e].zero_()
-        for_each_expert(lambda e: torch.mm(x_t[e], g_parts[e], out=gw_parts[e]), sizes, x.device)
+        if weight.dtype == dtype:
+            for_each_expert(lambda e: torch.mm(x_t[e], g_parts[e], out=gw_parts[e]), sizes, x.device)
+        else:
+            for_each_expert(lambda e: gw_parts[e].copy_(torch.mm(x_t[e], g_parts[e])), sizes, x.device)
     if need_b:
-        grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[-1])
+        grad_b = weight.new_zeros(weight.shape[0], weight.shape[-1])
         for e, (g_e, gb_e) in enumerate(zip(g_parts, grad_b.unbind(0))):
             if sizes[e]:
-                torch.sum(g_e, dim=0, out=gb_e)
+                torch.sum(g_e, dim=0, dtype=gb_e.dtype, out=gb_e)
     return grad_x, grad_w, grad_b
 
 
@@ -108,7 +121,7 @@ def _(grad_out, x, weight, counts, need_x, need_w, need_b):
     return (
         torch.empty_like(x) if need_x else empty,
         torch.empty_like(weight) if need_w else empty,
-        x.new_empty(weight.shape[0], weight.shape[-1]) if need_b else empty,
+        weight.new_empty(weight.shape[0], weight.shape[-1]) if need_b else empty,
     )
 
 
@@ -221,8 +234,10 @@ def grouped_linear(
 
     Args:
         x: ``[rows, in]``, the rows of expert 0 first, then expert 1, ...
-        weight: ``[experts, in, out]``.
-        bias: ``[experts, out]`` or None.
+        weight: ``[experts, in, out]``, in ``x``'s dtype or another (float32 parameters for bf16 activations): the
+            products run in ``x``'s. On a CPU the loop casts each expert's weights as it runs its product; the other
+            kernels, and the loop on other devices, cast the whole bank first.
+        bias: ``[experts, out]`` or None, in ``weight``'s dtype.
         group_sizes: ``int`` rows per expert (all equal) or ``LongTensor [experts]`` counts.
         kernel: ``"auto" | "loop" | "bmm" | "grouped_mm"``.
         no_tail: the counts sum to ``rows`` (a dropless dispatch): the ``grouped_mm`` kernel then skips the two
@@ -235,6 +250,8 @@ def grouped_linear(
     num_experts = weight.shape[0]
     equal = isinstance(group_sizes, int)
     kernel = _resolve_kernel(kernel, x, equal)
+    if weight.dtype != x.dtype and not (kernel == "loop" and x.device.type == "cpu"):
+        weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
     if kernel == "bmm":
         xb = x.view(num_experts, group_sizes, x.shape[-1])
         out = torch.bmm(xb, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), xb, weight)
