@@ -145,3 +145,32 @@ def test_the_experiments_train_in_the_measured_precision_and_record_why(
     assert record["value"] == cfg.trainer.precision in ("32-true", "bf16-mixed")
     assert "measured" in record["reason"]
     assert f"trainer.precision=auto: {record['value']} ({record['reason']})" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("trained_in", "flags", "expected", "kept"),
+    [
+        ("32-true", {"avx512f", "avx512_bf16"}, "32-true", True),  # measured bf16 2x faster: the run stays float32
+        ("bf16-mixed", {"avx512f", "avx512_bf16"}, "bf16-mixed", True),
+        ("bf16-mixed", {"avx2"}, "32-true", False),  # no bf16 dot products here: emulated bf16 is not kept
+        ("auto", {"avx512f", "avx512_bf16"}, "bf16-mixed", False),  # unknown: measured
+    ],
+)
+def test_a_resumed_run_keeps_the_precision_it_trained_in_where_this_machine_runs_it(
+    fake_fashion, tmp_path, bf16_without_amx, monkeypatch, trained_in, flags, expected, kept
+):
+    """Resuming continues a run: an interrupted run measured anew could train its second half in another precision
+    (a requeue onto another kind of node, a measurement near the margin). Its checkpoint's own precision is kept,
+    unless this machine would only emulate it."""
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(common, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(common, "forward_backward_seconds", lambda *a, **k: {"32-true": 1.0, "bf16-mixed": 0.5})
+    ckpt = tmp_path / "last.ckpt"
+    run_config = {"trainer": {"precision": trained_in}}
+    torch.save(
+        {"state_dict": {}, "optimizer_states": [], "epoch": 1, "hyper_parameters": {"run_config": run_config}}, ckpt
+    )
+    cfg = _auto_config(fake_fashion, tmp_path)
+    why = common.choose_precision(cfg, instantiate(cfg.data, _convert_="all"), resume_from=str(ckpt))
+    assert cfg.trainer.precision == expected
+    assert (why == f"the precision the run of ckpt_path={ckpt} trained in") == kept, why

@@ -18,11 +18,12 @@ from lightning import LightningDataModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from moekit.checkpoint import read_training_checkpoint
 from moekit.configs import check_target_keys, family_of, group_choice, instantiate
 from moekit.errors import OutputError
 from moekit.tasks import MoETask
 from moekit.tasks.precision import forward_backward_seconds, random_batch
-from moekit.utils.machine import resolve_precision
+from moekit.utils.machine import BF16_DOT_PRODUCTS, cpu_flags, resolve_precision
 
 __all__ = [
     "check_output_file",
@@ -80,35 +81,55 @@ PRECISION_HANDOVER = "MOEKIT_AUTO_PRECISION"
 ranks Lightning's DDP launches run the command again, and must train in the precision rank 0 chose)."""
 
 
-def choose_precision(cfg: DictConfig, datamodule: LightningDataModule | None = None) -> str:
+def choose_precision(
+    cfg: DictConfig, datamodule: LightningDataModule | None = None, resume_from: str | None = None
+) -> str:
     """Replace ``trainer.precision=auto`` by this machine's fastest setting (:func:`resolve_precision`), log which
     and why, and return why (``"as configured"`` for another value).
 
     Where the CPU's flags leave it open, the run's training step is timed in both precisions on a copy of its model,
     built from ``cfg`` (the run's own model and random state are untouched) on a random batch of ``datamodule``'s
-    shapes; without ``datamodule`` nothing is measured. A rank started by the process that chose (Lightning's DDP
-    ranks) takes its choice; one of several processes started together (torchrun, Slurm, MPI), which could each
-    measure otherwise, does not measure.
+    shapes; without ``datamodule`` nothing is measured. A run resumed from the checkpoint ``resume_from`` keeps the
+    precision it trained in, where this machine runs it natively. A rank started by the process that chose
+    (Lightning's DDP ranks) takes its choice; one of several processes started together (torchrun, Slurm, MPI),
+    which could each measure otherwise, does not measure.
     """
     if cfg.trainer.get("precision") != "auto":
         return "as configured"
     handed = os.environ.get(PRECISION_HANDOVER, "").split(":", 2)
+    accelerator = cfg.trainer.get("accelerator", "auto")
     if os.environ.get("LOCAL_RANK", "0") != "0" and len(handed) == 3 and handed[0] == str(os.getppid()):
         precision, why = handed[1], f"the choice of the process that started this one: {handed[2]}"
     else:
-        measure = None
-        if datamodule is not None and _started_with_others():
-            log.info(
-                "trainer.precision=auto: not measured in one of several processes started together, which could "
-                "each measure otherwise; set trainer.precision=bf16-mixed or 32-true to choose"
-            )
-        elif datamodule is not None:
-            measure = functools.partial(_time_step_precisions, cfg, datamodule)
-        precision, why = resolve_precision("auto", cfg.trainer.get("accelerator", "auto"), measure=measure)
+        if resume_from and (kept := _resumed_precision(resume_from, accelerator)):
+            precision, why = kept, f"the precision the run of ckpt_path={resume_from} trained in"
+        else:
+            measure = None
+            if datamodule is not None and _started_with_others():
+                log.info(
+                    "trainer.precision=auto: not measured in one of several processes started together, which could "
+                    "each measure otherwise; set trainer.precision=bf16-mixed or 32-true to choose"
+                )
+            elif datamodule is not None:
+                measure = functools.partial(_time_step_precisions, cfg, datamodule)
+            precision, why = resolve_precision("auto", accelerator, measure=measure)
         os.environ[PRECISION_HANDOVER] = f"{os.getpid()}:{precision}:{why}"
     cfg.trainer.precision = precision
     log.info("trainer.precision=auto: %s (%s)", precision, why)
     return why
+
+
+def _resumed_precision(ckpt_path: str, accelerator: Any) -> str | None:
+    """The precision the checkpoint's run trained in (its run config's) where this machine runs it natively: float32
+    anywhere, bf16 autocast on a GPU or a CPU with bf16 dot products, float16 autocast on a GPU; else None."""
+    saved = (read_training_checkpoint(ckpt_path).get("hyper_parameters") or {}).get("run_config") or {}
+    precision = str((saved.get("trainer") or {}).get("precision"))
+    on_gpu = str(accelerator).lower() in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if precision == "32-true" or (precision in ("bf16-mixed", "16-mixed") and on_gpu):
+        return precision
+    if precision == "bf16-mixed" and not on_gpu and BF16_DOT_PRODUCTS & cpu_flags():
+        return precision
+    return None
 
 
 def _started_with_others() -> bool:
