@@ -94,7 +94,7 @@ def test_the_measurement_times_the_runs_step_on_a_copy_and_leaves_its_random_sta
     state = torch.get_rng_state()
     why = common.choose_precision(cfg, datamodule)
     assert torch.equal(torch.get_rng_state(), state)
-    assert cfg.trainer.precision in ("32-true", "bf16-mixed") and "measured" in why
+    assert cfg.trainer.precision in ("32-true", "bf16-mixed") and "; measured, a training step" in why
     [(task, (images, labels), precisions)] = timed
     assert precisions == ("32-true", "bf16-mixed")
     assert images.shape == (24, 1, 28, 28) and labels.shape == (24,)
@@ -110,7 +110,8 @@ def test_a_ddp_rank_takes_its_starters_choice_and_launched_processes_do_not_meas
     cfg = _auto_config(fake_fashion, tmp_path)
     datamodule = instantiate(cfg.data, _convert_="all")
     monkeypatch.setattr(common, "forward_backward_seconds", lambda *a, **k: {"32-true": 1.0, "bf16-mixed": 0.5})
-    assert "measured" in common.choose_precision(cfg, datamodule) and cfg.trainer.precision == "bf16-mixed"
+    assert "; measured, a training step" in common.choose_precision(cfg, datamodule)
+    assert cfg.trainer.precision == "bf16-mixed"
     handed = os.environ[common.PRECISION_HANDOVER]
     assert handed.startswith(f"{os.getpid()}:bf16-mixed:")
 
@@ -143,7 +144,7 @@ def test_the_experiments_train_in_the_measured_precision_and_record_why(
         train(cfg)
     record = json.loads((tmp_path / "results.json").read_text())["training"]["precision"]
     assert record["value"] == cfg.trainer.precision in ("32-true", "bf16-mixed")
-    assert "measured" in record["reason"]
+    assert "; measured, a training step" in record["reason"]
     assert f"trainer.precision=auto: {record['value']} ({record['reason']})" in caplog.text
 
 

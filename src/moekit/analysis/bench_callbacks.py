@@ -1,10 +1,10 @@
 """Overhead of the expert-load monitor: a training step of the main job with and without it.
 
 The main job is ``experiment=soft_moe_vit`` (its model, optimizer and schedule; batch 256, the experiment's precision:
-``auto``, bf16 autocast on AMX CPUs, float32 elsewhere: unmeasured here; the header says which), trained by Lightning on random 28 x 28
-images with a TensorBoard logger. The two arms - the default callbacks' ``ThroughputMonitor`` alone, and with
-:class:`~moekit.callbacks.ExpertLoadMonitor` (logging every 50 steps) - are fitted in alternating
-rounds from the same initial weights, so a slow phase of the machine hits both alike. A step is
+``auto``, bf16 autocast on AMX CPUs and float32 elsewhere, unmeasured here; the header says which), trained by
+Lightning on random 28 x 28 images with a TensorBoard logger. The two arms - the default callbacks'
+``ThroughputMonitor`` alone, and with :class:`~moekit.callbacks.ExpertLoadMonitor` (logging every 50 steps) - are
+fitted in alternating rounds from the same initial weights, so a slow phase of the machine hits both alike. A step is
 timed from ``on_train_batch_start`` to the end of every callback's ``on_train_batch_end``
 (forward, backward, optimizer step, the monitor's accumulation and, every 50 steps, its logging),
 the first ``--warmup`` steps of each fit left out. The script prints the mean and median step
