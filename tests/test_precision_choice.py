@@ -88,7 +88,7 @@ def test_the_measurement_times_the_runs_step_on_a_copy_and_leaves_its_random_sta
         return step_precision.forward_backward_seconds(task, batch, precisions, rounds=1)
 
     monkeypatch.setattr(common, "forward_backward_seconds", spy)
-    cfg = _auto_config(fake_fashion, tmp_path, "task.init_from=/not/read.ckpt")
+    cfg = _auto_config(fake_fashion, tmp_path, "task.init_from=/not/read.ckpt", "task.compile=true")
     datamodule = instantiate(cfg.data, _convert_="all")
     torch.manual_seed(3)
     state = torch.get_rng_state()
@@ -102,6 +102,7 @@ def test_the_measurement_times_the_runs_step_on_a_copy_and_leaves_its_random_sta
     shapes = {k: v.shape for k, v in built.net.state_dict().items()}
     assert {k: v.shape for k, v in task.net.state_dict().items()} == shapes
     assert all(p.grad is None for p in task.parameters()), "the gradients are dropped after each step"
+    assert task.frames_before_compile is None, "timed eager: compiling it in each precision would cost more"
 
 
 def test_a_ddp_rank_takes_its_starters_choice_and_launched_processes_do_not_measure(

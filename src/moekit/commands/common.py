@@ -143,9 +143,11 @@ def _started_with_others() -> bool:
 
 def _time_step_precisions(cfg: DictConfig, datamodule: LightningDataModule) -> dict[str, float]:
     """Seconds of the training step's forward and backward in float32 and in bf16 autocast, on a model built from
-    ``cfg`` without its ``init_from`` weights, at the data's batch size; the random state is restored after."""
+    ``cfg`` without its ``init_from`` weights and eager (compiling it twice would cost more than it tells), at the
+    data's batch size; the random state is restored after."""
+    plain = {key: value for key, value in (("init_from", None), ("compile", False)) if key in cfg.task}
     with torch.random.fork_rng(devices=[]):
-        task = instantiate(cfg.task, net=cfg.model, init_from=None, _recursive_=False)
+        task = instantiate(cfg.task, net=cfg.model, **plain, _recursive_=False)
         batch = random_batch(task, datamodule, datamodule.batch_size)
         return forward_backward_seconds(task, batch, ("32-true", "bf16-mixed"))
 
