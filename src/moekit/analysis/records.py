@@ -61,14 +61,7 @@ def _git_commit(directory: Path) -> str | None:
         return None
 
 
-_LAYER_SETTINGS = (
-    "top_k",
-    "slots_per_expert",
-    "capacity_factor",
-    "eval_capacity_factor",
-    "batch_priority",
-    "normalize",
-)
+_LAYER_SETTINGS = "top_k slots_per_expert capacity_factor eval_capacity_factor batch_priority normalize".split()
 
 
 def _moe_layer_settings(net: nn.Module) -> list[dict[str, Any]]:

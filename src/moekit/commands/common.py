@@ -23,7 +23,7 @@ from moekit.configs import check_target_keys, family_of, group_choice, instantia
 from moekit.errors import OutputError
 from moekit.tasks import MoETask
 from moekit.tasks.precision import forward_backward_seconds, random_batch
-from moekit.utils.machine import BF16_DOT_PRODUCTS, cpu_flags, resolve_precision
+from moekit.utils.machine import BF16_DOT_PRODUCTS, cpu_flags, resolve_precision, trains_on_cuda
 
 __all__ = [
     "check_output_file",
@@ -124,7 +124,7 @@ def _resumed_precision(ckpt_path: str, accelerator: Any) -> str | None:
     anywhere, bf16 autocast on a GPU or a CPU with bf16 dot products, float16 autocast on a GPU; else None."""
     saved = (read_training_checkpoint(ckpt_path).get("hyper_parameters") or {}).get("run_config") or {}
     precision = str((saved.get("trainer") or {}).get("precision"))
-    on_gpu = str(accelerator).lower() in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    on_gpu = trains_on_cuda(accelerator)
     if precision == "32-true" or (precision in ("bf16-mixed", "16-mixed") and on_gpu):
         return precision
     if precision == "bf16-mixed" and not on_gpu and BF16_DOT_PRODUCTS & cpu_flags():

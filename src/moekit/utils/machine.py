@@ -23,6 +23,7 @@ __all__ = [
     "cpu_model",
     "cpu_flags",
     "resolve_precision",
+    "trains_on_cuda",
     "BF16_DOT_PRODUCTS",
     "BF16_MARGIN",
     "machine_info",
@@ -176,6 +177,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def trains_on_cuda(accelerator: Any) -> bool:
+    """Whether Lightning's ``accelerator`` setting puts training on a CUDA GPU (``auto``: where one is present)."""
+    import torch
+
+    accelerator = str(accelerator).lower()
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
 BF16_DOT_PRODUCTS = frozenset({"amx_bf16", "avx512_bf16"})
 """CPU flags of bf16 dot products in hardware. Without one, oneDNN emulates bf16 matmuls (0.2 GFLOP/s on a
 first-generation AMD EPYC, against 70 in float32)."""
@@ -208,8 +217,7 @@ def resolve_precision(
 
     if str(precision) != "auto":
         return str(precision), "as configured"
-    accelerator = str(accelerator).lower()
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+    if trains_on_cuda(accelerator):
         # bf16 in hardware (compute capability 8.0 on): is_bf16_supported() on its own also accepts the emulation
         # older GPUs (V100, T4) offer, which trains slower than float16
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
