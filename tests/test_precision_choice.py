@@ -105,6 +105,22 @@ def test_the_measurement_times_the_runs_step_on_a_copy_and_leaves_its_random_sta
     assert task.frames_before_compile is None, "timed eager: compiling it in each precision would cost more"
 
 
+def test_a_bf16_step_that_fails_when_measured_leaves_the_run_in_float32(
+    fake_fashion, tmp_path, bf16_without_amx, monkeypatch, caplog
+):
+    """A bf16 kernel this CPU lacks fails the measured step, not the run: float32, and the error logged."""
+
+    def fails(task, batch, precisions, rounds=2):
+        raise RuntimeError("could not create a primitive descriptor for an LSTM forward propagation primitive\n...")
+
+    monkeypatch.setattr(common, "forward_backward_seconds", fails)
+    cfg = _auto_config(fake_fashion, tmp_path)
+    with caplog.at_level("WARNING", logger="moekit"):
+        why = common.choose_precision(cfg, instantiate(cfg.data, _convert_="all"))
+    assert cfg.trainer.precision == "32-true" and "bf16 autocast failed when measured" in why
+    assert "failed when measured: could not create a primitive descriptor" in caplog.text
+
+
 def test_a_ddp_rank_takes_its_starters_choice_and_launched_processes_do_not_measure(
     fake_fashion, tmp_path, bf16_without_amx, monkeypatch
 ):

@@ -4,6 +4,7 @@ Importing this module imports no torch (the functions that need it import it): r
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from collections.abc import Callable, Mapping
@@ -209,7 +210,7 @@ def resolve_precision(
     - with ``avx512_bf16`` alone it depends on the CPU: bf16 autocast trained the main job 1.7x faster than float32
       on a Zen 4 EPYC and 1.67x slower on a Xeon. ``measure()`` times the run's training step both ways (seconds
       by precision: ``{"32-true": ..., "bf16-mixed": ...}``), and ``bf16-mixed`` is chosen where it is at least
-      :data:`BF16_MARGIN` times faster. Without ``measure``, ``32-true``.
+      :data:`BF16_MARGIN` times faster (an infinite bf16 time: it failed). Without ``measure``, ``32-true``.
 
     Other values pass through.
     """
@@ -233,6 +234,8 @@ def resolve_precision(
         return "32-true", f"{cpu} has bf16 dot products without AMX; not measured, float32"
     seconds = measure()
     full, bf16 = seconds["32-true"], seconds["bf16-mixed"]
+    if not math.isfinite(bf16):
+        return "32-true", f"{cpu} has bf16 dot products without AMX; bf16 autocast failed when measured, float32"
     faster = bf16 * BF16_MARGIN <= full
     return "bf16-mixed" if faster else "32-true", (
         f"{cpu} has bf16 dot products without AMX; measured, a training step's forward and backward took "
