@@ -83,15 +83,15 @@ ranks Lightning's DDP launches run the command again, and must train in the prec
 
 
 def choose_precision(
-    cfg: DictConfig, datamodule: LightningDataModule | None = None, resume_from: str | None = None
+    cfg: DictConfig, datamodule: LightningDataModule | None = None, checkpoint: str | None = None
 ) -> str:
     """Replace ``trainer.precision=auto`` by this machine's fastest setting (:func:`resolve_precision`), log which
     and why, and return why (``"as configured"`` for another value).
 
     Where the CPU's flags leave it open, the run's training step is timed in both precisions on a copy of its model,
     built from ``cfg`` (the run's own model and random state are untouched) on a random batch of ``datamodule``'s
-    shapes; without ``datamodule`` nothing is measured. A run resumed from the checkpoint ``resume_from`` keeps the
-    precision it trained in, where this machine runs it natively. A rank started by the process that chose
+    shapes; without ``datamodule`` nothing is measured. A run that resumes or tests ``checkpoint`` keeps the precision
+    the checkpoint's run trained in, where this machine runs it natively. A rank started by the process that chose
     (Lightning's DDP ranks) takes its choice; one of several processes started together (torchrun, Slurm, MPI),
     which could each measure otherwise, does not measure.
     """
@@ -102,8 +102,8 @@ def choose_precision(
     if os.environ.get("LOCAL_RANK", "0") != "0" and len(handed) == 3 and handed[0] == str(os.getppid()):
         precision, why = handed[1], f"the choice of the process that started this one: {handed[2]}"
     else:
-        if resume_from and (kept := _resumed_precision(resume_from, accelerator)):
-            precision, why = kept, f"the precision the run of ckpt_path={resume_from} trained in"
+        if checkpoint and (kept := _trained_precision(checkpoint, accelerator)):
+            precision, why = kept, f"the precision the run of ckpt_path={checkpoint} trained in"
         else:
             measure = None
             if datamodule is not None and _started_with_others():
@@ -120,7 +120,7 @@ def choose_precision(
     return why
 
 
-def _resumed_precision(ckpt_path: str, accelerator: Any) -> str | None:
+def _trained_precision(ckpt_path: str, accelerator: Any) -> str | None:
     """The precision the checkpoint's run trained in (its run config's) where this machine runs it natively: float32
     anywhere, bf16 autocast on a GPU or a CPU with bf16 dot products, float16 autocast on a GPU; else None."""
     saved = (read_training_checkpoint(ckpt_path).get("hyper_parameters") or {}).get("run_config") or {}

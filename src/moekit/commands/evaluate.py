@@ -24,7 +24,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Test a checkpoint: the network and, unless ``data`` is set, the dataset come from it."""
     module = load_task(cfg.ckpt_path)
     L.seed_everything(cfg.seed, workers=True)
-    choose_precision(cfg)
+    choose_precision(cfg, checkpoint=cfg.ckpt_path)  # "auto": as the run trained (and tested) it, where native
     check_target_keys(cfg.trainer, "trainer")
     check_accelerator(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")

@@ -72,7 +72,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     _remove_stale_checkpoint_writes(output_dir, cfg.get("ckpt_path"))
     datamodule: LightningDataModule = instantiate(cfg.data, _convert_="all")
     # "auto" -> this machine's (a resumed run's: its own), before the run record holds it
-    precision_reason = choose_precision(cfg, datamodule, resume_from=cfg.get("ckpt_path"))
+    precision_reason = choose_precision(cfg, datamodule, checkpoint=cfg.get("ckpt_path"))
     run_config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     module = instantiate(cfg.task, net=cfg.model, run_config=run_config, _recursive_=False)
     # where the checkpoint's logs end; MLflow / W&B log into its run, which they open before fit reads it
