@@ -199,16 +199,16 @@ def applicable_overrides(model: Sequence[str], overrides: Sequence[str]) -> tupl
     return kept, dropped
 
 
-def _precision(cfg: DictConfig, task: MoETask, batch: tuple[Tensor, Tensor]) -> str:
-    """The trainer's precision; ``auto`` as ``scripts/train.py`` resolves it (measured on ``task`` where the CPU's
-    flags leave it open), and said so."""
+def _precision(name: str, cfg: DictConfig, task: MoETask, batch: tuple[Tensor, Tensor]) -> str:
+    """The trainer's precision for the row ``name``; ``auto`` as ``scripts/train.py`` resolves it (measured on
+    ``task`` where the CPU's flags leave it open), and said so."""
     precision, why = resolve_precision(
         cfg.trainer.precision,
         cfg.trainer.get("accelerator", "auto"),
         measure=lambda: forward_backward_seconds(task, batch, ("32-true", "bf16-mixed")),
     )
     if why != "as configured":
-        print(f"({cfg.get('task_name')}: trainer.precision=auto: {precision}, {why})")
+        print(f"({name}: trainer.precision=auto: {precision}, {why})")
     if precision not in _SUPPORTED:
         raise ValueError(
             f"trainer.precision={precision!r} is not supported by this benchmark; use bf16-mixed or 32-true"
@@ -254,7 +254,7 @@ def build_candidate(
         task=task,
         optimizer=optimizer,
         batch=batch,
-        precision=_precision(cfg, task, batch),
+        precision=_precision(name, cfg, task, batch),
         clip_val=float(clip_val) if clip_val else None,
         summary=summary,
         examples_per_step=examples,
