@@ -98,26 +98,33 @@ def choose_precision(
     if cfg.trainer.get("precision") != "auto":
         return "as configured"
     handed = os.environ.get(PRECISION_HANDOVER, "").split(":", 2)
-    accelerator = cfg.trainer.get("accelerator", "auto")
     if os.environ.get("LOCAL_RANK", "0") != "0" and len(handed) == 3 and handed[0] == str(os.getppid()):
         precision, why = handed[1], f"the choice of the process that started this one: {handed[2]}"
     else:
-        if checkpoint and (kept := _trained_precision(checkpoint, accelerator)):
-            precision, why = kept, f"the precision the run of ckpt_path={checkpoint} trained in"
-        else:
-            measure = None
-            if datamodule is not None and _started_with_others():
-                log.info(
-                    "trainer.precision=auto: not measured in one of several processes started together, which could "
-                    "each measure otherwise; set trainer.precision=bf16-mixed or 32-true to choose"
-                )
-            elif datamodule is not None:
-                measure = functools.partial(_time_step_precisions, cfg, datamodule)
-            precision, why = resolve_precision("auto", accelerator, measure=measure)
+        precision, why = _this_machines_precision(cfg, datamodule, checkpoint)
         os.environ[PRECISION_HANDOVER] = f"{os.getpid()}:{precision}:{why}"
     cfg.trainer.precision = precision
     log.info("trainer.precision=auto: %s (%s)", precision, why)
     return why
+
+
+def _this_machines_precision(
+    cfg: DictConfig, datamodule: LightningDataModule | None, checkpoint: str | None
+) -> tuple[str, str]:
+    """``(precision, why)`` for ``auto`` in a process that chooses for itself: the checkpoint's run's, where native,
+    else :func:`resolve_precision`'s, measured where it can be."""
+    accelerator = cfg.trainer.get("accelerator", "auto")
+    if checkpoint and (kept := _trained_precision(checkpoint, accelerator)):
+        return kept, f"the precision the run of ckpt_path={checkpoint} trained in"
+    measure = None
+    if datamodule is not None and _started_with_others():
+        log.info(
+            "trainer.precision=auto: not measured in one of several processes started together, which could each "
+            "measure otherwise; set trainer.precision=bf16-mixed or 32-true to choose"
+        )
+    elif datamodule is not None:
+        measure = functools.partial(_time_step_precisions, cfg, datamodule)
+    return resolve_precision("auto", accelerator, measure=measure)
 
 
 def _trained_precision(ckpt_path: str, accelerator: Any) -> str | None:

@@ -251,6 +251,7 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    flags = cpu_flags()
     return {
         "cpu": cpu_model(),
         "cpu_cores": os.cpu_count(),
@@ -261,8 +262,8 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "allocator": active_allocator(),
         "openmp_spin": spin_setting(),
-        "cpu_amx": "amx_bf16" in cpu_flags(),
-        "cpu_bf16_dot_products": bool(BF16_DOT_PRODUCTS & cpu_flags()),
+        "cpu_amx": "amx_bf16" in flags,
+        "cpu_bf16_dot_products": bool(BF16_DOT_PRODUCTS & flags),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
