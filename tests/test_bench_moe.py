@@ -10,6 +10,7 @@ from timm.layers import Mlp
 from torch import nn
 
 from moekit.analysis import bench_layers as bench
+from moekit.analysis import peak
 from moekit.moe import SoftMoE
 from moekit.recipes import list_recipes
 
@@ -85,7 +86,7 @@ def test_quick_run_prints_tables_with_the_baseline_at_one(capsys):
     out = capsys.readouterr().out
     assert out.startswith("# moekit layer benchmark: torch ")
     assert "fp32, forward + backward, batch x1" in out
-    assert re.search(r"matmul peak \d+\.\d GFLOP/s \(4096\^3 float32 matmul\)", out)
+    assert re.search(r"matmul peak \d+\.\d GFLOP/s \(4096\^3 float32 matmul, (torch\.mm|oneDNN)", out)
     tables = _rows(out)
     layers = next(rows for title, rows in tables.items() if title.startswith("Every recipe as shipped"))
     assert layers[0][0] == "dense Mlp" and layers[0][4] == "1.00x"
@@ -115,6 +116,30 @@ def test_the_dropout_table_times_moekit_against_torch(capsys):
             time = float(row[1])
             low, high = (time - 0.05) / (first + 0.05), (time + 0.05) / max(first - 0.05, 1e-9)
             assert low - 0.005 <= float(row[2][:-1]) <= high + 0.005, (row, rows[0])
+
+
+@pytest.mark.parametrize("onednn_seconds, expected", [
+    (0.5, "4096^3 float32 matmul, oneDNN; torch.mm 137.4"),
+    (2.0, "4096^3 float32 matmul, torch.mm; oneDNN 68.7"),
+])  # fmt: skip
+def test_the_cpu_float32_peak_is_the_faster_librarys_and_names_both(monkeypatch, onednn_seconds, expected):
+    def onednn_product():
+        pass
+
+    monkeypatch.setattr(peak, "_onednn_mm", lambda a, b: onednn_product)
+    monkeypatch.setattr(peak, "_best_of_3", lambda product, device: onednn_seconds if product is onednn_product else 1)
+    rate, what = peak.matmul_peak("cpu", torch.float32)
+    assert (rate, what) == (2 * 4096**3 / min(onednn_seconds, 1), expected)
+    monkeypatch.setattr(peak, "_onednn_mm", lambda a, b: None)  # a torch without it
+    assert peak.matmul_peak("cpu", torch.float32) == (2 * 4096**3, "4096^3 float32 matmul")
+
+
+def test_the_onednn_product_of_the_peak_is_float32s_product():
+    a, b = torch.randn(96, 64), torch.randn(64, 80)
+    product = peak._onednn_mm(a, b)
+    if product is None:
+        pytest.skip("this torch has no oneDNN linear")
+    torch.testing.assert_close(product(), a @ b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_layers_flops_are_its_forward_and_backward_matmuls():

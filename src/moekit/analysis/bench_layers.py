@@ -3,10 +3,11 @@
 A benchmark, not a test: it prints tables of times and of ratios measured in the same run. The
 candidates of a table are timed in interleaved rounds (each candidate once per round, the median over
 rounds), so a slow phase of the machine hits all of them alike. Beside each time: the achieved GFLOP/s and its
-share of the machine's matmul peak, measured at start-up (one large square matmul in the tables' precision: the
-physical limit of a layer made of matmuls). A layer's FLOPs are those of its forward + backward as
-``torch.utils.flop_counter`` counts them on moekit's implementation; a reference implementation of the same layer
-is credited with the same FLOPs, so its GFLOP/s compare as speeds of one computation.
+share of the machine's matmul peak, measured at start-up (one large square matmul in the tables' precision; on a
+CPU in float32 the faster of torch's and oneDNN's: the physical limit of a layer made of matmuls). A layer's FLOPs
+are those of its forward + backward as ``torch.utils.flop_counter`` counts them on moekit's implementation; a
+reference implementation of the same layer is credited with the same FLOPs, so its GFLOP/s compare as speeds of one
+computation.
 
     python scripts/bench_moe.py                  # every table (about 15 minutes on a 2-core CPU)
     python scripts/bench_moe.py --tables soft topk recipes --rounds 5
