@@ -268,3 +268,17 @@ def test_the_summary_counts_each_algorithms_tensors_and_names_the_newton_schulz_
         "Muon for 1 hidden matrices (128 weights), AdamW for 5 other tensors (116); Newton-Schulz steps in "
         "float32 on cpu (ns_dtype=float32)"
     )
+
+
+@pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_runs_newton_schulz_in_bf16_only_on_gpus_with_bf16_in_hardware(monkeypatch, native_bf16, expected):
+    """A V100 or T4 emulates bf16 matmuls (is_bf16_supported() alone accepts the emulation): float32 there."""
+    asked = []
+
+    def is_bf16_supported(including_emulation=True):
+        asked.append(including_emulation)
+        return native_bf16
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    optimizer = MuonAdamW(muon_param_groups(_Net(), 0.05))
+    assert optimizer._ns_dtype(torch.device("cuda")) == expected and asked == [False]

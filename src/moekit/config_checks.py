@@ -95,7 +95,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.optimizer.ns_dtype": (
         lambda v: v in NS_DTYPES,
         f"one of {', '.join(NS_DTYPES)}",
-        "auto: bfloat16 on GPUs and CPUs with bf16 dot products (avx512_bf16, AMX), else float32",
+        "auto: bfloat16 on GPUs with bf16 in hardware and CPUs with bf16 dot products (avx512_bf16, AMX), else float32",
     ),
     "task.scheduler.warmup_steps": (
         _non_negative,

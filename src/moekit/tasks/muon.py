@@ -128,9 +128,10 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum, nesterov: Muon's momentum.
         betas, eps: AdamW's.
         ns_steps: Newton-Schulz steps.
-        ns_dtype: ``"auto"``: bfloat16 on GPUs and on CPUs with bf16 dot products (``avx512_bf16``, AMX; on a
-            2-core Zen 4 EPYC the main job's Newton-Schulz steps ran 2x faster than in float32), float32 elsewhere,
-            where bf16 matmuls are emulated; or ``"float32"``, ``"bfloat16"``.
+        ns_dtype: ``"auto"``: bfloat16 on GPUs with bf16 in hardware (compute capability 8.0 on) and on CPUs with
+            bf16 dot products (``avx512_bf16``, AMX; on a 2-core Zen 4 EPYC the main job's Newton-Schulz steps ran 2x
+            faster than in float32), float32 elsewhere, where bf16 matmuls are emulated; or ``"float32"``,
+            ``"bfloat16"``.
         fused: AdamW's fused kernel for the AdamW groups where all their tensors are plain (not DTensor).
 
     FSDP's sharded (DTensor) matrices are gathered whole for the Newton-Schulz steps, which every rank
@@ -178,7 +179,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if device.type not in self._auto_dtypes:  # read /proc/cpuinfo once, not at every step
             from moekit.utils.machine import BF16_DOT_PRODUCTS, cpu_flags
 
-            fast_bf16 = device.type == "cuda" or (device.type == "cpu" and bool(BF16_DOT_PRODUCTS & cpu_flags()))
+            if device.type == "cuda":  # bf16 in hardware from compute capability 8.0 (a V100 or T4 emulates it)
+                fast_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+            else:
+                fast_bf16 = device.type == "cpu" and bool(BF16_DOT_PRODUCTS & cpu_flags())
             self._auto_dtypes[device.type] = torch.bfloat16 if fast_bf16 else torch.float32
         return self._auto_dtypes[device.type]
 
