@@ -16,7 +16,7 @@ def matmul_peak(device: torch.device | str, dtype: torch.dtype) -> tuple[float, 
 
     On a CPU in float32 the product also runs through oneDNN, and the faster library sets the peak: torch's float32
     ``mm`` calls MKL, which on AMD CPUs reaches less of the FMA units' rate than oneDNN does (on a Zen 4 EPYC with
-    AVX-512, 186-189 against 210-222 GFLOP/s on 2 cores). bf16 products on a CPU already run on oneDNN."""
+    AVX-512, 189-198 against 214-222 GFLOP/s on 2 cores). bf16 products on a CPU already run on oneDNN."""
     device = torch.device(device)
     n = 8192 if device.type == "cuda" else 4096
     a = torch.randn(n, n, device=device, dtype=dtype)
