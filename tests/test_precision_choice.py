@@ -181,7 +181,6 @@ def test_a_resumed_run_keeps_the_precision_it_trained_in_where_this_machine_runs
     (a requeue onto another kind of node, a measurement near the margin). Its checkpoint's own precision is kept,
     unless this machine would only emulate it."""
     monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(common, "cpu_flags", lambda: flags)
     monkeypatch.setattr(common, "forward_backward_seconds", lambda *a, **k: {"32-true": 1.0, "bf16-mixed": 0.5})
     ckpt = tmp_path / "last.ckpt"
     run_config = {"trainer": {"precision": trained_in}}
@@ -206,7 +205,6 @@ def test_eval_of_a_checkpoint_tests_it_in_the_precision_its_run_trained_in(
     train(compose_config("train", [*small_overrides(fake_fashion), "trainer.precision=bf16-mixed"], run))
     ckpt = next((run / "checkpoints").glob("epoch_*.ckpt"))
     monkeypatch.setattr(common, "forward_backward_seconds", lambda *a, **k: _never())
-    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     cfg = compose_config("eval", [f"ckpt_path={ckpt}", "trainer.precision=auto", "logger=csv"], tmp_path / "eval")
     with caplog.at_level("INFO", logger="moekit"):
         evaluate(cfg)

@@ -24,7 +24,7 @@ from moekit.configs import check_target_keys, family_of, group_choice, instantia
 from moekit.errors import OutputError
 from moekit.tasks import MoETask
 from moekit.tasks.precision import forward_backward_seconds, random_batch
-from moekit.utils.machine import BF16_DOT_PRODUCTS, cpu_flags, resolve_precision, trains_on_cuda
+from moekit.utils.machine import bf16_in_hardware, resolve_precision, trains_on_cuda
 
 __all__ = [
     "check_output_file",
@@ -135,7 +135,7 @@ def _trained_precision(ckpt_path: str, accelerator: Any) -> str | None:
     on_gpu = trains_on_cuda(accelerator)
     if precision == "32-true" or (precision in ("bf16-mixed", "16-mixed") and on_gpu):
         return precision
-    if precision == "bf16-mixed" and not on_gpu and BF16_DOT_PRODUCTS & cpu_flags():
+    if precision == "bf16-mixed" and not on_gpu and bf16_in_hardware("cpu"):
         return precision
     return None
 

@@ -177,13 +177,9 @@ class MuonAdamW(torch.optim.Optimizer):
         if self.ns_dtype != "auto":
             return getattr(torch, self.ns_dtype)
         if device.type not in self._auto_dtypes:  # read /proc/cpuinfo once, not at every step
-            from moekit.utils.machine import BF16_DOT_PRODUCTS, cpu_flags
+            from moekit.utils.machine import bf16_in_hardware
 
-            if device.type == "cuda":  # bf16 in hardware from compute capability 8.0 (a V100 or T4 emulates it)
-                fast_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-            else:
-                fast_bf16 = device.type == "cpu" and bool(BF16_DOT_PRODUCTS & cpu_flags())
-            self._auto_dtypes[device.type] = torch.bfloat16 if fast_bf16 else torch.float32
+            self._auto_dtypes[device.type] = torch.bfloat16 if bf16_in_hardware(device.type) else torch.float32
         return self._auto_dtypes[device.type]
 
     def summary(self) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "trains_on_cuda",
     "BF16_DOT_PRODUCTS",
     "BF16_MARGIN",
+    "bf16_in_hardware",
     "machine_info",
     "machine_label",
 ]
@@ -190,6 +191,18 @@ BF16_DOT_PRODUCTS = frozenset({"amx_bf16", "avx512_bf16"})
 """CPU flags of bf16 dot products in hardware. Without one, oneDNN emulates bf16 matmuls (0.2 GFLOP/s on a
 first-generation AMD EPYC, against 70 in float32)."""
 
+
+def bf16_in_hardware(device_type: str) -> bool:
+    """Whether bf16 matmuls run in hardware on this machine's ``device_type``: a CUDA GPU of compute capability 8.0
+    on (``is_bf16_supported()`` on its own also accepts the emulation older GPUs, V100 and T4, offer, which trains
+    slower than float16), a CPU with bf16 dot products (:data:`BF16_DOT_PRODUCTS`)."""
+    import torch
+
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device_type == "cpu" and bool(BF16_DOT_PRODUCTS & cpu_flags())
+
+
 BF16_MARGIN = 1.1
 """How much faster than float32 a measured bf16 autocast step must be for ``auto`` to choose it: float32 is the
 more accurate, and a smaller gain is within a measurement's noise."""
@@ -219,9 +232,7 @@ def resolve_precision(
     if str(precision) != "auto":
         return str(precision), "as configured"
     if trains_on_cuda(accelerator):
-        # bf16 in hardware (compute capability 8.0 on): is_bf16_supported() on its own also accepts the emulation
-        # older GPUs (V100, T4) offer, which trains slower than float16
-        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        if torch.cuda.is_available() and not bf16_in_hardware("cuda"):
             return "16-mixed", f"{torch.cuda.get_device_name()} has no bf16"
         return "bf16-mixed", "a CUDA GPU: bf16 autocast"
     flags = cpu_flags() if flags is None else flags
