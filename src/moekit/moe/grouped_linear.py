@@ -72,17 +72,20 @@ def _loop_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor, need_x: bool, need_w: bool, need_b: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`_loop_forward` (an empty tensor for each one not needed), each in its input's
-    dtype: the products run in ``x``'s, and a weight gradient of another dtype is cast expert by expert."""
+    dtype: the products run in ``x``'s, and a weight gradient of another dtype is cast expert by expert. One pass
+    over the experts computes all of an expert's gradients while its rows of ``grad_out`` are in the cache, with one
+    wait for the threads (docs/performance.md, "Expert products over the CPU's threads")."""
     sizes = counts.tolist()
     rows = sum(sizes)
     dtype = x.dtype
     grad_out = grad_out.contiguous()
     g_parts = grad_out[:rows].split(sizes)
     grad_x = grad_w = grad_b = x.new_empty(0)
+    steps = []
     if need_x:
         grad_x = torch.empty_like(x)
         gx_parts, w_t = grad_x[:rows].split(sizes), weight.transpose(1, 2).unbind(0)
-        for_each_expert(lambda e: torch.mm(g_parts[e], w_t[e].to(dtype), out=gx_parts[e]), sizes, x.device)
+        steps.append(lambda e: torch.mm(g_parts[e], w_t[e].to(dtype), out=gx_parts[e]))
         if rows < x.shape[0]:
             grad_x[rows:].zero_()
     if need_w:
@@ -91,14 +94,20 @@ def _loop_backward(
         for e in (e for e, size in enumerate(sizes) if not size):
             gw_parts[e].zero_()
         if weight.dtype == dtype:
-            for_each_expert(lambda e: torch.mm(x_t[e], g_parts[e], out=gw_parts[e]), sizes, x.device)
+            steps.append(lambda e: torch.mm(x_t[e], g_parts[e], out=gw_parts[e]))
         else:
-            for_each_expert(lambda e: gw_parts[e].copy_(torch.mm(x_t[e], g_parts[e])), sizes, x.device)
+            steps.append(lambda e: gw_parts[e].copy_(torch.mm(x_t[e], g_parts[e])))
     if need_b:
         grad_b = weight.new_zeros(weight.shape[0], weight.shape[-1])
-        for e, (g_e, gb_e) in enumerate(zip(g_parts, grad_b.unbind(0))):
-            if sizes[e]:
-                torch.sum(g_e, dim=0, dtype=gb_e.dtype, out=gb_e)
+        gb_parts = grad_b.unbind(0)
+        steps.append(lambda e: torch.sum(g_parts[e], dim=0, dtype=gb_parts[e].dtype, out=gb_parts[e]))
+
+    def work(e: int) -> None:
+        for step in steps:
+            step(e)
+
+    if steps:
+        for_each_expert(work, sizes, x.device)
     return grad_x, grad_w, grad_b
 
 
