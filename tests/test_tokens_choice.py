@@ -38,19 +38,29 @@ def test_a_plan_says_when_its_groups_cover_every_dispatched_row():
     assert not plan_dispatch(expert_ids, 3, valid=torch.tensor([True, True, True, False])).all_kept
 
 
-@pytest.mark.parametrize("top_k, width", [(2, 8), (2, 256), (3, 200)], ids=["multiply-sum", "bmm", "bmm-k3"])
-def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width):
-    """Either CPU path (a multiply and a sum for small products, a batched matmul for large ones) gives
-    ``sum_j keep * gate * out`` per token, in values and gradients; a dropped assignment contributes nothing."""
+@pytest.mark.parametrize(
+    "top_k, width, dtype",
+    [(2, 8, torch.float64), (2, 256, torch.float64), (3, 200, torch.float64), (2, 256, torch.bfloat16)],
+    ids=["multiply-sum", "bmm", "bmm-k3", "multiply-sum-bf16"],
+)
+def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width, dtype, monkeypatch):
+    """Either CPU path (a multiply and a sum for small products or reduced precision, a batched matmul for large
+    float32 / float64 ones) gives ``sum_j keep * gate * out`` per token, in values and gradients; a dropped assignment
+    contributes nothing."""
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(a) or bmm(*a))
     expert_ids = torch.randint(0, 4, (10, top_k))
     plan = plan_dispatch(expert_ids, 4, capacity=4)  # 30 assignments into 16 slots: some dropped
     assert not plan.keep.all()
-    expert_out = torch.randn(10 * top_k, width, dtype=torch.float64, requires_grad=True)
-    gates = torch.rand(10, top_k, dtype=torch.float64, requires_grad=True)
-    grad = torch.randn(10, width, dtype=torch.float64)
+    expert_out = torch.randn(10 * top_k, width, dtype=torch.float64).to(dtype).requires_grad_()
+    gates = torch.rand(10, top_k, dtype=torch.float64).to(dtype).requires_grad_()
+    grad = torch.randn(10, width, dtype=torch.float64).to(dtype)
     combine(expert_out, plan, gates).backward(grad)
+    assert bool(calls) == (dtype == torch.float64 and width >= 200), "the path of the dtype and size"
     got = (expert_out.grad, gates.grad)
-    expert_out.grad = gates.grad = None
+    expert_out = expert_out.detach().double().requires_grad_()
+    gates, grad = gates.detach().double().requires_grad_(), grad.double()
     row_of = torch.empty_like(plan.order).scatter_(0, plan.order, torch.arange(plan.order.numel()))  # assignment's row
     expected = torch.zeros(10, width, dtype=torch.float64)
     for n in range(10):
@@ -60,7 +70,7 @@ def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width):
     expected.backward(grad)
     torch.testing.assert_close(combine(expert_out, plan, gates), expected.detach())
     for g, r in zip(got, (expert_out.grad, gates.grad)):
-        torch.testing.assert_close(g, r)
+        torch.testing.assert_close(g.double(), r, **({} if dtype == torch.float64 else {"rtol": 0.02, "atol": 0.05}))
 
 
 @pytest.mark.parametrize("kernel", ["cpu", "gather"])

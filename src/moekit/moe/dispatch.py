@@ -208,13 +208,17 @@ def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:
         return per_assignment[:, 0] * weights
-    large = per_assignment.device.type == "cpu" and top_k * per_assignment.shape[-1] >= _CPU_BMM_MIN_MACS
+    on_blas = per_assignment.device.type == "cpu" and per_assignment.dtype in (torch.float32, torch.float64)
+    large = on_blas and top_k * per_assignment.shape[-1] >= _CPU_BMM_MIN_MACS
     counted = not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0
     if large or counted:
-        # [1, k] @ [k, o] per token on MKL's batched GEMM: 1.4-1.6x a multiply and a sum at o = 256-512. Also under a
-        # TorchDispatchMode (the FLOP counter's), so that the combine's 2 k o FLOPs per token count whichever path runs.
+        # [1, k] @ [k, o] per token on MKL's batched GEMM: 1.3-1.7x a multiply and a sum at o = 256-1024, k = 2-8. Also
+        # under a TorchDispatchMode (the FLOP counter's), so that the combine's 2 k o FLOPs per token count whichever
+        # path runs.
         return torch.bmm(weights.unsqueeze(1), per_assignment).squeeze(1)
     # Smaller products take torch's naive bmm kernel on CPUs: 2x slower than a multiply and a sum at o = 64-192 (top-2,
-    # 2-core AMD EPYC). On an H100 the bmm ran a tiny-tile GEMM kernel at ~1.2 ms per 32768 tokens (a quarter of a
-    # top-2 layer's step with 256 experts); a multiply and a sum read the same bytes once.
+    # 2-core AMD EPYC). In bf16 the CPU's bmm is slower still: a multiply and a sum were 1.4-1.9x faster at
+    # o = 256-1024, k = 2-8 (forward + backward, 8192 tokens, AMD EPYC with avx512_bf16). On an H100 the bmm ran a
+    # tiny-tile GEMM kernel at ~1.2 ms per 32768 tokens (a quarter of a top-2 layer's step with 256 experts); a multiply
+    # and a sum read the same bytes once.
     return (per_assignment * weights.unsqueeze(-1)).sum(dim=1)
