@@ -8,7 +8,7 @@ from torch import nn
 from conftest import reference_expert
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertBank, grouped_linear
-from moekit.moe.grouped_linear import _HAS_GROUPED_MM, _resolve_kernel
+from moekit.moe.grouped_linear import _HAS_GROUPED_MM, PLANES_MIN_ROWS, _resolve_kernel
 
 KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 
@@ -112,6 +112,64 @@ def test_loop_kernel_gradcheck_float64():
     w = torch.randn(3, 3, 2, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, w, b: grouped_linear(x, w, b, counts, "loop"), (x, w, b))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows_each", [3, PLANES_MIN_ROWS + 1], ids=["views", "contiguous-planes"])
+def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, rows_each):
+    """``planes=2`` gives ``[2, rows, out / 2]``: plane ``p`` is output columns ``p * out / 2`` onwards, with the
+    gradients of the one-plane product. Where experts average ``PLANES_MIN_ROWS`` rows the CPU loop writes the planes
+    contiguous (its gated activation then reads no strided halves), with the tail's rows zero in both."""
+    experts, counts = 4, None
+    if kernel == "bmm":
+        counts = rows_each
+        rows = experts * rows_each
+    else:
+        counts = torch.tensor([rows_each + 1, 0, 2 * rows_each, rows_each])  # an empty expert and a tail of 2
+        rows = int(counts.sum()) + 2
+    x = torch.randn(rows, 5, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(experts, 5, 6, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(experts, 6, dtype=torch.float32, requires_grad=True)
+    grad = torch.randn(rows, 6, dtype=torch.float32)
+    planes = grouped_linear(x, w, b, counts, kernel, planes=2)
+    assert planes.shape == (2, rows, 3)
+    contiguous = planes[0].is_contiguous() and planes[1].is_contiguous()
+    assert contiguous == (kernel == "loop" and rows_each > PLANES_MIN_ROWS), "planes contiguous where groups are large"
+    planes.backward(grad.unflatten(-1, (2, 3)).transpose(0, 1))
+    got = (planes.detach(), x.grad, w.grad, b.grad)
+    x.grad = w.grad = b.grad = None
+    one = grouped_linear(x, w, b, counts, kernel)
+    one.backward(grad)
+    torch.testing.assert_close(got[0], one.detach().unflatten(-1, (2, 3)).transpose(0, 1))
+    for have, want in zip(got[1:], (x.grad, w.grad, b.grad)):
+        torch.testing.assert_close(have, want)
+
+
+def test_planes_of_bf16_rows_and_float32_weights_cast_each_experts_plane():
+    """Autocast's case on the CPU loop: bf16 rows, float32 parameters. The planes are those of the one-plane product
+    (each plane's product is a column block of it), the weight gradient comes back in float32, and the input gradient,
+    summed over the planes in bf16, is the one-plane gradient to bf16's rounding."""
+    # 524 rows per expert on average, an empty expert among them
+    counts = torch.tensor([2 * PLANES_MIN_ROWS + 7, 0, PLANES_MIN_ROWS, PLANES_MIN_ROWS + 40])
+    x = torch.randn(int(counts.sum()), 16).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(4, 16, 8, requires_grad=True)
+    grad = torch.randn(x.shape[0], 8).to(torch.bfloat16)
+    planes = grouped_linear(x, w, None, counts, "loop", planes=2)
+    assert planes.dtype == torch.bfloat16 and planes[1].is_contiguous()
+    planes.backward(grad.unflatten(-1, (2, 4)).transpose(0, 1))
+    got = (planes.detach(), x.grad, w.grad)
+    x.grad = w.grad = None
+    one = grouped_linear(x, w, None, counts, "loop")
+    one.backward(grad)
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(got[0], one.detach().unflatten(-1, (2, 4)).transpose(0, 1), rtol=0, atol=0)
+    torch.testing.assert_close(got[2], w.grad, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], x.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_planes_must_divide_the_output_features():
+    with pytest.raises(ValueError, match="planes=4 must be a positive divisor of the 6 output features"):
+        grouped_linear(torch.randn(4, 2), torch.randn(2, 2, 6), None, torch.tensor([1, 3]), "loop", planes=4)
 
 
 def test_bmm_kernel_rejects_ragged_groups():
@@ -247,7 +305,7 @@ def test_the_cpu_loop_casts_float32_weights_expert_by_expert_as_casting_the_bank
 
     def run(weight, bias):
         if path == "custom_op":
-            return _loop_op(x, weight, bias, counts)
+            return _loop_op(x, weight, bias, counts, 1)
         return grouped_linear(x, weight, bias, counts, "loop")
 
     out = run(w, b)

@@ -48,10 +48,11 @@ if TYPE_CHECKING:
 __all__ = ["ExpertBank", "ExpertsConfig", "expert_activation", "experts_on_meta"]
 
 
-def expert_activation(h: Tensor, act: nn.Module, gated: bool) -> Tensor:
-    """The experts' nonlinearity on ``fc1``'s output: ``act(h)``, or ``act(gate) * up`` for gated experts."""
+def expert_activation(h: Tensor, act: nn.Module, gated: bool, planes: bool = False) -> Tensor:
+    """The experts' nonlinearity on ``fc1``'s output: ``act(h)``, or ``act(gate) * up`` for gated experts, whose ``h``
+    is ``[..., 2 * hidden]`` (gate, then up), or with ``planes`` ``[2, rows, hidden]`` (``grouped_linear``'s)."""
     if gated:
-        gate, up = h.chunk(2, dim=-1)
+        gate, up = h if planes else h.chunk(2, dim=-1)
         return act(gate) * up
     return act(h)
 
@@ -285,10 +286,17 @@ class ExpertBank(nn.Module):
         """The experts held here on rows sorted by local expert."""
         x, (w1, b1, w2, b2) = self._cast(x, weights_too=False)
         with torch.autocast(x.device.type, enabled=False):
-            h = grouped_linear(x, w1, b1, group_sizes, self.kernel, no_tail)
-            h = self.drop1(expert_activation(h, self.act, self.gated))
+            h = self.drop1(self._fc1_activation(x, w1, b1, group_sizes, no_tail))
             y = grouped_linear(h, w2, b2, group_sizes, self.kernel, no_tail)
         return self.drop2(y)
+
+    def _fc1_activation(
+        self, x: Tensor, w1: Tensor, b1: Tensor | None, group_sizes: GroupSizes, no_tail: bool = False
+    ) -> Tensor:
+        """``act(fc1(x))`` of rows sorted by expert; a gated expert's gate and up come as two planes."""
+        planes = 2 if self.gated else 1
+        h = grouped_linear(x, w1, b1, group_sizes, self.kernel, no_tail, planes=planes)
+        return expert_activation(h, self.act, self.gated, planes=self.gated)
 
     def merged(self, x_BTD: Tensor, weights_BE: Tensor) -> Tensor:
         """Experts merged in parameter space (SMEAR, Muqeeth et al. 2023; Lory): sequence ``b`` of ``x_BTD`` goes
@@ -313,7 +321,7 @@ class ExpertBank(nn.Module):
         inputs whose statistics GPTQ needs for ``fc2``)."""
         x, (w1, b1, _, _) = self._cast(x, weights_too=False)
         with torch.autocast(x.device.type, enabled=False):
-            return expert_activation(grouped_linear(x, w1, b1, group_sizes, self.kernel), self.act, self.gated)
+            return self._fc1_activation(x, w1, b1, group_sizes)
 
     def extra_repr(self) -> str:
         return (

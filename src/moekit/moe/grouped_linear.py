@@ -5,7 +5,8 @@ sync, free on CPU; under ``torch.compile`` a custom operator, opaque to it, so n
 experts the calls are spread over the cores, :mod:`moekit.moe.cpu_threads`); ``"bmm"`` - one
 batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with device-side offsets (no host sync;
 feature sizes that are not 16-byte multiples are zero-padded to one). ``"auto"`` picks per device and layout
-(:data:`AUTO_KERNELS`).
+(:data:`AUTO_KERNELS`). ``planes=2`` hands a gated expert's gate and up back as two planes, contiguous from the CPU
+loop where groups are large (:data:`PLANES_MIN_ROWS`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from .cpu_threads import for_each_expert
 
-__all__ = ["grouped_linear", "AUTO_KERNELS", "Kernel", "GroupSizes"]
+__all__ = ["grouped_linear", "AUTO_KERNELS", "PLANES_MIN_ROWS", "Kernel", "GroupSizes"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
@@ -34,6 +35,13 @@ AUTO_KERNELS: dict[tuple[str, str], str] = {
     ("cuda", "ragged"): "grouped_mm",
 }
 
+# Gated experts split fc1's output into gate and up. On a CPU elementwise ops on such halves of short rows run up to 2x
+# slower than on contiguous tensors, so where experts average this many rows the loop writes each half as a contiguous
+# plane, one product per plane (docs/performance.md, "The combine and the gated activation on a CPU"): the top-2
+# layer of 8 experts of ~2000 rows 1.01-1.08x faster, while with 256 experts of 32 rows the extra products cost more
+# than they save (1.12x and 1.40x slower in float32 and bf16).
+PLANES_MIN_ROWS = 512
+
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
@@ -45,62 +53,94 @@ def _grouped_mm_takes(dtype: torch.dtype) -> bool:
     )
 
 
-def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
-    """Rows of expert ``e`` times ``weight[e]`` (plus ``bias[e]``), in ``x``'s dtype. Weights of another dtype
-    (float32 parameters for bf16 activations) are cast expert by expert as each product runs: a cast tile in the
-    cache, where casting the whole bank first reads and writes it once more in memory."""
+def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
+    """Rows of expert ``e`` times ``weight[e]`` (plus ``bias[e]``), in ``x``'s dtype: ``[rows, out]``, or for
+    ``planes`` > 1 ``[planes, rows, out / planes]``, plane ``p`` holding output columns ``p * out / planes`` onwards,
+    contiguous, one product per expert and plane. Weights of another dtype (float32 parameters for bf16 activations)
+    are cast expert by expert as each product runs: a cast tile in the cache, where casting the whole bank first reads
+    and writes it once more in memory."""
     sizes = counts.tolist()  # the host sync the loop needs (free on CPU)
     rows = sum(sizes)
     dtype = x.dtype
-    out = x.new_empty(x.shape[0], weight.shape[-1])
-    x_parts, out_parts, w_parts = x[:rows].split(sizes), out[:rows].split(sizes), weight.unbind(0)
-    if bias is None:
-        for_each_expert(lambda e: torch.mm(x_parts[e], w_parts[e].to(dtype), out=out_parts[e]), sizes, x.device)
-    else:
-        b_parts = bias.unbind(0)
-        for_each_expert(
-            lambda e: torch.addmm(b_parts[e].to(dtype), x_parts[e], w_parts[e].to(dtype), out=out_parts[e]),
-            sizes,
-            x.device,
-        )
+    width = weight.shape[-1] // planes
+    out = x.new_empty(planes, x.shape[0], width)
+    x_parts = x[:rows].split(sizes)
+    out_parts = [plane[:rows].split(sizes) for plane in out]
+    w_parts = [w.unbind(0) for w in weight.split(width, dim=-1)]
+    b_parts = None if bias is None else [b.unbind(0) for b in bias.split(width, dim=-1)]
+
+    def work(e: int) -> None:
+        for p in range(planes):
+            if b_parts is None:
+                torch.mm(x_parts[e], w_parts[p][e].to(dtype), out=out_parts[p][e])
+            else:
+                torch.addmm(b_parts[p][e].to(dtype), x_parts[e], w_parts[p][e].to(dtype), out=out_parts[p][e])
+
+    for_each_expert(work, sizes, x.device)
     if rows < x.shape[0]:
-        out[rows:].zero_()
-    return out
+        out[:, rows:].zero_()
+    return out if planes > 1 else out[0]
 
 
 def _loop_backward(
-    grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor, need_x: bool, need_w: bool, need_b: bool
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    counts: Tensor,
+    planes: int,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`_loop_forward` (an empty tensor for each one not needed), each in its input's
     dtype: the products run in ``x``'s, and a weight gradient of another dtype is cast expert by expert. One pass
     over the experts computes all of an expert's gradients while its rows of ``grad_out`` are in the cache, with one
-    wait for the threads (docs/performance.md, "Expert products over the CPU's threads")."""
+    wait for the threads (docs/performance.md, "Expert products over the CPU's threads"). The input gradient of
+    several planes adds one product per plane into the first's (in bf16, rounded once per plane)."""
     sizes = counts.tolist()
     rows = sum(sizes)
     dtype = x.dtype
-    grad_out = grad_out.contiguous()
-    g_parts = grad_out[:rows].split(sizes)
+    width = weight.shape[-1] // planes
+    grad_out = grad_out.contiguous() if planes > 1 else grad_out.contiguous().unsqueeze(0)
+    g_parts = [plane[:rows].split(sizes) for plane in grad_out]
     grad_x = grad_w = grad_b = x.new_empty(0)
     steps = []
     if need_x:
         grad_x = torch.empty_like(x)
-        gx_parts, w_t = grad_x[:rows].split(sizes), weight.transpose(1, 2).unbind(0)
-        steps.append(lambda e: torch.mm(g_parts[e], w_t[e].to(dtype), out=gx_parts[e]))
+        gx_parts, w_t = grad_x[:rows].split(sizes), [w.transpose(1, 2).unbind(0) for w in weight.split(width, dim=-1)]
+
+        def input_grad(e: int) -> None:
+            torch.mm(g_parts[0][e], w_t[0][e].to(dtype), out=gx_parts[e])
+            for p in range(1, planes):
+                gx_parts[e].addmm_(g_parts[p][e], w_t[p][e].to(dtype))
+
+        steps.append(input_grad)
         if rows < x.shape[0]:
             grad_x[rows:].zero_()
     if need_w:
         grad_w = torch.empty_like(weight)
-        x_t, gw_parts = x[:rows].t().split(sizes, dim=1), grad_w.unbind(0)
+        x_t, gw_parts = x[:rows].t().split(sizes, dim=1), [gw.unbind(0) for gw in grad_w.split(width, dim=-1)]
         for e in (e for e, size in enumerate(sizes) if not size):
-            gw_parts[e].zero_()
-        if weight.dtype == dtype:
-            steps.append(lambda e: torch.mm(x_t[e], g_parts[e], out=gw_parts[e]))
-        else:
-            steps.append(lambda e: gw_parts[e].copy_(torch.mm(x_t[e], g_parts[e])))
+            grad_w[e].zero_()
+        cast = weight.dtype != dtype
+
+        def weight_grad(e: int) -> None:
+            for p in range(planes):
+                if cast:
+                    gw_parts[p][e].copy_(torch.mm(x_t[e], g_parts[p][e]))
+                else:
+                    torch.mm(x_t[e], g_parts[p][e], out=gw_parts[p][e])
+
+        steps.append(weight_grad)
     if need_b:
         grad_b = weight.new_zeros(weight.shape[0], weight.shape[-1])
-        gb_parts = grad_b.unbind(0)
-        steps.append(lambda e: torch.sum(g_parts[e], dim=0, dtype=gb_parts[e].dtype, out=gb_parts[e]))
+        gb_parts = [gb.unbind(0) for gb in grad_b.split(width, dim=-1)]
+
+        def bias_grad(e: int) -> None:
+            for p in range(planes):
+                torch.sum(g_parts[p][e], dim=0, dtype=grad_b.dtype, out=gb_parts[p][e])
+
+        steps.append(bias_grad)
 
     def work(e: int) -> None:
         for step in steps:
@@ -120,12 +160,14 @@ _loop_backward_op = torch.library.custom_op("moekit::grouped_linear_loop_backwar
 
 
 @_loop_op.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], weight.shape[-1])
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
+    if planes == 1:
+        return x.new_empty(x.shape[0], weight.shape[-1])
+    return x.new_empty(planes, x.shape[0], weight.shape[-1] // planes)
 
 
 @_loop_backward_op.register_fake
-def _(grad_out, x, weight, counts, need_x, need_w, need_b):
+def _(grad_out, x, weight, counts, planes, need_x, need_w, need_b):
     empty = x.new_empty(0)
     return (
         torch.empty_like(x) if need_x else empty,
@@ -135,17 +177,17 @@ def _(grad_out, x, weight, counts, need_x, need_w, need_b):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, counts = inputs
+    x, weight, bias, counts, planes = inputs
     ctx.save_for_backward(x, weight, counts)
-    ctx.has_bias = bias is not None
+    ctx.has_bias, ctx.planes = bias is not None, planes
 
 
 def _backward(ctx, grad_out: Tensor, op=_loop_backward_op):
     x, weight, counts = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = need_b and ctx.has_bias
-    grad_x, grad_w, grad_b = op(grad_out, x, weight, counts, need_x, need_w, need_b)
-    return (grad_x if need_x else None, grad_w if need_w else None, grad_b if need_b else None, None)
+    grad_x, grad_w, grad_b = op(grad_out, x, weight, counts, ctx.planes, need_x, need_w, need_b)
+    return (grad_x if need_x else None, grad_w if need_w else None, grad_b if need_b else None, None, None)
 
 
 _loop_op.register_autograd(_backward, setup_context=_setup_context)
@@ -156,21 +198,20 @@ class _LoopGroupedLinear(torch.autograd.Function):
     (``torch.utils.flop_counter``), which sees a custom operator as one op of unknown cost."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight, counts)
-        ctx.has_bias = bias is not None
-        return _loop_forward(x, weight, bias, counts)
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
+        _setup_context(ctx, (x, weight, bias, counts, planes), None)
+        return _loop_forward(x, weight, bias, counts, planes)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         return _backward(ctx, grad_out, op=_loop_backward)
 
 
-def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
     """The loop kernel: the custom operator under ``torch.compile``, the autograd function otherwise."""
     if torch.compiler.is_compiling():
-        return _loop_op(x, weight, bias, counts)
-    return _LoopGroupedLinear.apply(x, weight, bias, counts)
+        return _loop_op(x, weight, bias, counts, planes)
+    return _LoopGroupedLinear.apply(x, weight, bias, counts, planes)
 
 
 class _AddGroupBias(torch.autograd.Function):
@@ -238,6 +279,7 @@ def grouped_linear(
     group_sizes: GroupSizes,
     kernel: str = "auto",
     no_tail: bool = False,
+    planes: int = 1,
 ) -> Tensor:
     """Per-expert affine map of rows sorted by expert.
 
@@ -252,10 +294,15 @@ def grouped_linear(
         no_tail: the counts sum to ``rows`` (a dropless dispatch): the ``grouped_mm`` kernel then skips the two
             full-size masks that zero the outputs and gradients of rows past the last group (on an H100, 22% of
             a top-2 layer's GPU time with 64 experts). Wrong if a tail exists: its rows come back unset.
+        planes: the output as ``[planes, rows, out / planes]``, plane ``p`` holding columns ``p * out / planes``
+            onwards (a gated expert's gate and up). The CPU loop writes each plane contiguous, a product per plane,
+            where experts average :data:`PLANES_MIN_ROWS` rows or more; elsewhere the planes are views of one output.
 
     Returns:
-        ``[rows, out]``; rows after the last group are zeros.
+        ``[rows, out]`` (``[planes, rows, out / planes]``); rows after the last group are zeros.
     """
+    if planes < 1 or weight.shape[-1] % planes:
+        raise ValueError(f"planes={planes} must be a positive divisor of the {weight.shape[-1]} output features")
     num_experts = weight.shape[0]
     equal = isinstance(group_sizes, int)
     kernel = _resolve_kernel(kernel, x, equal)
@@ -264,11 +311,21 @@ def grouped_linear(
     if kernel == "bmm":
         xb = x.view(num_experts, group_sizes, x.shape[-1])
         out = torch.bmm(xb, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), xb, weight)
-        return out.view(x.shape[0], weight.shape[-1])
-    if kernel == "loop":
+        out = out.view(x.shape[0], weight.shape[-1])
+    elif kernel == "loop":
         counts = torch.full((num_experts,), group_sizes, dtype=torch.long) if equal else group_sizes
-        return _loop(x, weight, bias, counts)
-    # grouped_mm: device-side offsets, no host sync.
+        if planes > 1 and x.device.type == "cpu" and x.shape[0] >= PLANES_MIN_ROWS * num_experts:
+            return _loop(x, weight, bias, counts, planes)
+        out = _loop(x, weight, bias, counts, 1)
+    else:
+        out = _grouped_mm_kernel(x, weight, bias, group_sizes, no_tail)
+    return out if planes == 1 else out.unflatten(-1, (planes, -1)).transpose(0, 1)
+
+
+def _grouped_mm_kernel(x: Tensor, weight: Tensor, bias: Tensor | None, group_sizes: GroupSizes, no_tail: bool):
+    """``torch._grouped_mm`` with device-side offsets: no host sync."""
+    num_experts = weight.shape[0]
+    equal = isinstance(group_sizes, int)
     if equal:
         counts = torch.full((num_experts,), group_sizes, device=x.device, dtype=torch.int64)
     else:
