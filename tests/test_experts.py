@@ -115,7 +115,7 @@ def test_loop_kernel_gradcheck_float64():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rows_each", [3, PLANES_MIN_ROWS + 1], ids=["views", "contiguous-planes"])
+@pytest.mark.parametrize("rows_each", [3, PLANES_MIN_ROWS[torch.float32] + 1], ids=["views", "contiguous-planes"])
 def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, rows_each):
     """``planes=2`` gives ``[2, rows, out / 2]``: plane ``p`` is output columns ``p * out / 2`` onwards, with the
     gradients of the one-plane product. Where experts average ``PLANES_MIN_ROWS`` rows the CPU loop writes the planes
@@ -134,7 +134,8 @@ def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, row
     planes = grouped_linear(x, w, b, counts, kernel, planes=2)
     assert planes.shape == (2, rows, 3)
     contiguous = planes[0].is_contiguous() and planes[1].is_contiguous()
-    assert contiguous == (kernel == "loop" and rows_each > PLANES_MIN_ROWS), "planes contiguous where groups are large"
+    large = rows_each > PLANES_MIN_ROWS[torch.float32]
+    assert contiguous == (kernel == "loop" and large), "planes contiguous where groups are large"
     planes.backward(grad.unflatten(-1, (2, 3)).transpose(0, 1))
     got = (planes.detach(), x.grad, w.grad, b.grad)
     x.grad = w.grad = b.grad = None
@@ -146,11 +147,17 @@ def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, row
 
 
 def test_planes_of_bf16_rows_and_float32_weights_cast_each_experts_plane():
-    """Autocast's case on the CPU loop: bf16 rows, float32 parameters. The planes are those of the one-plane product
-    (each plane's product is a column block of it), the weight gradient comes back in float32, and the input gradient,
-    summed over the planes in bf16, is the one-plane gradient to bf16's rounding."""
+    """Autocast's case on the CPU loop: bf16 rows, float32 parameters, contiguous planes from bf16's own (higher) row
+    threshold. The planes are those of the one-plane product (each plane's product is a column block of it), the
+    weight gradient comes back in float32, and the input gradient, summed over the planes in bf16, is the one-plane
+    gradient to bf16's rounding."""
+    least = PLANES_MIN_ROWS[torch.bfloat16]
+    assert least > PLANES_MIN_ROWS[torch.float32]
+    small = torch.full((4,), (least + PLANES_MIN_ROWS[torch.float32]) // 2)  # enough rows for float32, not for bf16
+    x = torch.randn(int(small.sum()), 16).to(torch.bfloat16)
+    assert not grouped_linear(x, torch.randn(4, 16, 8), None, small, "loop", planes=2)[1].is_contiguous()
     # 524 rows per expert on average, an empty expert among them
-    counts = torch.tensor([2 * PLANES_MIN_ROWS + 7, 0, PLANES_MIN_ROWS, PLANES_MIN_ROWS + 40])
+    counts = torch.tensor([2 * least + 7, 0, least, least + 40])
     x = torch.randn(int(counts.sum()), 16).to(torch.bfloat16).requires_grad_()
     w = torch.randn(4, 16, 8, requires_grad=True)
     grad = torch.randn(x.shape[0], 8).to(torch.bfloat16)

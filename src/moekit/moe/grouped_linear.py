@@ -36,11 +36,11 @@ AUTO_KERNELS: dict[tuple[str, str], str] = {
 }
 
 # Gated experts split fc1's output into gate and up. On a CPU elementwise ops on such halves of short rows run up to 2x
-# slower than on contiguous tensors, so where experts average this many rows the loop writes each half as a contiguous
-# plane, one product per plane (docs/performance.md, "The combine and the gated activation on a CPU"): the top-2
-# layer of 8 experts of ~2000 rows 1.01-1.08x faster, while with 256 experts of 32 rows the extra products cost more
-# than they save (1.12x and 1.40x slower in float32 and bf16).
-PLANES_MIN_ROWS = 512
+# slower than on contiguous tensors, so where experts average this many rows (by the rows' dtype; others: bf16's) the
+# loop writes each half as a contiguous plane, one product per plane (docs/performance.md, "The combine and the gated
+# activation on a CPU"). The top-2 layer, forward + backward: in float32 1.01-1.09x faster from 64 to 2048 rows per
+# expert, 1.12x slower at 32; in bf16 1.02-1.08x faster from 512 rows, 1.04x and 1.08x slower at 256 and 128.
+PLANES_MIN_ROWS: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 512}
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -296,7 +296,8 @@ def grouped_linear(
             a top-2 layer's GPU time with 64 experts). Wrong if a tail exists: its rows come back unset.
         planes: the output as ``[planes, rows, out / planes]``, plane ``p`` holding columns ``p * out / planes``
             onwards (a gated expert's gate and up). The CPU loop writes each plane contiguous, a product per plane,
-            where experts average :data:`PLANES_MIN_ROWS` rows or more; elsewhere the planes are views of one output.
+            where experts average :data:`PLANES_MIN_ROWS` rows or more (per dtype); elsewhere the planes are views of
+            one output.
 
     Returns:
         ``[rows, out]`` (``[planes, rows, out / planes]``); rows after the last group are zeros.
@@ -314,7 +315,8 @@ def grouped_linear(
         out = out.view(x.shape[0], weight.shape[-1])
     elif kernel == "loop":
         counts = torch.full((num_experts,), group_sizes, dtype=torch.long) if equal else group_sizes
-        if planes > 1 and x.device.type == "cpu" and x.shape[0] >= PLANES_MIN_ROWS * num_experts:
+        min_rows = PLANES_MIN_ROWS.get(x.dtype, PLANES_MIN_ROWS[torch.bfloat16])
+        if planes > 1 and x.device.type == "cpu" and x.shape[0] >= min_rows * num_experts:
             return _loop(x, weight, bias, counts, planes)
         out = _loop(x, weight, bias, counts, 1)
     else:
