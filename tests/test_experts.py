@@ -8,7 +8,7 @@ from torch import nn
 from conftest import reference_expert
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertBank, grouped_linear
-from moekit.moe.grouped_linear import _HAS_GROUPED_MM, PLANES_MIN_ROWS, _resolve_kernel
+from moekit.moe.grouped_linear import _HAS_GROUPED_MM, PLANES_MIN_ROWS, ROW_BLOCK, _resolve_kernel, _row_blocks
 
 KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 
@@ -172,6 +172,49 @@ def test_planes_of_bf16_rows_and_float32_weights_cast_each_experts_plane():
     torch.testing.assert_close(got[0], one.detach().unflatten(-1, (2, 4)).transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(got[2], w.grad, rtol=0, atol=0)
     torch.testing.assert_close(got[1], x.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_reduced_precision_products_run_on_a_bounded_set_of_row_counts(dtype):
+    """oneDNN builds a kernel per new shape: in bf16 each expert's rows are cut into a multiple of ``ROW_BLOCK`` and a
+    rest, so that any row count maps to shapes from a set of ``n / ROW_BLOCK + ROW_BLOCK`` sizes; float32 products
+    (MKL's) take the rows whole."""
+    sizes = [0, 1, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1, 5 * ROW_BLOCK + 17, 7 * ROW_BLOCK]
+    blocks = _row_blocks(sizes, torch.empty(0, dtype=dtype))
+    for n, parts in zip(sizes, blocks):
+        assert parts[0].start == 0 and parts[-1].stop == n
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:])), "contiguous, in order"
+        lengths = [r.stop - r.start for r in parts]
+        if dtype == torch.float32:
+            assert lengths == [n]
+        else:
+            assert all(length % ROW_BLOCK == 0 or length < ROW_BLOCK for length in lengths) and len(lengths) <= 2
+            assert len(lengths) == (2 if n > ROW_BLOCK and n % ROW_BLOCK else 1)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])
+def test_the_loop_in_row_blocks_gives_the_whole_products(weight_dtype):
+    """bf16 rows of ragged experts above ``ROW_BLOCK`` (run in two blocks each), bias and gate / up planes: values
+    equal the float64 reference to bf16's rounding, and so do the gradients, whose weight part sums the blocks."""
+    torch.manual_seed(0)
+    least = PLANES_MIN_ROWS[torch.bfloat16]
+    counts = torch.tensor([least + 3, 0, 2 * least + ROW_BLOCK // 2, least + 1])  # rests of 3, 32 and 1 rows
+    x64 = torch.randn(int(counts.sum()) + 2, 16, dtype=torch.float64)
+    w64, b64 = torch.randn(4, 16, 8, dtype=torch.float64) / 4, torch.randn(4, 8, dtype=torch.float64)
+    grad64 = torch.randn(x64.shape[0], 8, dtype=torch.float64)
+    x = x64.to(torch.bfloat16).requires_grad_()
+    w, b = w64.to(weight_dtype).requires_grad_(), b64.to(weight_dtype).requires_grad_()
+    planes = grouped_linear(x, w, b, counts, "loop", planes=2)
+    assert planes[0].is_contiguous()
+    planes.backward(grad64.to(torch.bfloat16).unflatten(-1, (2, 4)).transpose(0, 1))
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = _reference_grouped(xr[:-2], wr, br, counts.tolist())
+    ref.backward(grad64.to(torch.bfloat16).double()[:-2])
+    torch.testing.assert_close(planes.detach().double()[:, :-2], ref.detach().unflatten(-1, (2, 4)).transpose(0, 1),
+                               rtol=2e-2, atol=5e-2)  # fmt: skip
+    assert torch.all(planes[:, -2:] == 0) and torch.all(x.grad[-2:] == 0), "the tail"
+    for have, want in zip((x.grad[:-2], w.grad, b.grad), (xr.grad[:-2], wr.grad, br.grad)):
+        torch.testing.assert_close(have.double(), want, rtol=2e-2, atol=0.25)
 
 
 def test_planes_must_divide_the_output_features():
