@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .cpu_threads import for_each_expert
 
-__all__ = ["grouped_linear", "AUTO_KERNELS", "PLANES_MIN_ROWS", "Kernel", "GroupSizes"]
+__all__ = ["grouped_linear", "AUTO_KERNELS", "PLANES_MIN_ROWS", "ROW_BLOCK", "Kernel", "GroupSizes"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
