@@ -120,7 +120,7 @@ def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, row
     """``planes=2`` gives ``[2, rows, out / 2]``: plane ``p`` is output columns ``p * out / 2`` onwards, with the
     gradients of the one-plane product. Where experts average ``PLANES_MIN_ROWS`` rows the CPU loop writes the planes
     contiguous (its gated activation then reads no strided halves), with the tail's rows zero in both."""
-    experts, counts = 4, None
+    experts = 4
     if kernel == "bmm":
         counts = rows_each
         rows = experts * rows_each

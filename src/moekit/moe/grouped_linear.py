@@ -90,11 +90,12 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
     def work(e: int) -> None:
         for p in range(planes):
             w = w_parts[p][e].to(dtype)
+            b = None if b_parts is None else b_parts[p][e].to(dtype)
             for r in blocks[e]:
-                if b_parts is None:
+                if b is None:
                     torch.mm(x_parts[e][r], w, out=out_parts[p][e][r])
                 else:
-                    torch.addmm(b_parts[p][e].to(dtype), x_parts[e][r], w, out=out_parts[p][e][r])
+                    torch.addmm(b, x_parts[e][r], w, out=out_parts[p][e][r])
 
     for_each_expert(work, sizes, x.device)
     if rows < x.shape[0]:
@@ -135,7 +136,7 @@ def _loop_backward(
                 w = w_t[p][e].to(dtype)
                 for r in blocks[e]:
                     if p == 0:
-                        torch.mm(g_parts[0][e][r], w, out=gx_parts[e][r])
+                        torch.mm(g_parts[p][e][r], w, out=gx_parts[e][r])
                     else:
                         gx_parts[e][r].addmm_(g_parts[p][e][r], w)
 
