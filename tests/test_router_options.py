@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.moe import DenseMoE, TopKMoE
+from moekit.moe import DenseMoE, TopKMoE, routing
 from moekit.moe.losses import bengio_batchwise_loss, bengio_examplewise_loss, bengio_variance_loss
-from moekit.moe.routing import router_logits
+from moekit.moe.routing import expert_softmax, router_logits
 
 
 def test_jitter_scales_the_router_input_only_in_training():
@@ -160,3 +160,24 @@ def test_two_layer_gate_of_the_dense_mixture():
     assert {n for n, _ in layer.named_parameters()} >= {"gate_hidden_weight", "gate_hidden_bias", "router_bias"}
     with pytest.raises(ValueError, match="gate_hidden=0 must be a positive int"):
         DenseMoE(8, 16, gate_hidden=0)
+
+
+@pytest.mark.parametrize("lanes", [16, 8, 0], ids=["avx512", "avx2", "other"])
+def test_expert_softmax_is_torchs_softmax_padded_where_the_rows_are_short(lanes, monkeypatch):
+    """Over the experts, float32 rows shorter than the CPU's float vector (and at least a quarter of it) are padded
+    with -inf to a whole vector: the same values and gradients as ``torch.softmax``, for every number of experts."""
+    monkeypatch.setattr(routing, "_cpu_float_lanes", lambda: lanes)
+    pads, pad = [], torch.nn.functional.pad
+    monkeypatch.setattr(torch.nn.functional, "pad", lambda *a, **k: pads.append(a[0].shape[-1]) or pad(*a, **k))
+    for experts in range(1, 21):
+        logits = (torch.randn(3, 5, experts) * 4).requires_grad_()
+        grad = torch.randn(3, 5, experts)
+        scores = expert_softmax(logits)
+        (got,) = torch.autograd.grad(scores, logits, grad)
+        expected = torch.softmax(logits, dim=-1)
+        torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got, torch.autograd.grad(expected, logits, grad)[0], rtol=1e-5, atol=1e-6)
+        assert pads == ([experts] if experts < lanes <= 4 * experts else []), experts
+        pads.clear()
+    expert_softmax(torch.randn(4, 8, dtype=torch.float64))  # float64 rows: torch's kernel as they are
+    assert not pads

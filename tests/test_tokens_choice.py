@@ -7,8 +7,9 @@ from torch import nn
 
 from conftest import reference_tokens_choice
 from moekit.moe import TopKMoE, update_balancing_biases
+from moekit.moe import dispatch as dispatch_module
 from moekit.moe.capacity import tokens_choice_capacity
-from moekit.moe.dispatch import _GatherRows, combine, dispatch, plan_dispatch, priority_order
+from moekit.moe.dispatch import _GatherRows, _stable_sort, combine, dispatch, plan_dispatch, priority_order
 from moekit.moe.losses import cv_squared, vmoe_load_loss
 
 
@@ -40,16 +41,24 @@ def test_a_plan_says_when_its_groups_cover_every_dispatched_row():
 
 @pytest.mark.parametrize(
     "top_k, width, dtype",
-    [(2, 8, torch.float64), (2, 256, torch.float64), (3, 200, torch.float64), (2, 256, torch.bfloat16)],
-    ids=["multiply-sum", "bmm", "bmm-k3", "multiply-sum-bf16"],
+    [
+        (3, 8, torch.float64),
+        (2, 8, torch.float64),
+        (2, 64, torch.float32),
+        (2, 256, torch.bfloat16),
+        (2, 256, torch.float64),
+        (3, 200, torch.float64),
+    ],
+    ids=["multiply-sum", "pair", "pair-float32", "pair-bf16", "bmm", "bmm-k3"],
 )
 def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width, dtype, monkeypatch):
-    """Either CPU path (a multiply and a sum for small products or reduced precision, a batched matmul for large
-    float32 / float64 ones) gives ``sum_j keep * gate * out`` per token, in values and gradients; a dropped assignment
-    contributes nothing."""
-    calls = []
-    bmm = torch.bmm
+    """Every CPU path (a batched matmul for large float32 / float64 products, else for top-2 one product and one
+    fused multiply-add, else a multiply and a sum) gives ``sum_j keep * gate * out`` per token, in values and gradients;
+    a dropped assignment contributes nothing."""
+    calls, pairs = [], []
+    bmm, pair = torch.bmm, dispatch_module._CombinePair.apply
     monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(a) or bmm(*a))
+    monkeypatch.setattr(dispatch_module._CombinePair, "apply", lambda *a: pairs.append(a) or pair(*a))
     expert_ids = torch.randint(0, 4, (10, top_k))
     plan = plan_dispatch(expert_ids, 4, capacity=4)  # 30 assignments into 16 slots: some dropped
     assert not plan.keep.all()
@@ -57,7 +66,8 @@ def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width, dtype, 
     gates = torch.rand(10, top_k, dtype=torch.float64).to(dtype).requires_grad_()
     grad = torch.randn(10, width, dtype=torch.float64).to(dtype)
     combine(expert_out, plan, gates).backward(grad)
-    assert bool(calls) == (dtype == torch.float64 and width >= 200), "the path of the dtype and size"
+    assert bool(calls) == (dtype != torch.bfloat16 and top_k * width >= 400), "the path of the dtype and size"
+    assert bool(pairs) == (top_k == 2 and not calls)
     got = (expert_out.grad, gates.grad)
     expert_out = expert_out.detach().double().requires_grad_()
     gates, grad = gates.detach().double().requires_grad_(), grad.double()
@@ -114,6 +124,39 @@ def test_the_grouped_mm_kernel_gives_the_loops_layer(capacity_factor):
 
 def test_priority_order_is_highest_score_first_ties_by_index():
     assert priority_order(torch.tensor([0.1, 0.9, 0.3, 0.9, 0.2])).tolist() == [1, 3, 2, 4, 0]
+
+
+@pytest.mark.parametrize("num", [5000, 12288, 20000, 32768, 40000])
+def test_cpu_sorts_through_the_radix_path_give_torch_sorts_order(num):
+    """Expert ids and BPR priorities from ``_CPU_RADIX_FROM`` entries on sort as int32 keys padded to the radix sort's
+    length (priorities through their bits): the order of ``torch.sort(..., stable=True)``, ties by index, with
+    negative, zero of both signs, subnormal and infinite priorities."""
+    generator = torch.Generator().manual_seed(num)
+    for bound in (9, 257, 2**20):
+        keys = torch.randint(0, bound, (num,), generator=generator)
+        values, indices = _stable_sort(keys, bound)
+        expected = torch.sort(keys, stable=True)
+        assert torch.equal(values.long(), expected.values) and torch.equal(indices, expected.indices)
+    priority = torch.randn(num, generator=generator)
+    priority[::5] = priority[1]  # ties
+    priority[::11], priority[::13] = 0.0, -0.0
+    priority[:4] = torch.tensor([float("inf"), -float("inf"), 1e-40, -1e-40])
+    for p in (priority, priority.abs(), torch.softmax(torch.randn(num, 8, generator=generator), -1).amax(-1)):
+        assert torch.equal(priority_order(p), torch.sort(p, descending=True, stable=True).indices)
+
+
+def test_a_large_plan_is_the_plan_of_torchs_comparison_sort(monkeypatch):
+    """A capacity-bound BPR plan of 12,800 tokens top-2 (its sorts on the radix path) keeps and orders exactly what
+    the same plan does with every sort left to torch's comparison sort."""
+    expert_ids = torch.rand(12800, 8).topk(2, dim=-1).indices
+    priority = torch.rand(12800)
+    plans = []
+    for radix_from in (dispatch_module._CPU_RADIX_FROM, 10**12):
+        monkeypatch.setattr(dispatch_module, "_CPU_RADIX_FROM", radix_from)
+        plans.append(plan_dispatch(expert_ids, 8, capacity=3000, priority=priority))
+    assert not plans[0].keep.all()
+    for name in ("order", "counts", "keep", "inverse"):
+        assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), name
 
 
 def test_batch_prioritized_routing_drops_lowest_priority_first():

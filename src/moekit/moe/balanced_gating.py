@@ -36,7 +36,7 @@ from .capacity import experts_choice_capacity
 from .dispatch import combine, dispatch, plan_dispatch
 from .experts import ExpertsConfig
 from .losses import batchwise_threshold_loss, router_z_loss
-from .routing import logit_checksum, reset_own_parameters, router_logits, router_weight
+from .routing import expert_softmax, logit_checksum, reset_own_parameters, router_logits, router_weight
 from .stats import strictly_balanced_stats
 
 __all__ = ["StrictlyBalancedMoE"]
@@ -183,7 +183,7 @@ class StrictlyBalancedMoE(MoELayer):
         mask_N = self._token_mask(padding_mask, B, T)
         x_ND = x.reshape(B * T, D)
         logits_NE = router_logits(x_ND, self.router_weight)
-        scores_NE = torch.softmax(logits_NE, dim=-1)
+        scores_NE = expert_softmax(logits_NE)
         if self.training and not self.has_thresholds():  # once: the first training batch
             self._set_thresholds(scores_NE.detach() if mask_N is None else scores_NE.detach()[mask_N])
 

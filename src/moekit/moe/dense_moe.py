@@ -18,7 +18,14 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .expert_dropping import OverpoweringExperts, check_margin
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import logit_checksum, reset_own_parameters, router_logits, router_precision, router_weight
+from .routing import (
+    expert_softmax,
+    logit_checksum,
+    reset_own_parameters,
+    router_logits,
+    router_precision,
+    router_weight,
+)
 from .stats import dense_mixture_stats
 
 __all__ = ["DenseMoE"]
@@ -91,7 +98,7 @@ class DenseMoE(MoELayer):
         mask_N = self._token_mask(padding_mask, batch, tokens)
         x_flat = x.reshape(batch * tokens, dim)
         logits = self.gate_logits(x_flat)
-        gates = torch.softmax(logits, dim=-1)  # [N, E]
+        gates = expert_softmax(logits)  # [N, E]
         num_tokens = x_flat.shape[0]
         if self.overpowering is not None:  # Eigen et al.: leave out the experts that ran ahead, renormalise
             gates = gates * self.overpowering.keep_E()

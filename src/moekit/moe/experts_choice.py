@@ -23,7 +23,15 @@ from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, experts_choice_capacity
 from .experts import ExpertsConfig
 from .losses import router_z_loss
-from .routing import check_loss_weights, count_ids, logit_checksum, reset_own_parameters, router_logits, router_weight
+from .routing import (
+    check_loss_weights,
+    count_ids,
+    expert_softmax,
+    logit_checksum,
+    reset_own_parameters,
+    router_logits,
+    router_weight,
+)
 from .stats import experts_choice_stats
 
 __all__ = ["ExpertsChoiceMoE"]
@@ -99,7 +107,7 @@ class ExpertsChoiceMoE(MoELayer):
         With ``mask_N: [N]`` (False for padding) ``C`` stays the capacity of whole groups, so the shapes are static,
         and each expert fills ``R(n * c / E)`` slots of a group with ``n`` real tokens: the other slots get gate 0."""
         logits = router_logits(x, self.router_weight)
-        probs = torch.softmax(logits, dim=-1)
+        probs = expert_softmax(logits)
         num_tokens, size = x.shape[0], self.group_size or x.shape[0]
         if num_tokens % size:
             raise ValueError(

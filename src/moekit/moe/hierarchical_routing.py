@@ -18,6 +18,7 @@ from .routing import (
     check_loss_weights,
     check_router_init,
     check_top_k,
+    expert_softmax,
     logit_checksum,
     reset_own_parameters,
     router_logits,
@@ -154,7 +155,7 @@ class HierarchicalRouter(Router):
             group_size = in_group.sum(0).clamp_min(1.0)
             load_h = load_primary.unsqueeze(-1) * load_secondary / group_size.unsqueeze(-1)
             losses["load"] = cfg.load_loss_weight * cv_squared(load_h.reshape(-1))
-        probs = torch.softmax(p_noisy, -1).repeat_interleave(per_group, dim=1) * torch.softmax(s_noisy, -1).reshape(
+        probs = expert_softmax(p_noisy).repeat_interleave(per_group, dim=1) * expert_softmax(s_noisy).reshape(
             num_tokens, -1
         )
         return Routing(

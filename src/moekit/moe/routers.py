@@ -37,6 +37,7 @@ from .routing import (
     check_router_init,
     check_top_k,
     count_ids,
+    expert_softmax,
     logit_checksum,
     recomputing,
     reset_own_parameters,
@@ -243,7 +244,7 @@ class TopKRouter(Router):
         clean_NE = router_logits(x, self.weight)
         logits_NE, noise_std = self._noisy_logits(clean_NE, x)
         if cfg.score_func == "softmax":
-            scores_NE = torch.softmax(logits_NE, dim=-1)
+            scores_NE = expert_softmax(logits_NE)
             probs_NE = scores_NE
         else:
             scores_NE = torch.sigmoid(logits_NE)
@@ -283,7 +284,7 @@ class TopKRouter(Router):
             )
         if cfg.importance_loss_weight:
             if cfg.importance_over == "probs":
-                importance_of = torch.softmax(clean_NE, dim=-1)
+                importance_of = expert_softmax(clean_NE)
             else:
                 importance_of = torch.zeros_like(scores_NE).scatter(1, expert_ids_NK, gates_NK)
             losses["importance"] = cfg.importance_loss_weight * importance_loss(importance_of, mask)
@@ -386,9 +387,7 @@ class BalancedRouter(Router):
         else:
             expert_ids = scores.argmax(dim=-1, keepdim=True)
         gates = torch.sigmoid(scores.gather(1, expert_ids))
-        return Routing(
-            expert_ids, gates, torch.softmax(scores, dim=-1), priority=None, logit_checksum=logit_checksum(scores)
-        )
+        return Routing(expert_ids, gates, expert_softmax(scores), priority=None, logit_checksum=logit_checksum(scores))
 
     def _assign(self, scores_NE: Tensor, mask: Tensor | None) -> Tensor:
         """``[N]`` experts: the real tokens share the experts evenly; padding goes to expert 0 (the layer drops it)."""
