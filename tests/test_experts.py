@@ -180,11 +180,12 @@ def test_reduced_precision_products_run_on_a_bounded_set_of_row_counts(dtype):
     rest, so that any row count maps to shapes from a set of ``n / ROW_BLOCK + ROW_BLOCK`` sizes; float32 products
     (MKL's) take the rows whole."""
     sizes = [0, 1, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1, 5 * ROW_BLOCK + 17, 7 * ROW_BLOCK]
-    blocks = _row_blocks(sizes, torch.empty(0, dtype=dtype))
+    block_sizes, blocks = _row_blocks(sizes, torch.empty(0, dtype=dtype))
+    assert blocks[0].start == 0 and blocks[-1].stop == len(block_sizes)
+    assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:])), "each expert's blocks, in order"
     for n, parts in zip(sizes, blocks):
-        assert parts[0].start == 0 and parts[-1].stop == n
-        assert all(a.stop == b.start for a, b in zip(parts, parts[1:])), "contiguous, in order"
-        lengths = [r.stop - r.start for r in parts]
+        lengths = [block_sizes[i] for i in parts]
+        assert sum(lengths) == n
         if dtype == torch.float32:
             assert lengths == [n]
         else:

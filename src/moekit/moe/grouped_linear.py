@@ -58,16 +58,19 @@ def _grouped_mm_takes(dtype: torch.dtype) -> bool:
     )
 
 
-def _row_blocks(sizes: list[int], x: Tensor) -> list[tuple[slice, ...]]:
-    """Each expert's rows as the slices its products run on: all at once, or on a CPU in bf16 / float16 a multiple of
-    :data:`ROW_BLOCK` and the rest (see there)."""
+def _row_blocks(sizes: list[int], x: Tensor) -> tuple[list[int], list[range]]:
+    """The blocks of rows the products run on, each expert's rows all at once or, on a CPU in bf16 / float16, a
+    multiple of :data:`ROW_BLOCK` and the rest (see there): the block sizes in row order, and the range of its blocks'
+    indices per expert. One ``split`` by these sizes gives every block's view (slicing per expert and block in Python
+    cost as much as a small product)."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
-        return [(slice(0, n),) for n in sizes]
-    blocks = []
+        return sizes, [range(e, e + 1) for e in range(len(sizes))]
+    block_sizes, blocks = [], []
     for n in sizes:
         bulk = n - n % ROW_BLOCK
-        blocks.append((slice(0, bulk), slice(bulk, n)) if 0 < bulk < n else (slice(0, n),))
-    return blocks
+        blocks.append(range(len(block_sizes), len(block_sizes) + (2 if 0 < bulk < n else 1)))
+        block_sizes += [bulk, n - bulk] if 0 < bulk < n else [n]
+    return block_sizes, blocks
 
 
 def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
@@ -81,21 +84,21 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
     dtype = x.dtype
     width = weight.shape[-1] // planes
     out = x.new_empty(planes, x.shape[0], width)
-    x_parts = x[:rows].split(sizes)
-    out_parts = [plane[:rows].split(sizes) for plane in out]
+    block_sizes, blocks = _row_blocks(sizes, x)
+    x_parts = x[:rows].split(block_sizes)
+    out_parts = [plane[:rows].split(block_sizes) for plane in out]
     w_parts = [w.unbind(0) for w in weight.split(width, dim=-1)]
     b_parts = None if bias is None else [b.unbind(0) for b in bias.split(width, dim=-1)]
-    blocks = _row_blocks(sizes, x)
 
     def work(e: int) -> None:
         for p in range(planes):
             w = w_parts[p][e].to(dtype)
             b = None if b_parts is None else b_parts[p][e].to(dtype)
-            for r in blocks[e]:
+            for i in blocks[e]:
                 if b is None:
-                    torch.mm(x_parts[e][r], w, out=out_parts[p][e][r])
+                    torch.mm(x_parts[i], w, out=out_parts[p][i])
                 else:
-                    torch.addmm(b, x_parts[e][r], w, out=out_parts[p][e][r])
+                    torch.addmm(b, x_parts[i], w, out=out_parts[p][i])
 
     for_each_expert(work, sizes, x.device)
     if rows < x.shape[0]:
@@ -123,29 +126,30 @@ def _loop_backward(
     dtype = x.dtype
     width = weight.shape[-1] // planes
     grad_out = grad_out.contiguous() if planes > 1 else grad_out.contiguous().unsqueeze(0)
-    g_parts = [plane[:rows].split(sizes) for plane in grad_out]
-    blocks = _row_blocks(sizes, x)
+    block_sizes, blocks = _row_blocks(sizes, x)
+    g_parts = [plane[:rows].split(block_sizes) for plane in grad_out]
     grad_x = grad_w = grad_b = x.new_empty(0)
     steps = []
     if need_x:
         grad_x = torch.empty_like(x)
-        gx_parts, w_t = grad_x[:rows].split(sizes), [w.transpose(1, 2).unbind(0) for w in weight.split(width, dim=-1)]
+        gx_parts = grad_x[:rows].split(block_sizes)
+        w_t = [w.transpose(1, 2).unbind(0) for w in weight.split(width, dim=-1)]
 
         def input_grad(e: int) -> None:
             for p in range(planes):
                 w = w_t[p][e].to(dtype)
-                for r in blocks[e]:
+                for i in blocks[e]:
                     if p == 0:
-                        torch.mm(g_parts[p][e][r], w, out=gx_parts[e][r])
+                        torch.mm(g_parts[p][i], w, out=gx_parts[i])
                     else:
-                        gx_parts[e][r].addmm_(g_parts[p][e][r], w)
+                        gx_parts[i].addmm_(g_parts[p][i], w)
 
         steps.append(input_grad)
         if rows < x.shape[0]:
             grad_x[rows:].zero_()
     if need_w:
         grad_w = torch.empty_like(weight)
-        x_t, gw_parts = x[:rows].t().split(sizes, dim=1), [gw.unbind(0) for gw in grad_w.split(width, dim=-1)]
+        x_t, gw_parts = x[:rows].t().split(block_sizes, dim=1), [gw.unbind(0) for gw in grad_w.split(width, dim=-1)]
         for e in (e for e, size in enumerate(sizes) if not size):
             grad_w[e].zero_()
         cast = weight.dtype != dtype
@@ -153,25 +157,27 @@ def _loop_backward(
         def weight_grad(e: int) -> None:  # a sum over the rows: the blocks' products add up
             for p in range(planes):
                 gw = gw_parts[p][e]
-                for i, r in enumerate(blocks[e]):
-                    x_r, g_r = x_t[e][:, r], g_parts[p][e][r]
-                    if cast and i == 0:
-                        gw.copy_(torch.mm(x_r, g_r))
+                for i in blocks[e]:
+                    first = i == blocks[e].start
+                    if cast and first:
+                        gw.copy_(torch.mm(x_t[i], g_parts[p][i]))
                     elif cast:
-                        gw.add_(torch.mm(x_r, g_r))
-                    elif i == 0:
-                        torch.mm(x_r, g_r, out=gw)
+                        gw.add_(torch.mm(x_t[i], g_parts[p][i]))
+                    elif first:
+                        torch.mm(x_t[i], g_parts[p][i], out=gw)
                     else:
-                        gw.addmm_(x_r, g_r)
+                        gw.addmm_(x_t[i], g_parts[p][i])
 
         steps.append(weight_grad)
     if need_b:
         grad_b = weight.new_zeros(weight.shape[0], weight.shape[-1])
         gb_parts = [gb.unbind(0) for gb in grad_b.split(width, dim=-1)]
+        whole = len(block_sizes) == len(sizes)  # one block per expert: the blocks are the experts' rows
+        g_rows = g_parts if whole else [plane[:rows].split(sizes) for plane in grad_out]
 
         def bias_grad(e: int) -> None:
             for p in range(planes):
-                torch.sum(g_parts[p][e], dim=0, dtype=grad_b.dtype, out=gb_parts[p][e])
+                torch.sum(g_rows[p][e], dim=0, dtype=grad_b.dtype, out=gb_parts[p][e])
 
         steps.append(bias_grad)
 
