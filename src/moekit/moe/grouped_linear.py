@@ -154,19 +154,15 @@ def _loop_backward(
             grad_w[e].zero_()
         cast = weight.dtype != dtype
 
-        def weight_grad(e: int) -> None:  # a sum over the rows: the blocks' products add up
+        def weight_grad(e: int) -> None:  # a sum over the rows: the blocks' products add up, in the rows' dtype
             for p in range(planes):
                 gw = gw_parts[p][e]
-                for i in blocks[e]:
-                    first = i == blocks[e].start
-                    if cast and first:
-                        gw.copy_(torch.mm(x_t[i], g_parts[p][i]))
-                    elif cast:
-                        gw.add_(torch.mm(x_t[i], g_parts[p][i]))
-                    elif first:
-                        torch.mm(x_t[i], g_parts[p][i], out=gw)
-                    else:
-                        gw.addmm_(x_t[i], g_parts[p][i])
+                first, *rest = blocks[e]
+                acc = torch.mm(x_t[first], g_parts[p][first], out=None if cast else gw)
+                for i in rest:
+                    acc.addmm_(x_t[i], g_parts[p][i])
+                if cast:  # once: a pass over a float32 gradient per block cost more than the blocks saved
+                    gw.copy_(acc)
 
         steps.append(weight_grad)
     if need_b:
