@@ -1,5 +1,6 @@
-"""What every router of the library shares: the float32 router projection, the checksum of its logits, and
-the :class:`Routing` a tokens-choice router returns (with :class:`Router`, the base of those routers).
+"""What every router of the library shares: the float32 router projection, the softmax over the experts, the checksum
+of its logits, and the :class:`Routing` a tokens-choice router returns (with :class:`Router`, the base of those
+routers).
 
 Routers compute their logits in float32 (at least), also under autocast: the softmaxes and top-k choices of
 routing are sensitive to rounding, the expert matmuls are not.
