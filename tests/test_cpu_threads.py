@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from moekit.moe.cpu_threads import MIN_EXPERTS_PER_THREAD, for_each_expert, shares
+from moekit.moe.cpu_threads import for_each_expert, shares
+from moekit.moe.kernel_choices import MIN_EXPERTS_PER_THREAD
 
 CPU = torch.device("cpu")
 grouped = sys.modules["moekit.moe.grouped_linear"]

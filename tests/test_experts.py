@@ -8,7 +8,8 @@ from torch import nn
 from conftest import reference_expert
 from moekit.models.summary import flop_counter
 from moekit.moe import ExpertBank, grouped_linear
-from moekit.moe.grouped_linear import _HAS_GROUPED_MM, PLANES_MIN_ROWS, ROW_BLOCK, _resolve_kernel, _row_blocks
+from moekit.moe.grouped_linear import _HAS_GROUPED_MM, _resolve_kernel, _row_blocks
+from moekit.moe.kernel_choices import PLANES_MIN_ROWS, ROW_BLOCK
 
 KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 

@@ -142,9 +142,10 @@ def test_a_layer_on_the_gpu_gives_the_cpus_outputs_and_gradients(name):
 
 @needs_cuda
 def test_the_gpus_patch_embedding_is_the_cpus_convolution():
-    """ViT-S/16's patch embedding on the GPU (the matmul, moekit.models.stem.PATCHIFY_KERNELS) against the CPU's
+    """ViT-S/16's patch embedding on the GPU (the matmul, moekit.moe.kernel_choices.PATCHIFY_KERNELS) against the CPU's
     convolution: outputs and gradients, float32."""
-    from moekit.models.stem import PATCHIFY_KERNELS, MatmulPatchEmbed
+    from moekit.models.stem import MatmulPatchEmbed
+    from moekit.moe.kernel_choices import PATCHIFY_KERNELS
 
     assert PATCHIFY_KERNELS["cuda"] == "matmul"
     embed = MatmulPatchEmbed(img_size=224, patch_size=16, in_chans=3, embed_dim=384)

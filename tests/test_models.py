@@ -395,7 +395,8 @@ def test_conv_stem_errors_name_the_channels(kwargs, message):
 def test_matmul_patch_embed_is_timms_patch_embed(kwargs, hw, monkeypatch):
     from timm.layers import PatchEmbed
 
-    from moekit.models.stem import PATCHIFY_KERNELS, MatmulPatchEmbed, PatchProjection
+    from moekit.models.stem import MatmulPatchEmbed, PatchProjection
+    from moekit.moe.kernel_choices import PATCHIFY_KERNELS
 
     torch.manual_seed(0)
     ref = PatchEmbed(**kwargs).double()
@@ -426,7 +427,8 @@ def test_matmul_patch_embed_is_timms_patch_embed(kwargs, hw, monkeypatch):
 def test_matmul_patch_embed_keeps_the_matmul_through_timms_patch_resize(monkeypatch):
     from timm.layers import PatchEmbed
 
-    from moekit.models.stem import PATCHIFY_KERNELS, MatmulPatchEmbed, PatchProjection
+    from moekit.models.stem import MatmulPatchEmbed, PatchProjection
+    from moekit.moe.kernel_choices import PATCHIFY_KERNELS
 
     monkeypatch.setitem(PATCHIFY_KERNELS, "cpu", "matmul")
 

@@ -6,7 +6,7 @@ from timm.layers import Mlp, SwiGLU
 from torch import nn
 
 from conftest import reference_tokens_choice
-from moekit.moe import TopKMoE, update_balancing_biases
+from moekit.moe import TopKMoE, kernel_choices, update_balancing_biases
 from moekit.moe import dispatch as dispatch_module
 from moekit.moe.capacity import tokens_choice_capacity
 from moekit.moe.dispatch import _GatherRows, _stable_sort, combine, dispatch, plan_dispatch, priority_order
@@ -128,9 +128,9 @@ def test_priority_order_is_highest_score_first_ties_by_index():
 
 @pytest.mark.parametrize("num", [5000, 12288, 20000, 32768, 40000])
 def test_cpu_sorts_through_the_radix_path_give_torch_sorts_order(num):
-    """Expert ids and BPR priorities from ``_CPU_RADIX_FROM`` entries on sort as int32 keys padded to the radix sort's
-    length (priorities through their bits): the order of ``torch.sort(..., stable=True)``, ties by index, with
-    negative, zero of both signs, subnormal and infinite priorities."""
+    """Expert ids and BPR priorities from ``kernel_choices.SORT_RADIX_FROM`` entries on sort as int32 keys padded to
+    the radix sort's length (priorities through their bits): the order of ``torch.sort(..., stable=True)``, ties by
+    index, with negative, zero of both signs, subnormal and infinite priorities."""
     generator = torch.Generator().manual_seed(num)
     for bound in (9, 257, 2**20):
         keys = torch.randint(0, bound, (num,), generator=generator)
@@ -151,8 +151,8 @@ def test_a_large_plan_is_the_plan_of_torchs_comparison_sort(monkeypatch):
     expert_ids = torch.rand(12800, 8).topk(2, dim=-1).indices
     priority = torch.rand(12800)
     plans = []
-    for radix_from in (dispatch_module._CPU_RADIX_FROM, 10**12):
-        monkeypatch.setattr(dispatch_module, "_CPU_RADIX_FROM", radix_from)
+    for radix_from in (kernel_choices.SORT_RADIX_FROM, 10**12):
+        monkeypatch.setattr(kernel_choices, "SORT_RADIX_FROM", radix_from)
         plans.append(plan_dispatch(expert_ids, 8, capacity=3000, priority=priority))
     assert not plans[0].keep.all()
     for name in ("order", "counts", "keep", "inverse"):

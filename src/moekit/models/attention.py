@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.moe import kernel_choices
 from moekit.moe.dropout import Dropout, dropout
 
 from .lm_common import check_positive_int
@@ -117,7 +118,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rope(q, start, positions), self.rope(k, start, positions)
         dropout_p = self.dropout if self.training else 0.0
         sdpa_kwargs = {"dropout_p": dropout_p, "enable_gqa": self.num_kv_heads != self.num_heads}
-        cpu_dropout = dropout_p > 0 and x.device.type == "cpu"  # see attention_with_dropout
+        cpu_dropout = dropout_p > 0 and x.device.type in kernel_choices.FAST_DROPOUT_DEVICES  # attention_with_dropout
         end = start + tokens
         if kv_cache is not None:
             key_buffer, value_buffer = kv_cache

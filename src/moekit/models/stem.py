@@ -3,11 +3,8 @@
 
 ``MatmulPatchEmbed`` is timm's ``PatchEmbed`` (a ``patch x patch`` convolution of stride ``patch``) whose convolution
 runs as one matmul of the image's patches against its flattened weight on the devices where that was measured to be
-faster (:data:`PATCHIFY_KERNELS`): the same parameters (names, shapes, initial values), checkpoints and outputs.
-Forward + backward of ViT-S/16's patch embedding at batch 512 (224 px, bf16 autocast, NVIDIA H200) took 5.63 ms in
-cuDNN and 0.88 ms as the matmul. On a 2-core AMD EPYC (float32, the whole ``PatchEmbed``) oneDNN's convolution took
-0.94-1.00x the matmul's time at 224 px with 16 px patches (batch 32) and 0.77-0.83x at 3x32 px with 4 px patches
-(batch 256), but 3.4-3.7x at 1x28 px with 4 px patches (batch 128): CPUs keep the convolution.
+faster, GPUs (``PATCHIFY_KERNELS`` of :mod:`moekit.moe.kernel_choices`, with the measurements): the same parameters
+(names, shapes, initial values), checkpoints and outputs.
 
 The convolutional stem is for ViTs on small images (Xiao et al. 2021, "Early Convolutions Help
 Transformers See Better").
@@ -36,15 +33,14 @@ import torch.nn.functional as F
 from timm.layers import PatchEmbed
 from torch import Tensor, nn
 
-__all__ = ["ConvStemPatchEmbed", "MatmulPatchEmbed", "PatchProjection", "PATCHIFY_KERNELS"]
+from moekit.moe import kernel_choices
 
-# How PatchProjection computes its convolution on each device type (measured: the module's docstring); others "conv".
-PATCHIFY_KERNELS: dict[str, str] = {"cuda": "matmul", "cpu": "conv"}
+__all__ = ["ConvStemPatchEmbed", "MatmulPatchEmbed", "PatchProjection"]
 
 
 class PatchProjection(nn.Conv2d):
     """A convolution whose kernel is its stride (a ViT's patchify), computed as one matmul over the patches where
-    :data:`PATCHIFY_KERNELS` says so.
+    ``kernel_choices.PATCHIFY_KERNELS`` says so.
 
     ``PatchProjection.of(conv)`` takes ``conv``'s own parameters. Input ``[B, C, H, W]`` -> ``[B, E, H/p, W/p]``
     as the convolution gives it (rows and columns past the last whole patch left out); the matmul's is laid out
@@ -69,7 +65,7 @@ class PatchProjection(nn.Conv2d):
         return proj.train(conv.training)
 
     def forward(self, x_BCHW: Tensor) -> Tensor:
-        if PATCHIFY_KERNELS.get(x_BCHW.device.type, "conv") == "conv":
+        if kernel_choices.PATCHIFY_KERNELS.get(x_BCHW.device.type, "conv") == "conv":
             return super().forward(x_BCHW)
         return self._matmul_forward(x_BCHW)
 

@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from . import kernel_choices
 from .routing import count_ids
 
 __all__ = ["balanced_assignment", "balanced_capacities", "resolve_solver", "Solver"]
@@ -58,11 +59,12 @@ def balanced_capacities(num_tokens: int | Tensor, num_experts: int, device=None)
 
 
 def resolve_solver(solver: Solver, device: torch.device) -> str:
-    """``"auto"``: the exact solver on CPUs (host reads are free there), the sync-free one on accelerators."""
+    """``"auto"``: the solver ``BASE_SOLVERS`` of :mod:`moekit.moe.kernel_choices` names for ``device``'s type: the
+    exact one on CPUs (host reads are free there), the sync-free one on accelerators."""
     if solver not in ("auto", "exact", "sync_free"):
         raise ValueError(f"solver={solver!r}; allowed: 'auto', 'exact', 'sync_free'")
     if solver == "auto":
-        return "exact" if device.type == "cpu" else "sync_free"
+        return kernel_choices.BASE_SOLVERS.get(device.type, "sync_free")
     return solver
 
 

@@ -7,18 +7,14 @@ about equal in rows, and runs its experts' products one after another on one int
 runs equal groups. The workers start once per process and thread count (again after a fork); a worker's one-thread
 setting is its own (OpenMP's and MKL's thread-local settings), the calling thread keeps its own.
 
-Measured (``grouped_linear`` forward + backward, 2-core AMD EPYC, float32, interleaved rounds): with 32 to 256 experts
-of 32 to 128 rows each, 1.01-1.20x the speed of the plain loop (1.10-1.20x at 256 experts of 32 rows, the fine-grained
-layer's shape); with 4 to 16 experts 0.92-1.06x, as the plain loop's products split well over the BLAS's own
-threads. Hence :data:`MIN_EXPERTS_PER_THREAD`.
-
 The workers share the cores with torch's own OpenMP team, whose idle threads spin for milliseconds after each parallel
 region before they sleep (libgomp's default): one worker then ran at half speed, up to 2x longer than the other.
 Importing moekit before torch shortens that spin (:mod:`moekit.utils.openmp`).
 
 The work runs in the calling thread, one expert after another, where threads cannot help or would hide the work: a
-device other than the CPU, one intra-op thread, fewer than ``MIN_EXPERTS_PER_THREAD`` non-empty experts per thread, or
-a ``TorchDispatchMode`` active (the FLOP counter's, which sees only the calling thread's operators).
+device other than the CPU, one intra-op thread, fewer non-empty experts per thread than ``MIN_EXPERTS_PER_THREAD`` of
+:mod:`moekit.moe.kernel_choices` (fewer, larger products split well over the BLAS's own threads; the measurements are
+there), or a ``TorchDispatchMode`` active (the FLOP counter's, which sees only the calling thread's operators).
 """
 
 from __future__ import annotations
@@ -32,9 +28,9 @@ import torch
 
 from moekit.utils.openmp import warn_if_spinning
 
-__all__ = ["for_each_expert", "shares", "MIN_EXPERTS_PER_THREAD"]
+from . import kernel_choices
 
-MIN_EXPERTS_PER_THREAD = 16
+__all__ = ["for_each_expert", "shares"]
 
 
 class _Workers:
@@ -111,7 +107,7 @@ def for_each_expert(work: Callable[[int], None], costs: Sequence[int], device: t
 
     n = torch.get_num_threads()
     busy = sum(1 for cost in costs if cost > 0)
-    spread = device.type == "cpu" and n > 1 and busy >= MIN_EXPERTS_PER_THREAD * n
+    spread = device.type == "cpu" and n > 1 and busy >= kernel_choices.MIN_EXPERTS_PER_THREAD * n
     workers = _get_workers(n) if spread and torch._C._len_torch_dispatch_stack() == 0 else None
     if workers is None or not workers.usable:
         run(range(len(costs)))

@@ -18,21 +18,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import kernel_choices
 from .routing import count_ids
 
 __all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine"]
 
-# torch's CPU bmm runs products of fewer multiply-adds than this on its naive kernel, larger ones on the BLAS's
-_CPU_BMM_MIN_MACS = 400
-
-# torch's CPU sort runs a 1-D integer tensor of at least _CPU_RADIX_MIN entries (at::internal::GRAIN_SIZE) as a
-# parallel radix sort, stable and linear in its length, and shorter ones or floats as a comparison sort. From
-# _CPU_RADIX_FROM keys on, expert ids and priorities go to the radix sort as int32, padded to its length: on a 2-core
-# AMD EPYC, 25,600 expert ids of 8-256 experts sorted in 0.15-0.20 ms against 0.62-1.04 (int64, comparison sort),
-# and the priority order of 12,800 tokens took 0.18 ms against 0.69-0.77 (float32); at 8,192 ids of 8 experts the
-# comparison sort was faster (0.09 ms against 0.18).
+# torch's CPU sort runs a 1-D integer tensor of at least this many entries (at::internal::GRAIN_SIZE) as a parallel
+# radix sort, stable and linear in its length; shorter ones, and floats, get a comparison sort. From
+# kernel_choices.SORT_RADIX_FROM keys on, expert ids and priorities sort as int32 keys padded to this length.
 _CPU_RADIX_MIN = 32768
-_CPU_RADIX_FROM = 12288
 _INT32_MAX = 2**31 - 1
 
 
@@ -70,7 +64,8 @@ class _GatherRows(torch.autograd.Function):
 
     On a 2-core AMD EPYC (float32, 4096-16384 tokens of width 512, forward + backward) this took 0.83-0.91x the time of
     ``index_select`` for the combine's permutation (``copies`` 1), but 1.6x for the dispatch's copies (``copies`` 2-8:
-    the gathered gradient is a pass more than CPU ``index_add_``'s), so the CPU dispatch keeps ``index_select``."""
+    the gathered gradient is a pass more than CPU ``index_add_``'s), so the CPU dispatch keeps ``index_select``
+    (``DISPATCH_GRADIENT`` of :mod:`moekit.moe.kernel_choices`)."""
 
     @staticmethod
     def forward(ctx, src: Tensor, index: Tensor, back: Tensor, copies: int) -> Tensor:
@@ -88,10 +83,12 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _stable_sort(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
-    """``torch.sort(keys, stable=True)`` of 1-D integer ``keys`` below ``bound``; on a CPU from ``_CPU_RADIX_FROM``
-    keys on, as int32 keys (``bound`` at most ``2**31``) padded to torch's radix sort (the values then int32)."""
+    """``torch.sort(keys, stable=True)`` of 1-D integer ``keys`` below ``bound``; on a CPU from
+    ``kernel_choices.SORT_RADIX_FROM`` keys on, as int32 keys (``bound`` at most ``2**31``) padded to torch's radix
+    sort (the values then int32)."""
     num = keys.numel()
-    if keys.device.type != "cpu" or num < _CPU_RADIX_FROM or bound > 2**31 or torch.compiler.is_compiling():
+    radix = keys.device.type == "cpu" and num >= kernel_choices.SORT_RADIX_FROM and bound <= 2**31
+    if not radix or torch.compiler.is_compiling():
         return torch.sort(keys, stable=True)
     keys = keys.int()
     if num < _CPU_RADIX_MIN:  # the padding sorts last, after every key
@@ -103,7 +100,11 @@ def _stable_sort(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
 def priority_order(priority: Tensor) -> Tensor:
     """Batch Prioritized Routing (Riquelme et al. 2021): the order in which tokens claim expert capacity,
     highest ``priority`` (the top router score) first, ties by index. ``[N] -> [N]`` token indices."""
-    radix = priority.dtype == torch.float32 and priority.device.type == "cpu" and priority.numel() >= _CPU_RADIX_FROM
+    radix = (
+        priority.dtype == torch.float32
+        and priority.device.type == "cpu"
+        and priority.numel() >= kernel_choices.SORT_RADIX_FROM
+    )
     if not radix or torch.compiler.is_compiling():
         return torch.sort(priority, descending=True, stable=True).indices
     # float32 as int32 in the same order (a negative float's magnitude bits flipped; -0.0 made +0.0 first), then
@@ -215,7 +216,7 @@ def plan_dispatch(
 def dispatch(x: Tensor, plan: DispatchPlan) -> Tensor:
     """``x: [N, d]`` -> ``[N * k, d]`` token copies in ``plan.order`` (expert-sorted rows)."""
     tokens = torch.div(plan.order, plan.top_k, rounding_mode="floor")  # [N * k]: the token of each row
-    if x.device.type == "cpu":
+    if kernel_choices.DISPATCH_GRADIENT.get(x.device.type, "gather") == "index_add":
         return x.index_select(0, tokens)
     return _GatherRows.apply(x, tokens, plan.inverse, plan.top_k)
 
@@ -237,30 +238,24 @@ def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:
         return per_assignment[:, 0] * weights
-    on_blas = per_assignment.device.type == "cpu" and per_assignment.dtype in (torch.float32, torch.float64)
-    large = on_blas and top_k * per_assignment.shape[-1] >= _CPU_BMM_MIN_MACS
+    device = per_assignment.device.type
+    min_macs = kernel_choices.COMBINE_BMM_MIN_MACS.get(device)
+    on_blas = min_macs is not None and per_assignment.dtype in (torch.float32, torch.float64)
+    large = on_blas and top_k * per_assignment.shape[-1] >= min_macs
     counted = not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0
     if large or counted:
-        # [1, k] @ [k, o] per token on MKL's batched GEMM: 1.3-1.7x a multiply and a sum at o = 256-1024, k = 2-8. Also
-        # under a TorchDispatchMode (the FLOP counter's), so that the combine's 2 k o FLOPs per token count whichever
-        # path runs.
+        # [1, k] @ [k, o] per token as one batched matmul. Also under a TorchDispatchMode (the FLOP counter's), so
+        # that the combine's 2 k o FLOPs per token count whichever path runs.
         return torch.bmm(weights.unsqueeze(1), per_assignment).squeeze(1)
-    # Smaller products take torch's naive bmm kernel on CPUs: 2x slower than a multiply and a sum at o = 64-192 (top-2,
-    # 2-core AMD EPYC). In bf16 the CPU's bmm is slower still: a multiply and a sum were 1.4-1.9x faster at
-    # o = 256-1024, k = 2-8 (forward + backward, 8192 tokens, AMD EPYC with avx512_bf16). On an H100 the bmm ran a
-    # tiny-tile GEMM kernel at ~1.2 ms per 32768 tokens (a quarter of a top-2 layer's step with 256 experts); a multiply
-    # and a sum read the same bytes once.
-    if top_k == 2 and per_assignment.device.type == "cpu" and not torch.compiler.is_compiling():
+    if top_k == 2 and device in kernel_choices.COMBINE_PAIR_DEVICES and not torch.compiler.is_compiling():
         return _CombinePair.apply(per_assignment, weights)
     return (per_assignment * weights.unsqueeze(-1)).sum(dim=1)
 
 
 class _CombinePair(torch.autograd.Function):
-    """``y = w0 * a0 + w1 * a1`` per token, the top-2 combine of ``a: [N, 2, o]`` and ``w: [N, 2]`` on a CPU: one
-    product and one fused multiply-add, without the ``[N, 2, o]`` product that a multiply and a sum over the middle dim
-    write and read again. On a 2-core AMD EPYC with AVX-512 (8192 tokens, forward + backward) it took 0.45-0.61x
-    their time in bf16 (o = 64-1024) and 0.74-1.00x in float32 (o = 64-192); float32 from ``k o >= 400`` takes MKL's
-    bmm."""
+    """``y = w0 * a0 + w1 * a1`` per token, the top-2 combine of ``a: [N, 2, o]`` and ``w: [N, 2]``: one product and
+    one fused multiply-add, without the ``[N, 2, o]`` product that a multiply and a sum over the middle dim write and
+    read again (where it runs, and what it saves: ``COMBINE_PAIR_DEVICES`` of :mod:`moekit.moe.kernel_choices`)."""
 
     @staticmethod
     def forward(ctx, a_N2O: Tensor, w_N2: Tensor) -> Tensor:

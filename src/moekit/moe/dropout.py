@@ -12,10 +12,10 @@ kept elements are scaled by one over the exact keep probability, so the output's
 against ``F.dropout``'s 110.
 
 Under ``torch.compile`` the draws are one opaque operator, so a compiled model draws the masks eager mode draws
-(inductor's own CPU masks were as slow as torch's in the compiled Transformer LM). On other
-devices (their dropout kernels draw in parallel) and for a ``p`` that rounds to 0 or to 65536 levels, :func:`dropout`
-is ``F.dropout``. The Transformer LM's attention applies it to the probabilities on CPUs
-(:func:`moekit.models.attention.attention_with_dropout`).
+(inductor's own CPU masks were as slow as torch's in the compiled Transformer LM). On devices outside
+``FAST_DROPOUT_DEVICES`` (:mod:`moekit.moe.kernel_choices`; GPUs' dropout kernels draw in parallel) and for a ``p``
+that rounds to 0 or to 65536 levels, :func:`dropout` is ``F.dropout``. The Transformer LM's attention applies it to
+the probabilities on those devices (:func:`moekit.models.attention.attention_with_dropout`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from . import kernel_choices
 
 __all__ = ["Dropout", "dropout", "use_fast_dropout"]
 
@@ -51,7 +53,7 @@ def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -
     if not training or p == 0.0:
         return x
     dropped_levels = round(p * LEVELS)
-    if x.device.type != "cpu" or not 0 < dropped_levels < LEVELS:
+    if x.device.type not in kernel_choices.FAST_DROPOUT_DEVICES or not 0 < dropped_levels < LEVELS:
         return F.dropout(x, p, training, inplace)
     level = _levels(x.detach()).view(x.shape)
     scale = torch.tensor(LEVELS / (LEVELS - dropped_levels), dtype=x.dtype)

@@ -5,8 +5,8 @@ sync, free on CPU; under ``torch.compile`` a custom operator, opaque to it, so n
 experts the calls are spread over the cores, :mod:`moekit.moe.cpu_threads`); ``"bmm"`` - one
 batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` with device-side offsets (no host sync;
 feature sizes that are not 16-byte multiples are zero-padded to one). ``"auto"`` picks per device and layout
-(:data:`AUTO_KERNELS`). ``planes=2`` hands a gated expert's gate and up back as two planes, contiguous from the CPU
-loop where groups are large (:data:`PLANES_MIN_ROWS`).
+(``AUTO_KERNELS`` of :mod:`moekit.moe.kernel_choices`, the table of every such choice). ``planes=2`` hands a gated
+expert's gate and up back as two planes, contiguous from the CPU loop where groups are large (``PLANES_MIN_ROWS``).
 """
 
 from __future__ import annotations
@@ -16,36 +16,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from . import kernel_choices
 from .cpu_threads import for_each_expert
 
-__all__ = ["grouped_linear", "AUTO_KERNELS", "PLANES_MIN_ROWS", "ROW_BLOCK", "Kernel", "GroupSizes"]
+__all__ = ["grouped_linear", "Kernel", "GroupSizes"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
-
-# Keys: (device type, "equal" | "ragged"). On CPUs, one batched matmul beats the per-expert loop on equal
-# groups; on ragged ones the loop, over the cores where experts are many, is level with torch._grouped_mm or faster
-# (scripts/bench_moe.py; docs/performance.md).
-# On an H100 (torch 2.11, make gpu-check) grouped_mm runs bf16 and float32 without a host sync; the loop reads
-# the counts on the host. CUDA in another dtype (float16), or in float32 under torch.compile, falls back to the loop.
-AUTO_KERNELS: dict[tuple[str, str], str] = {
-    ("cpu", "equal"): "bmm",
-    ("cpu", "ragged"): "loop",
-    ("cuda", "equal"): "bmm",
-    ("cuda", "ragged"): "grouped_mm",
-}
-
-# Gated experts split fc1's output into gate and up. On a CPU elementwise ops on such halves of short rows run up to 2x
-# slower than on contiguous tensors, so where experts average this many rows (by the rows' dtype; others: bf16's) the
-# loop writes each half as a contiguous plane, one product per plane (docs/performance.md, "The combine and the gated
-# activation on a CPU"). The top-2 layer, forward + backward: in float32 1.01-1.09x faster from 64 to 2048 rows per
-# expert, 1.12x slower at 32; in bf16 1.02-1.08x faster from 512 rows, 1.04x and 1.08x slower at 256 and 128.
-PLANES_MIN_ROWS: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 512}
-
-# oneDNN, which runs a CPU's bf16 and float16 matmuls, builds a kernel for every new shape (0.5-1 ms each on a 2-core
-# EPYC, for products of 1-10 ms) and keeps the last 1024 built. Ragged experts bring new row counts every step, so the
-# loop splits each such product into a multiple of ROW_BLOCK rows and the rest: shapes from a bounded set, built once.
-ROW_BLOCK = 64
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -60,14 +37,14 @@ def _grouped_mm_takes(dtype: torch.dtype) -> bool:
 
 def _row_blocks(sizes: list[int], x: Tensor) -> tuple[list[int], list[range]]:
     """The blocks of rows the products run on, each expert's rows all at once or, on a CPU in bf16 / float16, a
-    multiple of :data:`ROW_BLOCK` and the rest (see there): the block sizes in row order, and the range of its blocks'
-    indices per expert. One ``split`` by these sizes gives every block's view (slicing per expert and block in Python
-    cost as much as a small product)."""
+    multiple of ``kernel_choices.ROW_BLOCK`` and the rest (see there): the block sizes in row order, and the range of
+    its blocks' indices per expert. One ``split`` by these sizes gives every block's view (slicing per expert and block
+    in Python cost as much as a small product)."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return sizes, [range(e, e + 1) for e in range(len(sizes))]
-    block_sizes, blocks = [], []
+    block_sizes, blocks, row_block = [], [], kernel_choices.ROW_BLOCK
     for n in sizes:
-        bulk = n - n % ROW_BLOCK
+        bulk = n - n % row_block
         blocks.append(range(len(block_sizes), len(block_sizes) + (2 if 0 < bulk < n else 1)))
         block_sizes += [bulk, n - bulk] if 0 < bulk < n else [n]
     return block_sizes, blocks
@@ -284,7 +261,7 @@ class _DenseGrad(torch.autograd.Function):
 
 def _resolve_kernel(kernel: str, x: Tensor, equal_groups: bool) -> str:
     if kernel == "auto":
-        kernel = AUTO_KERNELS.get((x.device.type, "equal" if equal_groups else "ragged"), "loop")
+        kernel = kernel_choices.AUTO_KERNELS.get((x.device.type, "equal" if equal_groups else "ragged"), "loop")
         if kernel == "grouped_mm" and not _grouped_mm_takes(x.dtype):
             kernel = "bmm" if equal_groups else "loop"
     if kernel == "bmm" and not equal_groups:
@@ -331,8 +308,8 @@ def grouped_linear(
             a top-2 layer's GPU time with 64 experts). Wrong if a tail exists: its rows come back unset.
         planes: the output as ``[planes, rows, out / planes]``, plane ``p`` holding columns ``p * out / planes``
             onwards (a gated expert's gate and up). The CPU loop writes each plane contiguous, a product per plane,
-            where experts average :data:`PLANES_MIN_ROWS` rows or more (per dtype); elsewhere the planes are views of
-            one output.
+            where experts average ``kernel_choices.PLANES_MIN_ROWS`` rows or more (per dtype); elsewhere the planes are
+            views of one output.
 
     Returns:
         ``[rows, out]`` (``[planes, rows, out / planes]``); rows after the last group are zeros.
@@ -350,7 +327,7 @@ def grouped_linear(
         out = out.view(x.shape[0], weight.shape[-1])
     elif kernel == "loop":
         counts = torch.full((num_experts,), group_sizes, dtype=torch.long) if equal else group_sizes
-        min_rows = PLANES_MIN_ROWS.get(x.dtype, PLANES_MIN_ROWS[torch.bfloat16])
+        min_rows = kernel_choices.PLANES_MIN_ROWS.get(x.dtype, kernel_choices.PLANES_MIN_ROWS[torch.bfloat16])
         if planes > 1 and x.device.type == "cpu" and x.shape[0] >= min_rows * num_experts:
             return _loop(x, weight, bias, counts, planes)
         out = _loop(x, weight, bias, counts, 1)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernel_choices
+
 __all__ = [
     "count_ids",
     "Routing",
@@ -97,23 +99,20 @@ def router_precision(t: Tensor) -> Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-# torch's CPU softmax over a last dim shorter than the float32 vector (16 lanes under AVX-512, 8 under AVX2) runs a
-# slow path: on a 2-core AMD EPYC with AVX-512, [12800, 8], forward + backward, took 1.36 ms, 4.6x the time with the
-# rows padded to 16 by -inf (0.30 ms), and 10x its own time under AVX2, where 8 fills a vector. Padding pays from
-# rows of a quarter of the vector (E = 2 under AVX-512 was 1.4x slower padded).
-_CPU_FLOAT_LANES = {"AVX512": 16, "AVX2": 8}
-
-
 @functools.cache
+def _cpu_capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def _cpu_float_lanes() -> int:
-    return _CPU_FLOAT_LANES.get(torch.backends.cpu.get_cpu_capability(), 0)
+    return kernel_choices.SOFTMAX_PAD_LANES.get(_cpu_capability(), 0)
 
 
 def expert_softmax(logits: Tensor) -> Tensor:
     """``softmax(logits, dim=-1)``: router scores over the experts. On a CPU, float32 rows of fewer entries than
     its float vector holds (and at least a quarter of them: 4-15 experts under AVX-512, 2-7 under AVX2) are padded
-    with ``-inf`` to a full vector first, for torch's fast kernel (see ``_CPU_FLOAT_LANES``); the values are the
-    same."""
+    with ``-inf`` to a full vector first, for torch's fast kernel (``SOFTMAX_PAD_LANES`` of
+    :mod:`moekit.moe.kernel_choices`); the values are the same."""
     num = logits.shape[-1]
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not torch.compiler.is_compiling():
         lanes = _cpu_float_lanes()

@@ -1,0 +1,100 @@
+"""The table of kernel and path choices (moekit.moe.kernel_choices): valid entries, read when a layer runs, and every
+choice the same layer."""
+
+import pytest
+import torch
+from torch import nn
+
+from moekit.moe import TopKMoE, kernel_choices
+from moekit.moe.assignment import resolve_solver
+from moekit.moe.dispatch import combine, plan_dispatch
+
+CPU = torch.device("cpu")
+
+
+def test_the_tables_entries_name_paths_the_code_has():
+    kernels = set(kernel_choices.AUTO_KERNELS.values())
+    assert kernels <= {"loop", "bmm", "grouped_mm"}
+    assert all(kernel != "bmm" for (_, layout), kernel in kernel_choices.AUTO_KERNELS.items() if layout == "ragged")
+    assert {layout for _, layout in kernel_choices.AUTO_KERNELS} <= {"equal", "ragged"}
+    assert set(kernel_choices.DISPATCH_GRADIENT.values()) <= {"index_add", "gather"}
+    assert set(kernel_choices.BASE_SOLVERS.values()) <= {"exact", "sync_free"}
+    assert set(kernel_choices.PATCHIFY_KERNELS.values()) <= {"conv", "matmul"}
+    counts = [
+        kernel_choices.ROW_BLOCK,
+        kernel_choices.MIN_EXPERTS_PER_THREAD,
+        kernel_choices.SORT_RADIX_FROM,
+        *kernel_choices.PLANES_MIN_ROWS.values(),
+        *kernel_choices.SOFTMAX_PAD_LANES.values(),
+        *kernel_choices.COMBINE_BMM_MIN_MACS.values(),
+    ]
+    assert all(isinstance(n, int) and n > 0 for n in counts)
+    assert torch.bfloat16 in kernel_choices.PLANES_MIN_ROWS, "the fallback of other reduced-precision dtypes"
+
+
+def test_the_layers_read_the_table_when_they_run(monkeypatch):
+    """A value changed after import takes effect: the solver, the combine and the dispatch's gradient follow it."""
+    assert resolve_solver("auto", CPU) == "exact"
+    monkeypatch.setitem(kernel_choices.BASE_SOLVERS, "cpu", "sync_free")
+    assert resolve_solver("auto", CPU) == "sync_free"
+
+    expert_ids = torch.tensor([[0, 1], [1, 0], [0, 1]])
+    plan = plan_dispatch(expert_ids, 2)
+    out = torch.randn(6, 300, dtype=torch.float64)  # k * o = 600 multiply-adds a token
+    gates = torch.rand(3, 2, dtype=torch.float64)
+    bmm_calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: bmm_calls.append(1) or bmm(*a))
+    want = combine(out, plan, gates)
+    assert bmm_calls, "float64 on a CPU from 400 multiply-adds: the batched matmul"
+    monkeypatch.setitem(kernel_choices.COMBINE_BMM_MIN_MACS, "cpu", 10**6)
+    bmm_calls.clear()
+    torch.testing.assert_close(combine(out, plan, gates), want)
+    assert not bmm_calls
+
+
+def _flip_the_loops_choices(monkeypatch) -> None:
+    """Every CPU choice of the table around the loop kernel to its other path."""
+    monkeypatch.setattr(kernel_choices, "PLANES_MIN_ROWS", {torch.float32: 1, torch.bfloat16: 1})
+    monkeypatch.setattr(kernel_choices, "MIN_EXPERTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernel_choices, "SORT_RADIX_FROM", 1)
+    monkeypatch.setattr(kernel_choices, "SOFTMAX_PAD_LANES", {})
+    monkeypatch.setattr(kernel_choices, "DISPATCH_GRADIENT", {})
+    monkeypatch.setattr(kernel_choices, "COMBINE_BMM_MIN_MACS", {})
+    monkeypatch.setattr(kernel_choices, "COMBINE_PAIR_DEVICES", set())
+
+
+def _grouped_mm_on_cpus(monkeypatch) -> None:
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("needs torch._grouped_mm")
+    monkeypatch.setitem(kernel_choices.AUTO_KERNELS, ("cpu", "ragged"), "grouped_mm")
+
+
+@pytest.mark.parametrize("flip", [_flip_the_loops_choices, _grouped_mm_on_cpus], ids=["loop-paths", "grouped_mm"])
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_every_cpu_choice_gives_the_same_layer(flip, gated, monkeypatch):
+    """A top-2 layer with capacity and Batch Prioritized Routing, forward and backward, with the table as shipped and
+    with the CPU's choices flipped (planes, threads, radix sorts, unpadded softmax, gathered gradients, the combine's
+    multiply and sum; or grouped_mm for the loop): the same outputs and gradients (float32 rounding)."""
+    torch.manual_seed(0)
+    act = nn.SiLU if gated else nn.GELU
+    layer = TopKMoE(
+        32, 48, num_experts=8, top_k=2, capacity_factor=1.0, batch_priority=True, gated=gated, act_layer=act
+    )
+    x = torch.randn(4, 50, 32)
+    grad = torch.randn(4, 50, 32)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        x_ = x.clone().requires_grad_()
+        y = layer(x_)
+        (y * grad).sum().backward()
+        return y.detach(), x_.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    y, gx, grads = run()
+    flip(monkeypatch)
+    y2, gx2, grads2 = run()
+    torch.testing.assert_close(y2, y)
+    torch.testing.assert_close(gx2, gx)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads2[name], g, msg=name)
