@@ -3,6 +3,7 @@
 and run the scripts."""
 
 import moekit  # noqa: F401, I001 - before torch, as the scripts do: it sets OpenMP's idle spin (moekit/utils/openmp.py)
+import copy
 import fcntl
 import importlib.util
 import os
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 import fork_server
 from moekit.configs import compose
 from moekit.data.fashion_mnist import write_fake_fashion_mnist
-from moekit.moe import ExpertBank
+from moekit.moe import ExpertBank, kernel_choices
 
 
 def pytest_configure(config):
@@ -45,6 +46,16 @@ def _deterministic_mode_restored():
     mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
     torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
+@pytest.fixture(autouse=True)
+def _kernel_choices_restored():
+    """A test that sets entries of the kernel choice table (``moekit.moe.kernel_choices``, ``--choice``) leaves it as
+    shipped for the next."""
+    yield
+    for name, shipped in kernel_choices._SHIPPED.items():
+        if getattr(kernel_choices, name) != shipped:
+            setattr(kernel_choices, name, copy.deepcopy(shipped))
 
 
 @pytest.fixture(autouse=True)

@@ -162,3 +162,13 @@ def test_bad_options_are_refused(capsys):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--device", "cuda"])
         assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
+
+
+def test_choices_set_for_a_run_are_in_its_header_and_a_bad_one_is_refused(capsys):
+    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--tables", "dropout"])
+    assert "kernel choices: as shipped;" in capsys.readouterr().out.splitlines()[0]
+    bench.main(["--quick", "--rounds", "1", "--allocator", "system", "--tables", "dropout", "--choice", "ROW_BLOCK=32"])
+    assert "kernel choices: ROW_BLOCK=32;" in capsys.readouterr().out.splitlines()[0]
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--tables", "dropout", "--choice", "AUTO_KERNELS[cpu,ragged]=bmm"])
+    assert "--choice 'AUTO_KERNELS[cpu,ragged]=bmm': bmm needs equal groups" in capsys.readouterr().err

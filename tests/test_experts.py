@@ -7,7 +7,7 @@ from torch import nn
 
 from conftest import reference_expert
 from moekit.models.summary import flop_counter
-from moekit.moe import ExpertBank, grouped_linear
+from moekit.moe import ExpertBank, grouped_linear, kernel_choices
 from moekit.moe.grouped_linear import _HAS_GROUPED_MM, _resolve_kernel, _row_blocks
 from moekit.moe.kernel_choices import PLANES_MIN_ROWS, ROW_BLOCK
 
@@ -254,18 +254,25 @@ def test_grouped_mm_kernel_pads_unaligned_features(dtype):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm absent")
-def test_flop_counter_counts_the_grouped_mm_kernel_as_the_loop():
-    """torch's FLOP counter has no formula for aten._grouped_mm; moekit's counts it as the per-expert matmuls the
-    loop runs: forward 2 M K N, input and weight gradients the same again each (in=16, out=8, 12 ragged rows)."""
-    counts = torch.tensor([5, 0, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_flop_counter_counts_the_grouped_mm_kernel_as_the_loop(planes, dtype, monkeypatch):
+    """torch's FLOP counter has no formula for aten._grouped_mm, nor for the in-place addmm_ with which the loop adds
+    a second plane's input gradient and a second row block's weight gradient; moekit's counts both: forward 2 M K N,
+    input and weight gradients the same again each (in=16, out=8, 82 ragged rows, an expert of two bf16 row blocks),
+    whichever kernel and path runs."""
+    monkeypatch.setattr(kernel_choices, "PLANES_MIN_ROWS", {torch.float32: 1, torch.bfloat16: 1})
+    counts = torch.tensor([ROW_BLOCK + 11, 0, 7])
+    rows = int(counts.sum())
     flops = {}
     for kernel in ("loop", "grouped_mm"):
-        x = torch.randn(12, 16, requires_grad=True)
-        w = torch.randn(3, 16, 8, requires_grad=True)
+        x = torch.randn(rows, 16, dtype=dtype, requires_grad=True)
+        w = torch.randn(3, 16, 8, dtype=dtype, requires_grad=True)
         with flop_counter() as counter:
-            grouped_linear(x, w, None, counts, kernel).backward(torch.randn(12, 8))
+            out = grouped_linear(x, w, None, counts, kernel, planes=planes)
+            out.backward(torch.randn_like(out))
         flops[kernel] = counter.get_total_flops()
-    assert flops["loop"] == 3 * 2 * 12 * 16 * 8
+    assert flops["loop"] == 3 * 2 * rows * 16 * 8
     assert flops["grouped_mm"] == flops["loop"]
 
 

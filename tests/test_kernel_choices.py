@@ -1,6 +1,8 @@
 """The table of kernel and path choices (moekit.moe.kernel_choices): valid entries, read when a layer runs, and every
 choice the same layer."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -98,3 +100,58 @@ def test_every_cpu_choice_gives_the_same_layer(flip, gated, monkeypatch):
     torch.testing.assert_close(gx2, gx)
     for name, g in grads.items():
         torch.testing.assert_close(grads2[name], g, msg=name)
+
+
+def test_set_choice_sets_entries_and_changes_gives_the_specs_back(monkeypatch):
+    table = kernel_choices
+    assert table.changes() == []
+    specs = [
+        "ROW_BLOCK=128",
+        "AUTO_KERNELS[cpu,ragged]=grouped_mm",
+        "PLANES_MIN_ROWS[float32]=64",
+        "DISPATCH_GRADIENT[cpu]=",
+        "COMBINE_PAIR_DEVICES=",
+        "SOFTMAX_PAD_LANES[AVX2]=16",
+    ]
+    for spec in specs:
+        table.set_choice(spec)
+    assert table.ROW_BLOCK == 128
+    assert table.AUTO_KERNELS["cpu", "ragged"] == "grouped_mm" and table.AUTO_KERNELS["cpu", "equal"] == "bmm"
+    assert table.PLANES_MIN_ROWS == {torch.float32: 64, torch.bfloat16: 512}
+    assert "cpu" not in table.DISPATCH_GRADIENT
+    assert table.COMBINE_PAIR_DEVICES == set()
+    assert table.SOFTMAX_PAD_LANES == {"AVX512": 16, "AVX2": 16}
+    recorded = table.changes()
+    assert sorted(recorded) == sorted(specs)
+    state = {name: copy.deepcopy(getattr(table, name)) for name in table._ENTRIES}
+    for name in table._ENTRIES:  # back to the shipped table, then what changes() recorded: the same state
+        monkeypatch.setattr(table, name, copy.deepcopy(table._SHIPPED[name]))
+    assert table.changes() == []
+    for spec in recorded:
+        table.set_choice(spec)
+    assert {name: getattr(table, name) for name in table._ENTRIES} == state
+    table.set_choice("COMBINE_PAIR_DEVICES=cpu, cuda")
+    assert table.COMBINE_PAIR_DEVICES == {"cpu", "cuda"}
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("ROW_BLOCK", "expected NAME=VALUE"),
+        ("NO_SUCH=1", "NAME one of"),
+        ("ROW_BLOCK=0", "positive int"),
+        ("ROW_BLOCK=big", "positive int"),
+        ("ROW_BLOCK[cpu]=3", "one number"),
+        ("AUTO_KERNELS=loop", r"is a table: set one key as AUTO_KERNELS\[KEY\]=VALUE, e.g. AUTO_KERNELS\[cpu,equal\]"),
+        ("AUTO_KERNELS[cpu]=loop", "its keys are 2 names"),
+        ("AUTO_KERNELS[cpu,ragged]=fast", r"choose from \['bmm', 'grouped_mm', 'loop'\]"),
+        ("AUTO_KERNELS[cpu,ragged]=bmm", "bmm needs equal groups"),
+        ("PLANES_MIN_ROWS[float33]=4", "not a torch dtype"),
+        ("COMBINE_PAIR_DEVICES[cpu]=1", "a set of device types"),
+    ],
+)
+def test_a_bad_choice_is_refused_with_the_fix_and_sets_nothing(spec, message):
+    table = kernel_choices
+    with pytest.raises(ValueError, match=message):
+        table.set_choice(spec)
+    assert table.changes() == []

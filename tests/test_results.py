@@ -81,6 +81,7 @@ def test_the_record_says_its_version_and_when_it_finished(image_run):
     """The version a reader checks, and the time that tells two records of one seed apart (the newer counts)."""
     _, _, record, _, out = image_run
     assert record["version"] == RECORD_VERSION
+    assert record["kernel_choices"] == [], "the run used the kernel choice table as shipped"
     finished = datetime.fromisoformat(record["finished_at"]).timestamp()
     assert abs(finished - (out / RESULTS_FILE).stat().st_mtime) < 60
     (run,) = load_results(out)

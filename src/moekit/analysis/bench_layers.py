@@ -15,6 +15,10 @@ computation.
     python scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8   # a GPU: bf16 autocast, 8x the batch
     python scripts/bench_moe.py --tables topk --profile   # and where moekit's layers spend their time
     python scripts/bench_moe.py --tables dropout         # moekit's CPU dropout against torch's (no FLOPs columns)
+    python scripts/bench_moe.py --tables topk --choice 'AUTO_KERNELS[cpu,ragged]=grouped_mm'   # another kernel choice
+
+``--choice`` sets entries of :mod:`moekit.moe.kernel_choices` for the run; the header names every entry that differs
+from the table as shipped.
 
 Optional references (``pip install -e .[bench]``): ``soft-moe-pytorch`` for Soft MoE and Hugging
 Face ``transformers``' ``MixtralSparseMoeBlock`` (every experts implementation it offers) for top-2.
@@ -42,7 +46,7 @@ from moekit.analysis.op_profile import print_top_operators
 from moekit.analysis.peak import device_sync, matmul_peak
 from moekit.models.attention import attention_with_dropout
 from moekit.models.summary import flop_counter
-from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer
+from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer, kernel_choices
 from moekit.moe.dropout import Dropout
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
@@ -406,7 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         "--profile", action="store_true", help="after the soft and topk tables: where moekit's layers spend their time"
     )
     add_allocator_argument(parser)
+    kernel_choices.add_choice_argument(parser)
     args = parser.parse_args(argv)
+    kernel_choices.apply_choice_argument(parser, args)
     if args.batch_scale < 1:
         parser.error(f"--batch-scale must be a positive integer, got {args.batch_scale}")
     if args.rounds < 1:
@@ -422,8 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# moekit layer benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{where}, {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, forward + backward, "
-        f"batch x{args.batch_scale}, allocator: {active_allocator()}, OpenMP {machine['openmp_spin']}; "
-        f"matmul peak {args.peak / 1e9:.1f} GFLOP/s ({peak_what})"
+        f"batch x{args.batch_scale}, allocator: {active_allocator()}, OpenMP {machine['openmp_spin']}, kernel "
+        f"choices: {kernel_choices.describe()}; matmul peak {args.peak / 1e9:.1f} GFLOP/s ({peak_what})"
     )
     for name in args.tables:
         TABLES[name](args)

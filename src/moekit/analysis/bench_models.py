@@ -24,6 +24,7 @@ which grows with a model's total parameters where the forward and backward grow 
     python scripts/bench_models.py --groups main --sweep task.optimizer.name=adamw,muon   # the optimizers' step
     python scripts/bench_models.py --groups vit --vit-width 64 96 128 --json logs/bench_models/pareto.json
     python scripts/bench_models.py --quick                  # tiny shapes, a smoke run
+    python scripts/bench_models.py --groups vit --choice ROW_BLOCK=128   # another kernel choice, as in bench_moe.py
 
 Groups: ``vit`` - the Pareto sweep's models (``results=pareto``: each ``moe=`` recipe of the sweep), against
 its ``moe=none`` twin; ``lm`` - the language sweep's models (``results=language``), ``mod_transformer_lm`` and
@@ -79,7 +80,7 @@ from moekit.analysis.step_times import STEP_TIMES_KIND
 from moekit.commands.train import _summary
 from moekit.configs import CONFIG_DIR, compose, instantiate
 from moekit.models.summary import LMSummary, ModelSummary
-from moekit.moe import update_balancing_biases
+from moekit.moe import kernel_choices, update_balancing_biases
 from moekit.tasks import LanguageModel, MoETask
 from moekit.tasks.optim import clip_grad_norm, optimizer_for
 from moekit.tasks.precision import (
@@ -388,8 +389,10 @@ def main(argv: list[str] | None = None) -> None:
         "--override", nargs="+", default=[], help="Hydra overrides for every model (e.g. moe.num_experts=32)"
     )
     add_allocator_argument(parser)
+    kernel_choices.add_choice_argument(parser)
     args = parser.parse_args(argv)
     apply_allocator(args)
+    kernel_choices.apply_choice_argument(parser, args)
     for name in ("rounds", "steps", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -407,8 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}, "
-        f"OpenMP {machine['openmp_spin']}; one training step (forward, backward, clip, optimizer step), median of "
-        f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} warm-up step(s) each"
+        f"OpenMP {machine['openmp_spin']}, kernel choices: {kernel_choices.describe()}; one training step (forward, "
+        f"backward, clip, optimizer step), median of {args.rounds} interleaved rounds x {args.steps} steps after "
+        f"{args.warmup} warm-up step(s) each"
     )
     if args.peak:
         print(
@@ -426,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps": args.steps,
             "warmup": args.warmup,
             "allocator": active_allocator(),
+            "kernel_choices": kernel_choices.changes(),
             "machine": machine,
             "tables": tables,
         }

@@ -143,6 +143,8 @@ def build_run_record(
     # gradients with respect to activations and to weights), times the examples trained on. An estimate:
     # routers, auxiliary losses, the optimizer and recomputation are not counted separately.
     training = None if forward is None else 3.0 * forward * counter.examples
+    from moekit.moe import kernel_choices
+
     checkpoint = getattr(trainer, "checkpoint_callback", None)
     best_score = getattr(checkpoint, "best_model_score", None)
     model_cfg = run_config.get("model", {})
@@ -188,6 +190,7 @@ def build_run_record(
             else {"monitor": checkpoint.monitor, "value": float(best_score), "checkpoint": checkpoint.best_model_path},
         },
         "machine": machine_info(),
+        "kernel_choices": kernel_choices.changes(),  # [] when the run used moekit.moe.kernel_choices as shipped
         "finished_at": datetime.now(timezone.utc).isoformat(),  # which of two records of one seed is the newer
         "git_commit": _git_commit(Path(__file__).resolve().parent),
         "config": dict(run_config),

@@ -166,6 +166,12 @@ def _cudnn_rnn_flops(input_shape, weight_shapes, *args, out_shape=None, **kwargs
     return 2 * tokens * sum(math.prod(shape) for shape in weight_shapes if len(shape) == 2)
 
 
+def _addmm_inplace_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``aten.addmm_`` (``c.addmm_(a, b)``: the CPU loop's products that add into one output): ``2 M K N``, as the
+    counter's own formula for ``addmm``."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     """``aten._grouped_mm`` (the experts' ``grouped_mm`` kernel): 2 x the multiply-adds of all groups. Rows split
     by group ``[M, K] @ [E, K, N]`` (forward, input gradient), the contraction split ``[K, M] @ [M, N]`` (weight
@@ -178,7 +184,8 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 
 
 # Kernels FlopCounterMode has no formula for: the CPU kernel of F.scaled_dot_product_attention,
-# the fused LSTM kernels (other RNN paths decompose into matmuls the counter sees) and grouped matmuls.
+# the fused LSTM kernels (other RNN paths decompose into matmuls the counter sees), grouped matmuls and the in-place
+# addmm_ (the counter counts addmm only).
 _EXTRA_FLOP_FORMULAS = {
     op: formula
     for op, formula in (
@@ -186,6 +193,7 @@ _EXTRA_FLOP_FORMULAS = {
         (getattr(torch.ops.aten, "mkldnn_rnn_layer", None), _rnn_layer_flops),
         (getattr(torch.ops.aten, "_cudnn_rnn", None), _cudnn_rnn_flops),
         (getattr(torch.ops.aten, "_grouped_mm", None), _grouped_mm_flops),
+        (torch.ops.aten.addmm_, _addmm_inplace_flops),
     )
     if op is not None
 }

@@ -1,9 +1,11 @@
 """Every kernel and code path moekit picks by device, dtype or shape, in one table, with what it was picked on.
 
 The layers read these values when they run, so a user can try another choice on their own machine without editing
-the library: ``moekit.moe.kernel_choices.ROW_BLOCK = 128``, ``kernel_choices.AUTO_KERNELS["cpu", "ragged"] =
-"grouped_mm"``. Each choice gives the same values (up to rounding in reduced precision); the tests check every path
-whichever is picked, and ``scripts/bench_moe.py`` / ``scripts/bench_models.py`` measure a change.
+the library: ``kernel_choices.ROW_BLOCK = 128``, ``kernel_choices.AUTO_KERNELS["cpu", "ragged"] = "grouped_mm"``, or
+:func:`set_choice` with ``"AUTO_KERNELS[cpu,ragged]=grouped_mm"``, which the benchmark scripts take as ``--choice``
+to time a change beside the shipped table's figures. Each choice gives the same values (up to float rounding); the
+tests check every path whichever is picked. :func:`changes` lists what differs from the table as shipped, as the
+benchmarks' headers and a run's ``results.json`` record it.
 
 Unless a line says otherwise, the CPU figures are from the 2-core AMD EPYC, Zen 4, that exposes AVX-512 (torch
 2.14.1, forward + backward, interleaved rounds in one process) and the GPU ones from an H100 or H200 (``make
@@ -14,9 +16,17 @@ machine) and Muon's Newton-Schulz dtype (:mod:`moekit.tasks.muon`).
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 
 __all__ = [
+    "set_choice",
+    "changes",
+    "describe",
+    "add_choice_argument",
+    "apply_choice_argument",
     "AUTO_KERNELS",
     "PLANES_MIN_ROWS",
     "ROW_BLOCK",
@@ -116,3 +126,124 @@ BASE_SOLVERS: dict[str, str] = {"cpu": "exact"}
 # 16 px patches (batch 32), 0.77-0.83x at 3x32 px with 4 px patches (batch 256), but 3.4-3.7x at 1x28 px with 4 px
 # patches (batch 128): CPUs keep the convolution.
 PATCHIFY_KERNELS: dict[str, str] = {"cuda": "matmul", "cpu": "conv"}
+
+# The paths each named entry can take (the code's branches); entries of counts take positive ints.
+_PATHS: dict[str, set[str]] = {
+    "AUTO_KERNELS": {"loop", "bmm", "grouped_mm"},
+    "DISPATCH_GRADIENT": {"index_add", "gather"},
+    "BASE_SOLVERS": {"exact", "sync_free"},
+    "PATCHIFY_KERNELS": {"conv", "matmul"},
+}
+_ENTRIES = [name for name in __all__ if name.isupper()]
+_SHIPPED = {name: copy.deepcopy(globals()[name]) for name in _ENTRIES}
+
+
+def _key_text(key: Any) -> str:
+    if isinstance(key, tuple):
+        return ",".join(key)
+    return str(key).removeprefix("torch.")
+
+
+def _parse_key(name: str, text: str) -> Any:
+    """``text`` as a key of the entry ``name``: a device type, ``device,layout`` or a dtype's name."""
+    shipped = next(iter(_SHIPPED[name]))
+    if isinstance(shipped, tuple):
+        key = tuple(part.strip() for part in text.split(","))
+        if len(key) != len(shipped):
+            raise ValueError(f"{name}[{text}]: its keys are {len(shipped)} names, e.g. [{_key_text(shipped)}]")
+        return key
+    if isinstance(shipped, torch.dtype):
+        dtype = getattr(torch, text.strip(), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name}[{text}]: not a torch dtype; e.g. [float32], [bfloat16]")
+        return dtype
+    return text.strip()
+
+
+def _parse_value(name: str, text: str, counts: bool) -> Any:
+    text = text.strip()
+    if counts:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{name}={text!r}: takes a positive int")
+        return int(text)
+    if name in _PATHS and text not in _PATHS[name]:
+        raise ValueError(f"{name}={text!r}: not one of its paths; choose from {sorted(_PATHS[name])}")
+    return text
+
+
+def set_choice(spec: str) -> None:
+    """Set an entry from ``NAME=VALUE``, or one key of a table entry from ``NAME[KEY]=VALUE`` (an empty VALUE removes
+    the key: the code's default path). ``ROW_BLOCK=128``; ``AUTO_KERNELS[cpu,ragged]=grouped_mm``;
+    ``PLANES_MIN_ROWS[float32]=64``; ``DISPATCH_GRADIENT[cpu]=`` (the default, a gather);
+    ``COMBINE_PAIR_DEVICES=cpu,cuda`` or ``COMBINE_PAIR_DEVICES=`` (none). A bad name, key or value raises
+    ``ValueError`` naming it and what the entry takes, and sets nothing."""
+    target, sep, value = spec.partition("=")
+    name, _, key = target.strip().partition("[")
+    if not sep or name not in _ENTRIES or (key and not key.endswith("]")):
+        raise ValueError(f"{spec!r}: expected NAME=VALUE or NAME[KEY]=VALUE with NAME one of {_ENTRIES}")
+    shipped = _SHIPPED[name]
+    if isinstance(shipped, int):
+        if key:
+            raise ValueError(f"{name} is one number: set it as {name}=VALUE")
+        globals()[name] = _parse_value(name, value, counts=True)
+    elif isinstance(shipped, set):
+        if key:
+            raise ValueError(f"{name} is a set of device types: set it as {name}=cpu,cuda (or {name}= for none)")
+        globals()[name] = {part.strip() for part in value.split(",") if part.strip()}
+    elif not key:
+        raise ValueError(
+            f"{name} is a table: set one key as {name}[KEY]=VALUE, e.g. {name}[{_key_text(next(iter(shipped)))}]=..."
+        )
+    else:
+        table, parsed = globals()[name], _parse_key(name, key[:-1])
+        if not value.strip():
+            table.pop(parsed, None)
+            return
+        path = _parse_value(name, value, counts=isinstance(next(iter(shipped.values())), int))
+        if name == "AUTO_KERNELS" and parsed[1] == "ragged" and path == "bmm":
+            raise ValueError(f"{spec!r}: bmm needs equal groups; ragged ones take loop or grouped_mm")
+        table[parsed] = path
+
+
+def changes() -> list[str]:
+    """What differs from the table as shipped, as :func:`set_choice` specs that make it so (``[]``: as shipped)."""
+    specs = []
+    for name in _ENTRIES:
+        now, shipped = globals()[name], _SHIPPED[name]
+        if now == shipped:
+            continue
+        if isinstance(shipped, dict):
+            specs += [f"{name}[{_key_text(k)}]={now[k]}" for k in now if shipped.get(k, None) != now[k]]
+            specs += [f"{name}[{_key_text(k)}]=" for k in shipped if k not in now]
+        elif isinstance(shipped, set):
+            specs.append(f"{name}={','.join(sorted(now))}")
+        else:
+            specs.append(f"{name}={now}")
+    return specs
+
+
+def describe() -> str:
+    """``"as shipped"``, or the :func:`changes` (``"ROW_BLOCK=128 AUTO_KERNELS[cpu,ragged]=grouped_mm"``)."""
+    return " ".join(changes()) or "as shipped"
+
+
+def add_choice_argument(parser) -> None:
+    """Add ``--choice NAME=VALUE ...`` to an ``argparse`` parser (the benchmark scripts): entries of this table for the
+    run, set by :func:`apply_choice_argument`."""
+    parser.add_argument(
+        "--choice",
+        nargs="+",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set entries of moekit.moe.kernel_choices for this run (NAME[KEY]=VALUE for one key of a table), e.g. "
+        "ROW_BLOCK=128 'AUTO_KERNELS[cpu,ragged]=grouped_mm'",
+    )
+
+
+def apply_choice_argument(parser, args) -> None:
+    """Set each ``--choice``; a bad one ends the script with :func:`set_choice`'s message."""
+    for spec in args.choice:
+        try:
+            set_choice(spec)
+        except ValueError as error:
+            parser.error(f"--choice {error}")
