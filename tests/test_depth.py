@@ -19,8 +19,8 @@ from conftest import REPO, compose_config
 from moekit.analysis.records import model_family
 from moekit.commands.train import train
 from moekit.models import TransformerLM, create_model, lm_summary, model_summary
+from moekit.models.flops import flop_counter
 from moekit.models.rotary import RotaryEmbedding
-from moekit.models.summary import flop_counter
 from moekit.moe import DepthRouter, MixtureOfDepths, collect_moe_outputs, top_c_routing
 from moekit.moe.capacity import soft_moe_slots
 from moekit.moe.depth import capacity_tokens

@@ -6,7 +6,7 @@ from timm.layers import GluMlp, Mlp, SwiGLU
 from torch import nn
 
 from conftest import reference_expert
-from moekit.models.summary import flop_counter
+from moekit.models.flops import flop_counter
 from moekit.moe import ExpertBank, grouped_linear, kernel_choices
 from moekit.moe.grouped_linear import _HAS_GROUPED_MM, _resolve_kernel, _row_blocks
 from moekit.moe.kernel_choices import PLANES_MIN_ROWS, ROW_BLOCK

@@ -45,7 +45,7 @@ from torch import nn
 from moekit.analysis.op_profile import print_top_operators
 from moekit.analysis.peak import device_sync, matmul_peak
 from moekit.models.attention import attention_with_dropout
-from moekit.models.summary import flop_counter
+from moekit.models.flops import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer, kernel_choices
 from moekit.moe.dropout import Dropout
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
