@@ -35,7 +35,7 @@ def test_the_tables_entries_name_paths_the_code_has():
 
 
 def test_the_layers_read_the_table_when_they_run(monkeypatch):
-    """A value changed after import takes effect: the solver, the combine and the dispatch's gradient follow it."""
+    """A value changed after import takes effect: the BASE solver and the combine follow it."""
     assert resolve_solver("auto", CPU) == "exact"
     monkeypatch.setitem(kernel_choices.BASE_SOLVERS, "cpu", "sync_free")
     assert resolve_solver("auto", CPU) == "sync_free"

@@ -137,14 +137,14 @@ def build_run_record(
         trainer: the Lightning trainer (steps, world size, the best checkpoint's score).
         precision_reason: why the run trained in its precision (:func:`~moekit.commands.common.choose_precision`).
     """
+    from moekit.moe import kernel_choices
+
     per_token = hasattr(summary, "flops_per_token") if summary is not None else counter.count == "elements"  # LM
     forward = None if summary is None else float(summary.flops_per_token if per_token else summary.flops_per_image)
     # Training FLOPs: forward + backward ~ 3 x the forward (the backward pass costs about twice the forward:
     # gradients with respect to activations and to weights), times the examples trained on. An estimate:
     # routers, auxiliary losses, the optimizer and recomputation are not counted separately.
     training = None if forward is None else 3.0 * forward * counter.examples
-    from moekit.moe import kernel_choices
-
     checkpoint = getattr(trainer, "checkpoint_callback", None)
     best_score = getattr(checkpoint, "best_model_score", None)
     model_cfg = run_config.get("model", {})

@@ -25,7 +25,8 @@ in place of an MLP.
 Building blocks: :class:`ExpertBank`, the routers in :mod:`moekit.moe.routers`,
 :mod:`moekit.moe.hash_routing` and :mod:`moekit.moe.hierarchical_routing`, capacity in
 :mod:`moekit.moe.capacity`, dispatch in :mod:`moekit.moe.dispatch`, losses in :mod:`moekit.moe.losses`, a dropout
-whose CPU masks are cheap in :mod:`moekit.moe.dropout` (the experts' and the models').
+whose CPU masks are cheap in :mod:`moekit.moe.dropout` (the experts' and the models'); every kernel and path picked by
+device, dtype or shape in one table, :mod:`moekit.moe.kernel_choices`.
 
 Importing this package tunes glibc's malloc to keep the large blocks a training step frees
 (:func:`moekit.utils.allocator.tune_glibc_malloc`; ``MOEKIT_ALLOCATOR=system`` opts out).

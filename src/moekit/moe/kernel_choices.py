@@ -223,7 +223,7 @@ def changes() -> list[str]:
 
 
 def describe() -> str:
-    """``"as shipped"``, or the :func:`changes` (``"ROW_BLOCK=128 AUTO_KERNELS[cpu,ragged]=grouped_mm"``)."""
+    """``"as shipped"``, or the :func:`changes` (``"AUTO_KERNELS[cpu,ragged]=grouped_mm ROW_BLOCK=128"``)."""
     return " ".join(changes()) or "as shipped"
 
 
