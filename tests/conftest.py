@@ -3,7 +3,6 @@
 and run the scripts."""
 
 import moekit  # noqa: F401, I001 - before torch, as the scripts do: it sets OpenMP's idle spin (moekit/utils/openmp.py)
-import copy
 import fcntl
 import importlib.util
 import os
@@ -53,9 +52,7 @@ def _kernel_choices_restored():
     """A test that sets entries of the kernel choice table (``moekit.moe.kernel_choices``, ``--choice``) leaves it as
     shipped for the next."""
     yield
-    for name, shipped in kernel_choices._SHIPPED.items():
-        if getattr(kernel_choices, name) != shipped:
-            setattr(kernel_choices, name, copy.deepcopy(shipped))
+    kernel_choices.reset()
 
 
 @pytest.fixture(autouse=True)

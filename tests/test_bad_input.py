@@ -323,6 +323,19 @@ CASES = [
         ["trainer.precision='fp8' must be one of auto, 32-true, bf16-mixed"],
     ),
     Case(
+        "kernel_choices_not_name_value",
+        "train.py",
+        [*FAST, "data.root={fm}", "kernel_choices=[ROW_BLOCK]"],
+        ["kernel_choices=['ROW_BLOCK'] must be a list of NAME=VALUE strings", "kernel_choices=['ROW_BLOCK=128']"],
+    ),
+    Case(
+        "kernel_choice_out_of_range",
+        "train.py",
+        [*FAST, "data.root={fm}", "kernel_choices=['ROW_BLOCK=0']"],
+        ["kernel_choices: ROW_BLOCK='0': takes a positive int"],
+        cli=False,
+    ),
+    Case(
         "batch_size_negative",
         "train.py",
         [*FAST, "data.root={fm}", "data.batch_size=-1"],

@@ -102,7 +102,7 @@ def test_every_cpu_choice_gives_the_same_layer(flip, gated, monkeypatch):
         torch.testing.assert_close(grads2[name], g, msg=name)
 
 
-def test_set_choice_sets_entries_and_changes_gives_the_specs_back(monkeypatch):
+def test_set_choice_sets_entries_and_changes_gives_the_specs_back():
     table = kernel_choices
     assert table.changes() == []
     specs = [
@@ -124,9 +124,8 @@ def test_set_choice_sets_entries_and_changes_gives_the_specs_back(monkeypatch):
     recorded = table.changes()
     assert sorted(recorded) == sorted(specs)
     state = {name: copy.deepcopy(getattr(table, name)) for name in table._ENTRIES}
-    for name in table._ENTRIES:  # back to the shipped table, then what changes() recorded: the same state
-        monkeypatch.setattr(table, name, copy.deepcopy(table._SHIPPED[name]))
-    assert table.changes() == []
+    table.reset()  # back to the shipped table, then what changes() recorded: the same state
+    assert table.changes() == [] and table.ROW_BLOCK == 64 and "cpu" in table.DISPATCH_GRADIENT
     for spec in recorded:
         table.set_choice(spec)
     assert {name: getattr(table, name) for name in table._ENTRIES} == state

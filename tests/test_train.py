@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shlex
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +31,7 @@ from moekit.commands.probe import linear_probe
 from moekit.commands.train import train
 from moekit.configs import check_composed, compose
 from moekit.data import FASHION_MNIST_CLASSES
-from moekit.moe import MoELayer, TopKMoE
+from moekit.moe import MoELayer, TopKMoE, kernel_choices
 from moekit.recipes import resolve_recipe
 from moekit.tasks import ImageClassifier
 from moekit.tasks.fewshot import fewshot_linear_probe, fit_ridge_probe
@@ -89,6 +90,15 @@ def test_machine_settings_in_configs_local_default_are_composed(tmp_path):
     assert compose(configs, "train", [], tmp_path).paths.data_dir == "/machine/data"
 
 
+def _shell_words(command: str) -> list[str]:
+    """The words the shell passes (quotes removed), or the whitespace-split words of a line it would not take as it is
+    (one continued on the next line)."""
+    try:
+        return shlex.split(command)
+    except ValueError:
+        return command.split()
+
+
 def _documented_train_commands() -> list[str]:
     """The single runs ``python scripts/train.py ...`` the README and docs/ show, each once (no sweeps, no
     ``<placeholder>``, no command continued on the next line)."""
@@ -98,7 +108,9 @@ def _documented_train_commands() -> list[str]:
         for line in doc.read_text().splitlines()
     ]
     start = "python scripts/train.py "
-    commands = [line[line.index(start) :].split("#")[0].split("`")[0].split()[2:] for line in lines if start in line]
+    commands = [
+        _shell_words(line[line.index(start) :].split("#")[0].split("`")[0])[2:] for line in lines if start in line
+    ]
     usable = [
         words for words in commands if "-m" not in words and not any("<" in w or "..." in w or w == "\\" for w in words)
     ]
@@ -150,6 +162,30 @@ def test_fast_dev_run_of_each_experiment(experiment, fake_fashion, tmp_path):
     assert metrics["train/loss_step"] == pytest.approx(metrics["train/ce_step"] + total, rel=1e-5, abs=1e-6), (
         "the training loss is the cross-entropy plus the auxiliary losses"
     )
+
+
+@pytest.mark.e2e
+def test_a_runs_kernel_choices_are_set_and_recorded(fake_fashion, tmp_path):
+    """``kernel_choices`` of the config are set before the model is built, and the run record names them."""
+    cfg = compose_config(
+        "train",
+        [
+            f"data.root={fake_fashion}",
+            "data.val_size=64",
+            "debug=tiny",
+            "trainer.fast_dev_run=true",
+            "moe=top2",
+            "kernel_choices=['ROW_BLOCK=32','AUTO_KERNELS[cpu,ragged]=grouped_mm']",
+        ],
+        tmp_path,
+    )
+    train(cfg)
+    assert kernel_choices.ROW_BLOCK == 32 and kernel_choices.AUTO_KERNELS["cpu", "ragged"] == "grouped_mm"
+    record = json.loads((Path(cfg.paths.output_dir) / "results.json").read_text())
+    assert record["kernel_choices"] == ["AUTO_KERNELS[cpu,ragged]=grouped_mm", "ROW_BLOCK=32"]
+    cfg.kernel_choices, cfg.paths.output_dir = [], str(tmp_path / "next")  # the next run in this process: as shipped
+    train(cfg)
+    assert json.loads((tmp_path / "next" / "results.json").read_text())["kernel_choices"] == []
 
 
 def test_the_end_of_run_summary_names_only_what_the_run_wrote(tmp_path):

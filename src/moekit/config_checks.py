@@ -116,6 +116,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "auto: bf16-mixed on GPUs and AMX CPUs, measured on CPUs with avx512_bf16 alone, else 32-true",
     ),
     "trainer.devices": (_devices, "a positive count, -1 (all), auto, or a list of device indices", "e.g. 1"),
+    "kernel_choices": (
+        lambda v: isinstance(v, list) and all(isinstance(s, str) and "=" in s for s in v),
+        "a list of NAME=VALUE strings",
+        """e.g. "kernel_choices=['ROW_BLOCK=128']" (docs/performance.md, "The choice table")""",
+    ),
     "data.num_workers": (_whole, "a whole number >= 0", "0 loads batches in the training process"),
     "moe.num_experts": (_count, "a positive int", "e.g. moe.num_experts=8"),
     "moe.top_k": (_count, "a positive int, at most moe.num_experts", "e.g. moe.top_k=2"),

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from moekit.config_checks import check_settings
@@ -113,7 +113,9 @@ def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"add {' '.join(example.get(key, f'{key}=<value>') for key in missing)} to the command"
         )
     check_settings(
-        _resolved_nodes(cfg, ("task", "trainer", "model", "moe", "data", "callbacks", "seed", *QUANTIZE_KEYS))
+        _resolved_nodes(
+            cfg, ("task", "trainer", "model", "moe", "data", "callbacks", "seed", "kernel_choices", *QUANTIZE_KEYS)
+        )
     )
     for group in ("callbacks", "logger"):
         check_group_entries(cfg.get(group), group)
@@ -242,7 +244,7 @@ def _resolved_nodes(cfg: DictConfig, names: Sequence[str]) -> dict[str, Any]:
     nodes = {}
     for name in names:
         node = cfg.get(name)
-        if isinstance(node, DictConfig):
+        if isinstance(node, DictConfig | ListConfig):
             try:
                 nodes[name] = OmegaConf.to_container(node, resolve=True)
             except OmegaConfBaseException:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from moekit.checkpoint import read_training_checkpoint
 from moekit.configs import check_target_keys, family_of, group_choice, instantiate
 from moekit.errors import OutputError
+from moekit.moe import kernel_choices
 from moekit.tasks import MoETask
 from moekit.tasks.precision import forward_backward_seconds, random_batch
 from moekit.utils.machine import bf16_in_hardware, resolve_precision, trains_on_cuda
@@ -80,6 +81,18 @@ def check_trainer_keys(trainer: DictConfig) -> None:
 PRECISION_HANDOVER = "MOEKIT_AUTO_PRECISION"
 """The environment variable by which a process hands its measured choice for ``auto`` to the processes it starts (the
 ranks Lightning's DDP launches run the command again, and must train in the precision rank 0 chose)."""
+
+
+def apply_kernel_choices(cfg: DictConfig) -> None:
+    """The table of :mod:`moekit.moe.kernel_choices` as shipped, with the run's ``kernel_choices`` (``NAME=VALUE``
+    entries) set: a sweep's jobs in one process each get their own. A bad entry is refused with the config key and
+    what the entry takes."""
+    kernel_choices.reset()
+    for spec in cfg.get("kernel_choices") or []:
+        try:
+            kernel_choices.set_choice(spec)
+        except ValueError as error:
+            raise ValueError(f"kernel_choices: {error}") from None
 
 
 def choose_precision(

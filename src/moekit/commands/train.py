@@ -26,7 +26,7 @@ from moekit.tasks.base import LOG_POSITIONS_KEY
 from moekit.utils.atomic import remove_stale_temporaries, write_json_atomic
 from moekit.utils.machine import check_accelerator
 
-from .common import check_trainer_keys, choose_precision, floats, signal_ends_phase, where
+from .common import apply_kernel_choices, check_trainer_keys, choose_precision, floats, signal_ends_phase, where
 
 log = logging.getLogger("moekit")
 
@@ -65,6 +65,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_target_keys(cfg.get(name), name)
     check_trainer_keys(cfg.trainer)
     check_accelerator(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
+    apply_kernel_choices(cfg)
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     if cfg.get("ckpt_path") in RESUME_ALIASES:
         _resolve_resume_alias(cfg, output_dir)

@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "set_choice",
     "changes",
+    "reset",
     "describe",
     "add_choice_argument",
     "apply_choice_argument",
@@ -220,6 +221,13 @@ def changes() -> list[str]:
         else:
             specs.append(f"{name}={now}")
     return specs
+
+
+def reset() -> None:
+    """Every entry back to the table as shipped."""
+    for name, shipped in _SHIPPED.items():
+        if globals()[name] != shipped:
+            globals()[name] = copy.deepcopy(shipped)
 
 
 def describe() -> str:
