@@ -154,3 +154,17 @@ def test_a_bad_choice_is_refused_with_the_fix_and_sets_nothing(spec, message):
     with pytest.raises(ValueError, match=message):
         table.set_choice(spec)
     assert table.changes() == []
+
+
+def test_a_removed_key_takes_the_codes_default_path():
+    """``NAME[KEY]=`` removes a key; the layer then takes the path the code has without one (planes: views of one
+    output), with the same values."""
+    torch.manual_seed(0)
+    layer = TopKMoE(16, 24, num_experts=4, top_k=2, gated=True, act_layer=nn.SiLU)
+    x = torch.randn(2, 40, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(x)
+        kernel_choices.set_choice("PLANES_MIN_ROWS[bfloat16]=")
+        kernel_choices.set_choice("PLANES_MIN_ROWS[float32]=")
+        assert kernel_choices.PLANES_MIN_ROWS == {}
+        torch.testing.assert_close(layer(x), want)

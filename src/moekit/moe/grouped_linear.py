@@ -327,8 +327,9 @@ def grouped_linear(
         out = out.view(x.shape[0], weight.shape[-1])
     elif kernel == "loop":
         counts = torch.full((num_experts,), group_sizes, dtype=torch.long) if equal else group_sizes
-        min_rows = kernel_choices.PLANES_MIN_ROWS.get(x.dtype, kernel_choices.PLANES_MIN_ROWS[torch.bfloat16])
-        if planes > 1 and x.device.type == "cpu" and x.shape[0] >= min_rows * num_experts:
+        table = kernel_choices.PLANES_MIN_ROWS  # other dtypes take bf16's; no entry: views of one output
+        min_rows = table.get(x.dtype, table.get(torch.bfloat16))
+        if planes > 1 and min_rows is not None and x.device.type == "cpu" and x.shape[0] >= min_rows * num_experts:
             return _loop(x, weight, bias, counts, planes)
         out = _loop(x, weight, bias, counts, 1)
     else:
