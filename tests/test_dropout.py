@@ -88,6 +88,13 @@ def test_identity_in_eval_or_without_dropout_and_torch_at_the_ends():
     x = torch.randn(10)
     assert dropout(x, 0.5, training=False) is x and dropout(x, 0.0) is x
     assert torch.equal(dropout(x, 1.0), torch.zeros(10))  # 65536 levels dropped: torch's F.dropout
+    # 65535 levels: a keep scale of 65536, past float16's largest value (65504): torch's F.dropout, whose 1 / (1 - p)
+    # float16 holds, keeps every kept element finite
+    half = torch.ones(1 << 20, dtype=torch.float16)
+    torch.manual_seed(0)
+    kept = dropout(half, 0.99998)
+    kept = kept[kept != 0]
+    assert kept.numel() > 0 and torch.equal(kept, torch.full_like(kept, 1 / (1 - 0.99998)))  # finite, 49984 in float16
     layer = Dropout(0.5).eval()
     assert layer(x) is x
 
@@ -142,32 +149,35 @@ def test_models_use_it_for_every_dropout(build):
     assert any(m.p == pytest.approx(0.1) for m in drops)
 
 
-def _attention_inputs(heads=4, kv_heads=4, tokens=12, batch=3, hd=8):
+def _attention_inputs(heads=4, kv_heads=4, tokens=12, batch=3, hd=8, dtype=torch.float32):
     torch.manual_seed(7)
-    q = torch.randn(batch, heads, tokens, hd, requires_grad=True)
-    k = torch.randn(batch, kv_heads, tokens, hd, requires_grad=True)
-    v = torch.randn(batch, kv_heads, tokens, hd, requires_grad=True)
+    q = torch.randn(batch, heads, tokens, hd, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, kv_heads, tokens, hd, dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, kv_heads, tokens, hd, dtype=dtype, requires_grad=True)
     return q, k, v
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("masked", [False, True])
-def test_attention_with_dropout_is_sdpa_without_it(kv_heads, masked):
-    """p = 0: the same values and gradients as F.scaled_dot_product_attention (causal or a key mask, grouped heads)."""
-    q, k, v = _attention_inputs(kv_heads=kv_heads)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_with_dropout_is_sdpa_without_it(kv_heads, masked, dtype):
+    """p = 0: the same values and gradients as F.scaled_dot_product_attention (causal or a key mask, grouped heads),
+    in float64 to float64's precision (the softmax runs in float32 only for narrower dtypes)."""
+    q, k, v = _attention_inputs(kv_heads=kv_heads, dtype=dtype)
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
     mask = causal
     if masked:  # a batch-dependent key mask that keeps each query's own key: [batch, 1, tokens, keys]
         keys = torch.rand(3, 12) > 0.4
         mask = (causal & (keys.unsqueeze(1) | torch.eye(12, dtype=torch.bool))).unsqueeze(1)
-    g = torch.randn(3, 4, 12, 8)
+    g = torch.randn(3, 4, 12, 8, dtype=dtype)
     ours = attention_with_dropout(q, k, v, mask, 0.0)
     grads = torch.autograd.grad(ours, (q, k, v), g)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
-    torch.testing.assert_close(ours, ref)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}
+    torch.testing.assert_close(ours, ref, **tol)
     for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_attention_with_dropout_drops_probabilities_with_the_seeded_mask():

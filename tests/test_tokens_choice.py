@@ -130,7 +130,8 @@ def test_priority_order_is_highest_score_first_ties_by_index():
 def test_cpu_sorts_through_the_radix_path_give_torch_sorts_order(num):
     """Expert ids and BPR priorities from ``kernel_choices.SORT_RADIX_FROM`` entries on sort as int32 keys padded to
     the radix sort's length (priorities through their bits): the order of ``torch.sort(..., stable=True)``, ties by
-    index, with negative, zero of both signs, subnormal and infinite priorities."""
+    index, with negative, zero of both signs, subnormal, infinite and NaN priorities (of either sign bit: torch's
+    sort puts every NaN first)."""
     generator = torch.Generator().manual_seed(num)
     for bound in (9, 257, 2**20):
         keys = torch.randint(0, bound, (num,), generator=generator)
@@ -141,7 +142,10 @@ def test_cpu_sorts_through_the_radix_path_give_torch_sorts_order(num):
     priority[::5] = priority[1]  # ties
     priority[::11], priority[::13] = 0.0, -0.0
     priority[:4] = torch.tensor([float("inf"), -float("inf"), 1e-40, -1e-40])
-    for p in (priority, priority.abs(), torch.softmax(torch.randn(num, 8, generator=generator), -1).amax(-1)):
+    nans = priority.clone()
+    nans[4:8] = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF], dtype=torch.int32).view(torch.float32)
+    scores = torch.softmax(torch.randn(num, 8, generator=generator), -1).amax(-1)
+    for p in (priority, priority.abs(), scores, nans):
         assert torch.equal(priority_order(p), torch.sort(p, descending=True, stable=True).indices)
 
 

@@ -34,7 +34,8 @@ def attention_with_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, p: flo
     bias_ZTK = bias.expand(batch, heads, tokens, keys).reshape(batch * heads, tokens, keys)  # Z = batch x heads
     q_ZTd, k_ZKd, v_ZKd = q.reshape(-1, tokens, hd), k.reshape(-1, keys, hd), v.reshape(-1, keys, hd)
     scores_ZTK = torch.baddbmm(bias_ZTK, q_ZTd, k_ZKd.transpose(1, 2), alpha=hd**-0.5)
-    probs_ZTK = dropout(torch.softmax(scores_ZTK, dim=-1, dtype=torch.float32).to(v.dtype), p)
+    softmax_dtype = torch.promote_types(scores_ZTK.dtype, torch.float32)  # float32 for bf16, float64 kept
+    probs_ZTK = dropout(torch.softmax(scores_ZTK, dim=-1, dtype=softmax_dtype).to(v.dtype), p)
     return torch.bmm(probs_ZTK, v_ZKd).view(batch, heads, tokens, hd)
 
 

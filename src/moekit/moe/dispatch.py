@@ -107,9 +107,10 @@ def priority_order(priority: Tensor) -> Tensor:
     )
     if not radix or torch.compiler.is_compiling():
         return torch.sort(priority, descending=True, stable=True).indices
-    # float32 as int32 in the same order (a negative float's magnitude bits flipped; -0.0 made +0.0 first), then
-    # bitwise not: ascending int keys in descending float order, for the radix sort of _stable_sort
-    bits = (priority + 0.0).view(torch.int32)
+    # float32 as int32 in the same order (a negative float's magnitude bits flipped; -0.0 made +0.0 and every NaN one
+    # positive NaN first, which orders above +inf as torch's sort does), then bitwise not: ascending int keys in
+    # descending float order, for the radix sort of _stable_sort
+    bits = torch.where(priority.isnan(), float("nan"), priority + 0.0).view(torch.int32)
     return _stable_sort(~(bits ^ ((bits >> 31) & _INT32_MAX)), 2**31)[1]
 
 

@@ -13,8 +13,9 @@ against ``F.dropout``'s 110.
 
 Under ``torch.compile`` the draws are one opaque operator, so a compiled model draws the masks eager mode draws
 (inductor's own CPU masks were as slow as torch's in the compiled Transformer LM). On devices outside
-``FAST_DROPOUT_DEVICES`` (:mod:`moekit.moe.kernel_choices`; GPUs' dropout kernels draw in parallel) and for a ``p``
-that rounds to 0 or to 65536 levels, :func:`dropout` is ``F.dropout``. The Transformer LM's attention applies it to
+``FAST_DROPOUT_DEVICES`` (:mod:`moekit.moe.kernel_choices`; GPUs' dropout kernels draw in parallel), for a ``p``
+that rounds to 0 or to 65536 levels, and where the dtype cannot hold the scale (float16 at 65535 levels: 65536 is
+past its largest value), :func:`dropout` is ``F.dropout``. The Transformer LM's attention applies it to
 the probabilities on those devices (:func:`moekit.models.attention.attention_with_dropout`).
 """
 
@@ -55,8 +56,11 @@ def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -
     dropped_levels = round(p * LEVELS)
     if x.device.type not in kernel_choices.FAST_DROPOUT_DEVICES or not 0 < dropped_levels < LEVELS:
         return F.dropout(x, p, training, inplace)
+    keep_scale = LEVELS / (LEVELS - dropped_levels)  # one over the exact keep probability
+    if x.is_floating_point() and keep_scale > torch.finfo(x.dtype).max:  # float16 at 65535 levels: 65536 is inf
+        return F.dropout(x, p, training, inplace)
     level = _levels(x.detach()).view(x.shape)
-    scale = torch.tensor(LEVELS / (LEVELS - dropped_levels), dtype=x.dtype)
+    scale = torch.tensor(keep_scale, dtype=x.dtype)
     noise = torch.where(level >= dropped_levels - LEVELS // 2, scale, 0.0)  # [x.shape]: 0 or 1 / keep probability
     return x.mul_(noise) if inplace else x * noise
 
