@@ -984,6 +984,29 @@ def test_the_linear_probe_refuses_a_language_model(monkeypatch):
         probe.linear_probe(OmegaConf.create({"ckpt_path": "lm.ckpt", "shots": 10, "seed": 0}))
 
 
+def test_a_sweep_plugin_that_is_not_installed_names_the_extra(monkeypatch):
+    """Optuna's sweeper (chosen by an hparams_search config) and submitit's launchers: without their plugin the
+    command stops naming the ``sweeps`` extra (Hydra's own error is a bare "Could not find 'hydra/sweeper/optuna'")."""
+    import importlib.util
+
+    from moekit import cli
+
+    configs = REPO / "configs"
+    search = ["-m", "hparams_search=soft_moe_optuna", "experiment=soft_moe_vit"]
+    assert cli._missing_hydra_plugin(configs, search) is None  # the dev install has both plugins
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("hydra_plugins.") else find_spec(name, *a)
+    )
+    assert cli._missing_hydra_plugin(configs, search) == (
+        "hydra/sweeper=optuna (in hparams_search=soft_moe_optuna) needs the hydra-optuna-sweeper package, which is not "
+        "installed; install it with pip install -e '.[sweeps]' (or pip install hydra-optuna-sweeper)"
+    )
+    launcher = cli._missing_hydra_plugin(configs, ["-m", "hydra/launcher=submitit_slurm", "seed=1,2"])
+    assert launcher.startswith("hydra/launcher=submitit_slurm (on the command line) needs the hydra-submitit-launcher")
+    assert cli._missing_hydra_plugin(configs, ["-m", "seed=1,2", "hparams_search=none_such"]) is None
+
+
 def test_an_atomic_write_onto_a_folder_is_refused_before_the_work(tmp_path):
     """Any file moekit writes (a results.json, an exported model, a figure's table) whose path is a folder: refused,
     naming the path, before the block computes what os.replace would then throw away; the folder stays as it was."""

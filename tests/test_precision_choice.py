@@ -196,8 +196,8 @@ def test_a_resumed_run_keeps_the_precision_it_trained_in_where_this_machine_runs
 def test_eval_of_a_checkpoint_tests_it_in_the_precision_its_run_trained_in(
     fake_fashion, tmp_path, bf16_without_amx, monkeypatch, caplog
 ):
-    """``scripts/eval.py ... trainer.precision=auto`` repeats the run's own test phase: the precision it trained and
-    tested in, not a new measurement."""
+    """``scripts/eval.py`` (``trainer.precision=auto`` by default) repeats the run's own test phase: the precision it
+    trained and tested in, not a new measurement."""
     from moekit.commands.evaluate import evaluate
     from moekit.commands.train import train
 
@@ -205,7 +205,7 @@ def test_eval_of_a_checkpoint_tests_it_in_the_precision_its_run_trained_in(
     train(compose_config("train", [*small_overrides(fake_fashion), "trainer.precision=bf16-mixed"], run))
     ckpt = next((run / "checkpoints").glob("epoch_*.ckpt"))
     monkeypatch.setattr(common, "forward_backward_seconds", lambda *a, **k: _never())
-    cfg = compose_config("eval", [f"ckpt_path={ckpt}", "trainer.precision=auto", "logger=csv"], tmp_path / "eval")
+    cfg = compose_config("eval", [f"ckpt_path={ckpt}", "logger=csv"], tmp_path / "eval")
     with caplog.at_level("INFO", logger="moekit"):
         evaluate(cfg)
     assert f"trainer.precision=auto: bf16-mixed (the precision the run of ckpt_path={ckpt} trained in)" in caplog.text

@@ -14,7 +14,7 @@ trials again); ``skip_finished=false`` reruns them. The summary lists the skippe
 from __future__ import annotations
 
 import difflib
-import importlib
+import importlib.util
 import json
 import logging
 import re
@@ -44,6 +44,13 @@ log = logging.getLogger("moekit")
 
 # The "pkg.module.ErrorClass: " that starts the last line of a formatted traceback.
 _EXCEPTION_PREFIX = re.compile(r"^[A-Za-z_][\w.]*: ")
+# Hydra plugins of the `sweeps` extra: (group, option) -> the module the option needs and the package that has it.
+_SUBMITIT = ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher")
+_HYDRA_PLUGINS = {
+    ("hydra/sweeper", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
+    ("hydra/launcher", "submitit_local"): _SUBMITIT,
+    ("hydra/launcher", "submitit_slurm"): _SUBMITIT,
+}
 
 
 def user_message(err: BaseException) -> str:
@@ -201,6 +208,31 @@ def _check_override_keys(config_dir: Path, config_name: str, args: list[str]) ->
     sys.exit(1)
 
 
+def _missing_hydra_plugin(config_dir: Path, args: list[str]) -> str | None:
+    """What a ``hydra/sweeper=optuna`` or ``hydra/launcher=submitit_*`` on the command line, or an ``hparams_search=``
+    config that selects one, lacks when its plugin is not installed (Hydra itself only says it cannot find the
+    option); None when nothing is missing."""
+    chosen = []  # (group, option, where it was chosen)
+    for key, _, value in (arg.lstrip("+").partition("=") for arg in args if "=" in arg and arg[0] != "-"):
+        chosen.append((key, value, "on the command line"))
+        search = config_dir / "hparams_search" / f"{value}.yaml"
+        if key == "hparams_search" and search.is_file():
+            for group, option in re.findall(r"override /(hydra/\w+): (\w+)", search.read_text()):
+                chosen.append((group, option, f"in hparams_search={value}"))
+    for group, option, where in chosen:
+        module, package = _HYDRA_PLUGINS.get((group, option), (None, None))
+        try:
+            installed = module is None or importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # no hydra_plugins package at all
+            installed = False
+        if not installed:
+            return (
+                f"{group}={option} ({where}) needs the {package} package, which is not installed; install it with "
+                f"pip install -e '.[sweeps]' (or pip install {package})"
+            )
+    return None
+
+
 def _finished_job(job_dir: Path, overrides: list[str]) -> dict | None:
     """The ``finished.json`` of a sweep job's folder when it records these ``overrides``, in any order (else None)."""
     path = job_dir / FINISHED_FILE
@@ -317,6 +349,10 @@ def run_script(fn: Callable[[DictConfig], Any] | str, config_name: str, config_d
         return result
 
     _check_unquoted_non_ascii(sys.argv[1:])
+    if missing := _missing_hydra_plugin(config_dir, sys.argv[1:]):
+        logging.basicConfig(format="[%(name)s][%(levelname)s] - %(message)s")
+        log.error("%s", missing)
+        sys.exit(1)
     _check_override_keys(config_dir, config_name, sys.argv[1:])
     earlier_run = _earlier_run_record(sys.argv[1:])
     use_fast_allocator()  # before anything heavy: may restart this process with tcmalloc preloaded

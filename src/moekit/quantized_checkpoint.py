@@ -23,7 +23,7 @@ from moekit.quant.quantize import QUANT_METADATA_KEY
 if TYPE_CHECKING:
     from moekit.tasks import MoETask
 
-__all__ = ["HPARAMS_KEY", "save_quantized_task", "load_quantized_task"]
+__all__ = ["HPARAMS_KEY", "save_quantized_task", "load_quantized_task", "saved_hyper_parameters"]
 
 HPARAMS_KEY = "moekit_hyper_parameters"
 """The metadata entry (JSON) of a quantized checkpoint holding the task's hyper-parameters."""
@@ -46,9 +46,9 @@ def save_quantized_task(module: MoETask, quant_metadata: str, path: str | os.Pat
     return export_safetensors(module.net, path, metadata)
 
 
-def load_quantized_task(path: str) -> MoETask:
-    """The task of a file written by :func:`save_quantized_task` (a :class:`CheckpointError` for any other
-    safetensors file), built without ever holding its float experts."""
+def _quantized_metadata(path: str) -> dict[str, str]:
+    """The metadata of a file written by :func:`save_quantized_task`; a :class:`CheckpointError` for any other
+    safetensors file."""
     with safe_open(path, "pt") as file:
         metadata = file.metadata() or {}
     if QUANT_METADATA_KEY not in metadata or HPARAMS_KEY not in metadata:
@@ -56,6 +56,18 @@ def load_quantized_task(path: str) -> MoETask:
             f"ckpt_path={path!r} is a safetensors file but not a quantized moekit checkpoint (its metadata has no "
             f"{QUANT_METADATA_KEY!r}); pass a .ckpt written by scripts/train.py or a file from scripts/quantize.py"
         )
+    return metadata
+
+
+def saved_hyper_parameters(path: str) -> dict:
+    """The task's hyper-parameters a quantized checkpoint keeps (its training run's ``run_config`` among them)."""
+    return json.loads(_quantized_metadata(path)[HPARAMS_KEY])
+
+
+def load_quantized_task(path: str) -> MoETask:
+    """The task of a file written by :func:`save_quantized_task` (a :class:`CheckpointError` for any other
+    safetensors file), built without ever holding its float experts."""
+    metadata = _quantized_metadata(path)
     cls = task_class(metadata)
     with experts_on_meta():  # the stored codes replace the experts: never hold them in float
         module = cls(**{**json.loads(metadata[HPARAMS_KEY]), "init_from": None, "compile": False})

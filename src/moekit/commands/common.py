@@ -141,9 +141,16 @@ def _this_machines_precision(
 
 
 def _trained_precision(ckpt_path: str, accelerator: Any) -> str | None:
-    """The precision the checkpoint's run trained in (its run config's) where this machine runs it natively: float32
-    anywhere, bf16 autocast on a GPU or a CPU with bf16 dot products, float16 autocast on a GPU; else None."""
-    saved = (read_training_checkpoint(ckpt_path).get("hyper_parameters") or {}).get("run_config") or {}
+    """The precision the checkpoint's run trained in (its run config's; a quantized checkpoint keeps it too) where
+    this machine runs it natively: float32 anywhere, bf16 autocast on a GPU or a CPU with bf16 dot products, float16
+    autocast on a GPU; else None."""
+    if str(ckpt_path).endswith(".safetensors"):
+        from moekit.quantized_checkpoint import saved_hyper_parameters
+
+        hyper_parameters = saved_hyper_parameters(ckpt_path)
+    else:
+        hyper_parameters = read_training_checkpoint(ckpt_path).get("hyper_parameters") or {}
+    saved = hyper_parameters.get("run_config") or {}
     precision = str((saved.get("trainer") or {}).get("precision"))
     on_gpu = trains_on_cuda(accelerator)
     if precision == "32-true" or (precision in ("bf16-mixed", "16-mixed") and on_gpu):
