@@ -12,6 +12,7 @@ from distributed import spawn
 from moekit.models import TransformerLM
 from moekit.moe import StrictlyBalancedMoE
 from moekit.moe.capacity import experts_choice_capacity
+from moekit.moe.routing import expert_softmax, router_logits
 
 
 def paper_loop(layer: StrictlyBalancedMoE, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,29 @@ def test_position_scope_balances_the_tokens_of_each_position():
         mask[:, t] = batchwise_mask_loop(scores[:, t], 3)
     torch.testing.assert_close(out, paper_loop(layer, x, mask.view(30, 4)), atol=1e-5, rtol=1e-5)
     assert layer.causal_safe and not StrictlyBalancedMoE(8, 16).causal_safe
+
+
+@pytest.mark.parametrize("scope", ["batch", "position"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_first_batch_thresholds_keep_what_the_batchwise_mask_took(scope, dtype, padded):
+    """The first training batch sets the thresholds at its cut-offs: on that batch the threshold mask keeps, expert by
+    expert, as many real tokens as the batchwise mask took (``m`` of the batch, or each position's ``m`` summed over
+    the positions), comparing in the scores' precision (float32 thresholds of float64 scores rounded below them)."""
+    torch.manual_seed(0)
+    layer = StrictlyBalancedMoE(8, 16, num_experts=4, top_k=1, balance_scope=scope, dtype=dtype).train()
+    x = torch.randn(6, 3, 8, dtype=dtype)
+    real = torch.ones(6, 3, dtype=torch.bool)
+    if padded:
+        real[:2, 2] = real[5, 1:] = False
+    layer(x, padding_mask=real if padded else None)
+    assert layer.thresholds.dtype == dtype
+    if scope == "batch":
+        taken = experts_choice_capacity(int(real.sum()), 4, 1)
+    else:  # position t: R(k n_t / E) of its n_t real tokens
+        taken = sum(experts_choice_capacity(int(n), 4, 1) for n in real.sum(dim=0))
+    scores = expert_softmax(router_logits(x.view(18, 8), layer.router_weight))[real.view(18)]  # the layer's own
+    assert (scores > layer.thresholds).sum(dim=0).tolist() == [taken] * 4
 
 
 def test_position_scope_refuses_training_batches_too_small_to_balance():

@@ -72,6 +72,15 @@ def test_soft_moe_stats_hand_computed():
     masked = soft_moe_stats(dispatch, combine, 2, token_mask=torch.tensor([[True, False]]))
     torch.testing.assert_close(masked["max_combine_weight"], torch.tensor(0.75))
     torch.testing.assert_close(masked["expert_load"], torch.tensor([0.75, 0.25]))
+    # a sequence of padding alone (its dispatch uniform over its padding) counts in no statistic
+    both = soft_moe_stats(
+        torch.cat([dispatch, torch.full_like(dispatch, 0.5)]),
+        torch.cat([combine, torch.full_like(combine, 0.5)]),
+        2,
+        token_mask=torch.tensor([[True, False], [False, False]]),
+    )
+    for name, value in masked.items():
+        torch.testing.assert_close(both[name], value, msg=name)
 
 
 def test_entropy_ignores_zero_probabilities():

@@ -88,8 +88,9 @@ class StrictlyBalancedMoE(MoELayer):
         self.router_weight = router_weight(self.num_experts, mlp.in_features, device, dtype)
         # Trained by L_batchwise alone: with its weight 0 they keep their first-batch values and take no gradient
         # (a parameter without one stops DDP without find_unused_parameters).
+        threshold_dtype = torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)  # the scores', >= fp32
         self.thresholds = nn.Parameter(
-            torch.zeros(self.num_experts, device=device, dtype=torch.float32),
+            torch.zeros(self.num_experts, device=device, dtype=threshold_dtype),
             requires_grad=bool(config.threshold_loss_weight),
         )
         self.register_buffer("thresholds_set", torch.zeros((), dtype=torch.bool, device=device))
@@ -145,12 +146,20 @@ class StrictlyBalancedMoE(MoELayer):
         return token_ids_EC, taken_TEM.permute(1, 0, 2).reshape(self.num_experts, -1)
 
     @torch.no_grad()
-    def _set_thresholds(self, scores_NE: Tensor) -> None:
-        """Start each threshold at the largest score its expert did not take: the threshold mask then keeps
-        ``m`` tokens per expert of this batch (up to ties); averaged over the processes of a distributed run.
-        ``scores_NE`` holds the real tokens only."""
+    def _set_thresholds(self, scores_NE: Tensor, batch: int, tokens: int, mask_N: Tensor | None) -> None:
+        """Start each threshold at the largest score its expert did not take: the threshold mask then keeps as many
+        tokens per expert of this batch as the batchwise mask took (``m``; ``balance_scope="position"``: each
+        position's ``m`` summed over the positions), up to ties; averaged over the processes of a distributed run.
+        ``mask_N`` (False for padding) leaves padding out."""
+        if mask_N is not None:
+            scores_NE = scores_NE[mask_N]
         num_tokens = scores_NE.shape[0]
-        below = num_tokens - self.tokens_per_expert(num_tokens)
+        if self.balance_scope == "batch":
+            taken = self.tokens_per_expert(num_tokens)
+        else:  # the real tokens of each position, or the batch's rows where there is no padding
+            per_position = torch.full((tokens,), batch) if mask_N is None else mask_N.view(batch, tokens).sum(dim=0)
+            taken = int(self.tokens_per_expert(per_position).sum())
+        below = num_tokens - taken
         # [E thresholds, 1 if this process had real tokens]: a process whose batch is all padding adds nothing
         thresholds_E1 = self.thresholds.new_zeros(self.num_experts + 1)
         if num_tokens:
@@ -185,7 +194,7 @@ class StrictlyBalancedMoE(MoELayer):
         logits_NE = router_logits(x_ND, self.router_weight)
         scores_NE = expert_softmax(logits_NE)
         if self.training and not self.has_thresholds():  # once: the first training batch
-            self._set_thresholds(scores_NE.detach() if mask_N is None else scores_NE.detach()[mask_N])
+            self._set_thresholds(scores_NE.detach(), B, T, mask_N)
 
         losses: dict[str, Tensor] = {}
         if not self.training and self.has_thresholds():

@@ -134,6 +134,8 @@ def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_ma
     number of tokens mixed into the slot. ``expert_load`` is each expert's share of the combine mass.
     """
     num_slots = combine.shape[-1]
+    # a sequence of padding alone dispatches uniformly over it (finite weights): its slots count in no statistic
+    sequences = None if token_mask is None else token_mask.any(dim=1)  # [B]
     dispatch_entropy = entropy(dispatch.float(), dim=1)  # [B, S]
     combine_entropy = entropy(combine.float(), dim=2)  # [B, M]
     max_combine = combine.float().amax(dim=2)  # [B, M]
@@ -153,11 +155,11 @@ def soft_moe_stats(dispatch: Tensor, combine: Tensor, num_experts: int, token_ma
         "expert_load": load,
         "load_cv": _cv(load),
         "dropped_fraction": dispatch.new_zeros((), dtype=torch.float32),
-        "dispatch_entropy": dispatch_entropy.mean(),
+        "dispatch_entropy": masked_mean(dispatch_entropy, sequences).mean(),
         "combine_entropy": combine_entropy_mean,
-        "max_dispatch_weight": dispatch.float().amax(dim=1).mean(),
+        "max_dispatch_weight": masked_mean(dispatch.float().amax(dim=1), sequences).mean(),
         "max_combine_weight": max_combine_mean,
-        "tokens_per_slot": dispatch_entropy.exp().mean(),
+        "tokens_per_slot": masked_mean(dispatch_entropy.exp(), sequences).mean(),
         REAL_TOKENS: real_tokens(combine, combine.shape[0] * combine.shape[1], token_mask),
     }
 
