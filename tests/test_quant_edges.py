@@ -4,6 +4,7 @@ choice for a whole matrix, GPTQ's device and settings out of range, a failed qua
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from moekit.quant import (
     quantized_banks,
     rtn_quantize,
 )
+from moekit.quant.formats import CLIP_FACTORS, _grid, fit_quantizer
 
 
 class _Batches:
@@ -294,6 +296,45 @@ def test_int8_keeps_its_256_levels_on_small_weights(std, slack):
     assert bool((q.scale.float() >= step).all()), "the grid spans the group"
     assert bool((q.scale.float() <= step * slack).all())
     assert bool(((q.dequantize() - w).abs() <= q.scale.float()).all())
+
+
+def test_a_group_whose_full_range_overflows_float16_takes_a_clipped_scale_that_fits():
+    """The clipping search's first factor (1.0) needs a ternary scale of 1e5, past float16's largest: infinite, NaN
+    weights, a NaN error that no later factor could beat. Now the factors whose scale fits compete as usual, and the
+    search keeps the one of smallest error among them."""
+    w = torch.tensor([[1e5, -2e4, 3e4, 5e4]])
+    fmt = QuantFormat("ternary", group_size=4)
+    q = fit_quantizer(fmt, w)
+    assert bool(torch.isfinite(q.scale).all()) and bool(torch.isfinite(q.round(w)).all())
+    errors = [
+        float((g.round(w) - w).pow(2).sum())
+        for g in (_grid(fmt, -c * w.abs().max(), c * w.abs().max()) for c in CLIP_FACTORS)
+    ]
+    finite = [e for e in errors if math.isfinite(e)]
+    assert finite and len(finite) < len(errors)  # some factors overflow, some fit
+    assert float((q.round(w) - w).pow(2).sum()) == min(finite)
+
+
+def test_calibration_leaves_a_callers_group_sizes_tensor_as_it_was():
+    """A bank called with a fixed LongTensor of rows per expert (``ExpertBank``'s contract allows it): calibration over
+    3 batches sums 3 x 6 rows per expert without adding into that tensor (it was doubled in place, then the next batch
+    split 12 rows as [12, 12])."""
+
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bank = ExpertBank(2, 4, 8, 4)
+            self.sizes = torch.tensor([6, 6])
+
+        def forward(self, x):
+            return self.bank(x, self.sizes)
+
+    torch.manual_seed(0)
+    net = Fixed().eval()
+    batches = [torch.randn(12, 4) for _ in range(3)]
+    reports = quantize_experts(net, QuantSpec(QuantFormat("int4", 4), "gptq", min_rows=4), lambda: batches)
+    assert net.sizes.tolist() == [6, 6]
+    assert {(r.rows_min, r.rows_max) for r in reports} == {(18, 18)}
 
 
 @pytest.mark.parametrize(("name", "largest_ok"), [("ternary", 6e4), ("int4", 4.5e5)])

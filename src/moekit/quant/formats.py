@@ -122,6 +122,7 @@ def fit_quantizer(fmt: QuantFormat, w: Tensor, dim: int = -1) -> GroupQuantizer:
     for c in factors:
         grid = _grid(fmt, c * lo, c * hi)
         err = (grid.round(w) - w).pow_(2).sum(dim, keepdim=True)
+        err.nan_to_num_(nan=float("inf"))  # a scale past float16's largest (inf: NaN weights) loses to any finite
         if best is None:
             best, best_err = grid, err
             continue

@@ -157,7 +157,7 @@ def _gram(x: Tensor, group_sizes: GroupSizes, experts: int) -> tuple[Tensor, Ten
         x_ECI = x[: experts * group_sizes].view(experts, group_sizes, -1)
         counts = torch.full((experts,), group_sizes, dtype=torch.int64)
         return torch.bmm(x_ECI.transpose(1, 2), x_ECI).double(), counts
-    counts = group_sizes.detach().cpu().to(torch.int64)
+    counts = group_sizes.detach().to("cpu", torch.int64, copy=True)  # a copy: the calibration sums into it
     parts = x[: int(counts.sum())].split(counts.tolist())
     return torch.stack([(p.t() @ p).double() for p in parts]), counts
 
