@@ -300,7 +300,9 @@ def test_resumable_sampler_shards_like_distributed_sampler_and_resumes_per_rank(
     resumed.load_state_dict(state)
     assert list(resumed) == first[2:]
 
-    # At another world size the mid-epoch position does not exist: the next epoch starts.
+    # At another world size the mid-epoch position does not exist: refused; from an epoch's end the next epoch starts.
     other = ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=2, rank=0)
-    other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"after batch 1 of epoch 0 .*num_replicas 3 \(now 2\)"):
+        other.load_state_dict(state)
+    other.load_state_dict({**state, "epoch": 1, "batch": 0})
     assert list(other) == ResumableRandomSampler(10, batch_size=2, seed=5, num_replicas=2).rank_order(1)

@@ -549,20 +549,26 @@ def test_a_rebuilt_train_loader_continues_with_the_next_epochs_order(small_corpu
 
 
 @pytest.mark.parametrize("change", [{"batch_size": 8}, {"seq_len": 7}], ids=["batch_size", "windows"])
-def test_a_mid_epoch_resume_with_other_batches_or_windows_starts_the_next_epoch(small_corpus, change, caplog):
-    """The saved position counts batches of the saved loader: with another batch size it skipped other windows
-    (windows never seen that epoch, or seen twice), with another number of windows another order. Now the resumed
-    run starts the next epoch whole, with a warning, as it does for a changed world size."""
+def test_a_mid_epoch_resume_with_other_batches_or_windows_is_refused(small_corpus, change):
+    """The saved position counts batches of the saved loader: with another batch size it would skip other windows
+    (windows never seen that epoch, or seen twice), with another number of windows another order. Starting the next
+    epoch instead left Lightning finishing the cut epoch with the next epoch's first batches, one epoch ahead for the
+    rest of the run. The resume is refused, naming what changed; at an epoch's end it goes on."""
     module = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1)
     iterator = iter(module.train_dataloader())
     [next(iterator) for _ in range(3)]
     state = {"train_sampler": module._train_sampler.state_dict(consumed_batches=2, epoch_done=False)}
     resumed = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1, **change)
     resumed.load_state_dict(state)
-    with caplog.at_level("WARNING", logger="moekit"):
-        windows = [tuple(row.tolist()) for batch in resumed.train_dataloader() for row in batch[0]]
-    assert "continuing with epoch 1" in caplog.text
+    saved = module._train_sampler
+    key, before = ("batch_size", saved.batch_size) if "batch_size" in change else ("dataset_size", saved.dataset_size)
+    with pytest.raises(ValueError, match=rf"after batch 2 of epoch 0 .*{key} {before} \(now \d+\)"):
+        resumed.train_dataloader()
+    done = {"train_sampler": module._train_sampler.state_dict(consumed_batches=2, epoch_done=True)}
+    at_the_end = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1, **change)
+    at_the_end.load_state_dict(done)
+    windows = [tuple(row.tolist()) for batch in at_the_end.train_dataloader() for row in batch[0]]
     fresh = make_files_module(small_corpus, val_fraction=0.1, test_fraction=0.1, **change)
     loader = fresh.train_dataloader()
     next_epoch = [[tuple(row.tolist()) for batch in loader for row in batch[0]] for _ in range(2)][1]
-    assert windows == next_epoch  # was the rest of epoch 0 counted in the old batches
+    assert windows == next_epoch

@@ -92,8 +92,8 @@ def _write_delay() -> float:
         delay = float(value)
     except ValueError:
         raise ValueError(f"{WRITE_DELAY_ENV}={value!r} must be a number of seconds (or unset)") from None
-    if delay < 0:
-        raise ValueError(f"{WRITE_DELAY_ENV}={value!r} must be >= 0 seconds")
+    if not 0 <= delay < float("inf"):  # NaN and inf too: time.sleep would fail in the middle of a write
+        raise ValueError(f"{WRITE_DELAY_ENV}={value!r} must be a finite number of seconds >= 0 (or unset)")
     return delay
 
 

@@ -30,17 +30,16 @@ python generators with it before the batch is fetched: a batch's augmentation is
 draws it, with any number of workers (above 0), before a resume and after.
 
 Data parallel training (DDP, FSDP). The sampler shards itself like ``DistributedSampler``: every rank
-draws the same epoch order, pads it to a multiple of the world size by repeating its start, and takes
+draws the same epoch order, pads it to a multiple of the world size by repeating it from its start, and takes
 every ``num_replicas``-th index from position ``rank``. It is a ``DistributedSampler`` subclass, so
 Lightning leaves it unwrapped. A checkpoint holds the random states of every rank (gathered when it is
 written) and each rank resumes with its own. A checkpoint written in the middle of an epoch resumes at
-the same position only with the same world size, dataset size and batch size; with others the run continues
-with the next epoch (a warning says so), at an epoch boundary any of them continues exactly.
+the same position only with the same world size, dataset size and batch size, and is refused with others (its
+position does not exist there); at an epoch boundary any of them continues exactly.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 from collections.abc import Iterator
@@ -52,8 +51,6 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 __all__ = ["ResumableRandomSampler", "SeededBatches", "get_rng_states", "set_rng_states"]
-
-log = logging.getLogger("moekit")
 
 
 def _numpy_state(state: tuple | None = None) -> dict[str, Any]:
@@ -95,8 +92,9 @@ def set_rng_states(states: dict[str, Any]) -> None:
     if "python" in states:
         version, internal, gauss = states["python"]
         random.setstate((version, tuple(internal), gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if "cuda" in states and torch.cuda.is_available():  # the devices this process sees (maybe fewer than saved)
+        for device, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
 
 
 class ResumableRandomSampler(DistributedSampler):
@@ -161,8 +159,8 @@ class ResumableRandomSampler(DistributedSampler):
     def rank_order(self, epoch: int) -> list[int]:
         """This rank's indices of epoch ``epoch``: ``num_samples`` of them."""
         order = self.epoch_order(epoch)
-        if self.total_size > self.dataset_size:  # pad by repeating the start, as DistributedSampler does
-            order = torch.cat([order, order[: self.total_size - self.dataset_size]])
+        if self.total_size > self.dataset_size:  # pad by repeating the order, as DistributedSampler does
+            order = order.repeat(math.ceil(self.total_size / self.dataset_size))[: self.total_size]
         return order[self.rank :: self.num_replicas].tolist()
 
     def batch_seed(self, epoch: int, batch: int) -> int:
@@ -227,24 +225,22 @@ class ResumableRandomSampler(DistributedSampler):
             state = {**state, "num_replicas": 1, "ranks": [{"rng": state["rng"], "batch_rng": state["batch_rng"]}]}
         saved_world = state["num_replicas"]
         now = {"num_replicas": self.num_replicas, "dataset_size": self.dataset_size, "batch_size": self.batch_size}
-        changed = [f"{key} {state[key]} -> {value}" for key, value in now.items() if state.get(key, value) != value]
-        moved = bool(state["batch"] and changed)
-        if moved:  # data-parallel ranks, the windows or the batch size changed since
-            log.warning(
-                "the checkpoint was written in the middle of epoch %d with other data settings (%s); that position "
-                "does not exist now: continuing with epoch %d",
-                state["epoch"],
-                ", ".join(changed),
-                state["epoch"] + 1,
+        changed = [f"{key} {state[key]} (now {value})" for key, value in now.items() if state.get(key, value) != value]
+        if state["batch"] and changed:  # the ranks, the windows or the batch size changed since
+            raise ValueError(
+                f"the checkpoint was written after batch {state['batch']} of epoch {state['epoch']} with other data "
+                f"settings: {', '.join(changed)}; that position does not exist with these settings, and going on from "
+                "it would skip or repeat samples. Resume with the checkpoint's settings (data.batch_size, "
+                "trainer.devices x trainer.num_nodes, and the data settings that size the training set), or from a "
+                "checkpoint written at an epoch's end, which continues with the next epoch under any of them"
             )
-            state = {**state, "epoch": state["epoch"] + 1, "batch": 0}
         if not 0 <= state["batch"] <= self.num_batches:
             raise ValueError(
                 f"ResumableRandomSampler: the checkpoint resumes at batch {state['batch']} of an epoch of "
                 f"{self.num_batches} batches; resume with the same dataset and batch size"
             )
         own = state["ranks"][self.rank] if saved_world == self.num_replicas else state["ranks"][0]
-        batch_rng = own["batch_rng"] if saved_world == self.num_replicas and not moved else None
+        batch_rng = own["batch_rng"] if saved_world == self.num_replicas else None
         if isinstance(batch_rng, torch.Tensor):  # written when only the torch state was kept per batch
             batch_rng = {"torch": batch_rng}
         self._next_epoch = int(state["epoch"])

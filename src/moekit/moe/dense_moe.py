@@ -98,11 +98,12 @@ class DenseMoE(MoELayer):
         mask_N = self._token_mask(padding_mask, batch, tokens)
         x_flat = x.reshape(batch * tokens, dim)
         logits = self.gate_logits(x_flat)
-        gates = expert_softmax(logits)  # [N, E]
         num_tokens = x_flat.shape[0]
-        if self.overpowering is not None:  # Eigen et al.: leave out the experts that ran ahead, renormalise
-            gates = gates * self.overpowering.keep_E()
-            gates = gates / gates.sum(dim=-1, keepdim=True)
+        if self.overpowering is None or not self.training:
+            gates = expert_softmax(logits)  # [N, E]
+        else:  # Eigen et al.: the softmax over the experts that did not run ahead (renormalised gates that stay
+            # finite where the kept experts' scores underflow next to a dropped expert's)
+            gates = expert_softmax(logits.masked_fill(self.overpowering.keep_E() == 0, -torch.inf))
             real = num_tokens if mask_N is None else mask_N.sum()
             mass = gates.detach() if mask_N is None else gates.detach() * mask_N.unsqueeze(1)
             self.overpowering.received(mass.sum(dim=0), real)

@@ -12,7 +12,8 @@ divided by the number of tokens, so that one forward adds at most 1 to the total
 margin is in those units: ``margin=1`` lets an expert run one whole forward's worth of gate mass ahead of the mean
 before it is dropped. An expert that is dropped receives nothing, so it comes back once the others catch up. The
 totals are a buffer (saved in checkpoints) and are counted on each process separately. A forward that activation
-checkpointing recomputes during backward drops the experts its original forward dropped and adds nothing.
+checkpointing recomputes during backward drops the experts its original forward dropped and adds nothing; a
+non-finite mass (a forward gone NaN) adds nothing either.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class OverpoweringExperts(Float32State):
         forward (a device count under a padding mask)."""
         if self.training and not recomputing():
             count = num_tokens.clamp_min(1) if isinstance(num_tokens, Tensor) else max(num_tokens, 1)
-            self.gate_mass_total += mass_E.float() / count
+            # a non-finite mass (a forward gone NaN, whose step is skipped) counts 0: a NaN total would drop every
+            # expert for good
+            self.gate_mass_total += torch.nan_to_num(mass_E.float() / count, nan=0.0, posinf=0.0, neginf=0.0)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}"

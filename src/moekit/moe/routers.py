@@ -75,7 +75,8 @@ class TopKRouter(Router):
 
     Dropping overpowering experts (Eigen et al. 2013, ``overpower_margin``): in training an expert whose running
     total of received gate mass is more than the margin ahead of the mean is left out of the choice for the
-    step (softmax scores are renormalised over the others; :mod:`moekit.moe.expert_dropping`).
+    step (softmax scores are renormalised over the others; :mod:`moekit.moe.expert_dropping`). Where fewer than ``k``
+    experts are left, a token's remaining choices are dropped experts with gate 0 (still dispatched and counted).
 
     Balancing that does not depend on the parallel layout (``switch_loss_scope="global_batch"``): the Switch
     loss's assignment fractions ``f`` are those of the previous optimizer step's whole batch - token counts
@@ -250,11 +251,13 @@ class TopKRouter(Router):
             scores_NE = torch.sigmoid(logits_NE)
             probs_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
         losses = self._score_losses(scores_NE, mask)
-        keep_E = None if self.overpowering is None else self.overpowering.keep_E()
-        if keep_E is not None:  # Eigen et al.: leave out the experts that ran ahead
+        keep_E = None if self.overpowering is None or not self.training else self.overpowering.keep_E()  # eval: all
+        if keep_E is not None and cfg.score_func == "softmax":  # Eigen et al.: leave out the experts that ran ahead
+            # the softmax over the kept experts' logits: the renormalised scores, also where the kept experts'
+            # scores underflow next to a dropped expert's (scores / sum would be 0 / 0)
+            scores_NE = expert_softmax(logits_NE.masked_fill(keep_E == 0, -torch.inf))
+        elif keep_E is not None:
             scores_NE = scores_NE * keep_E
-            if cfg.score_func == "softmax":
-                scores_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
         choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias
         if keep_E is not None:  # a dropped expert is not chosen, whatever its balancing bias
             choice_NE = choice_NE.masked_fill(keep_E == 0, -torch.inf)
@@ -266,9 +269,7 @@ class TopKRouter(Router):
         if self.overpowering is not None:
             mass_NK = gates_NK.detach() if real_N1 is None else gates_NK.detach() * real_N1
             self.overpowering.received(
-                torch.zeros_like(self.overpowering.gate_mass_total).index_add_(
-                    0, expert_ids_NK.reshape(-1), mass_NK.reshape(-1)
-                ),
+                mass_NK.new_zeros(self.num_experts).index_add_(0, expert_ids_NK.reshape(-1), mass_NK.reshape(-1)),
                 num_tokens=expert_ids_NK.shape[0] if mask is None else mask.sum(),
             )
         if self.pending_counts is not None and self.training and not recomputing():

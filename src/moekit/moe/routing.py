@@ -42,7 +42,8 @@ class Routing:
     """A router's decision for ``N`` tokens.
 
     Attributes:
-        expert_ids: ``[N, k]`` long, the chosen experts, best first.
+        expert_ids: ``[N, k]`` long, the chosen experts, best first (equal scores in ``torch.topk``'s order, which
+            may differ between devices).
         gates: ``[N, k]`` float32 combine weights.
         probs: ``[N, E]`` float32 router distribution (for statistics), or None.
         priority: ``[N]`` score for Batch Prioritized Routing (the top router score), or None.

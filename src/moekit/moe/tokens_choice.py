@@ -10,11 +10,12 @@ subclass names its router:
 * :class:`BaseMoE` - BASE layers' balanced assignment;
 * :class:`HierarchicalMoE` - Shazeer's two-level gating.
 
-A token whose assignments are all dropped by capacity gets a zero output, so the block's residual
-connection passes it through unchanged. Padding (``padding_mask`` False) gets no expert and a zero output, takes no
-capacity, and counts in no loss or statistic; capacity is then counted from the real tokens (of the batch, or of
-each position), except in the ``"group"`` scope, whose capacity comes from ``group_size`` so that it never depends
-on later tokens.
+An assignment dropped by capacity contributes nothing, and the token's other gates are not renormalised (GShard); a
+token whose assignments are all dropped gets a zero routed output (the shared experts' output still adds), so the
+block's residual connection passes it through. Padding (``padding_mask`` False) gets no expert and a zero output,
+takes no capacity, and counts in no loss or statistic; capacity is then counted from the real tokens (of the batch,
+or of each position), except in the ``"group"`` scope, whose capacity comes from ``group_size`` so that it never
+depends on later tokens.
 
 Shapes: ``B`` batch, ``T`` tokens per sequence, ``N = B * T`` tokens, ``D`` width, ``K`` experts per token,
 ``E`` experts, ``O`` output width.
