@@ -336,6 +336,14 @@ def test_no_validation_split(fake_dir):
     assert module.val_dataloader() == [] and len(module.train_set) == N_TRAIN
 
 
+def test_a_small_validation_fraction_holds_out_at_least_one_example(fake_dir):
+    """0.0005 of 600 examples rounds to none: validation (and the best-epoch checkpoint it feeds) was silently off."""
+    module = make_module(fake_dir, val_size=0.0005)
+    module.setup("fit")
+    assert len(module.val_indices) == 1 and len(module.train_set) == N_TRAIN - 1
+    assert len(module.val_dataloader()) == 1
+
+
 # --- CIFAR and ImageFolder -----------------------------------------------------------------------
 
 

@@ -95,7 +95,8 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
         eval_batch_size: validation / test batch size (default ``batch_size``).
         num_workers: DataLoader worker processes (persistent when > 0).
         val_size: examples held out of the training set for validation: a count, or a fraction in
-            ``[0, 1)``; a seeded random split. 0: no validation loader. imagefolder uses ``val/`` instead.
+            ``[0, 1)`` (at least one example when above 0); a seeded random split. 0: no validation loader.
+            imagefolder uses ``val/`` instead.
         seed: seeds the validation split, ``limit_train_samples`` and the training shuffle.
         img_size: input height = width, None for the dataset's native size (28, 32, imagefolder 224).
         augment: "none" or "basic". In-memory datasets: "basic" = random crop of the zero-padded image
@@ -242,7 +243,8 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
 
     def _split_indices(self, n_train: int, held_out: int | float) -> None:
         """Seeded split of ``range(n_train)`` into ``val_indices [n_val]`` and ``train_indices [n_train - n_val]``."""
-        n_val = round(held_out * n_train) if isinstance(held_out, float) else held_out
+        # a fraction above 0 holds out at least one example (rounded to none it would turn validation off)
+        n_val = max(round(held_out * n_train), held_out > 0) if isinstance(held_out, float) else held_out
         if n_val >= n_train:
             raise ValueError(
                 f"val_size={held_out!r} leaves no training data: the {self.dataset} training set has {n_train} "
