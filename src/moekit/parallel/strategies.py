@@ -60,6 +60,7 @@ class _ExpertParallel:
 
     expert_parallel_size: int
     _expert_groups: ExpertParallelGroups | None = None
+    _experts_synced = False  # the expert gradients are the data-parallel mean (since the last backward)
 
     def setup_environment(self) -> None:
         # Refused before any process group exists (a rank that raised after creating one could leave the others
@@ -71,7 +72,10 @@ class _ExpertParallel:
 
     def _shard_experts(self, lightning_module: nn.Module) -> list[nn.Parameter]:
         """Shard the routed experts (once); returns the sharded expert parameters."""
-        if self.expert_parallel_size > 1 and not sharded_expert_banks(lightning_module):
+        sharded = sharded_expert_banks(lightning_module)
+        if sharded and self._expert_groups is None:  # split by an earlier fit's strategy: this one syncs them too
+            self._adopt_sharded_experts(sharded)
+        elif self.expert_parallel_size > 1 and not sharded:
             groups = new_expert_parallel_groups(self.expert_parallel_size)
             if shard_experts(lightning_module, groups) == 0:
                 raise ValueError(
@@ -83,6 +87,19 @@ class _ExpertParallel:
         if self._expert_groups is not None:
             self._route_norm_clipping()
         return self._expert_parameters(lightning_module)
+
+    def _adopt_sharded_experts(self, banks: Mapping[str, ExpertBank]) -> None:
+        """Take on experts that another strategy split (a second ``Trainer`` on the same module): their gradients
+        need this strategy's sync and clipping as well, and their checkpoints the gather."""
+        sizes = {name: dist.get_world_size(bank.ep_group) for name, bank in banks.items()}
+        odd = {name: size for name, size in sizes.items() if size != self.expert_parallel_size}
+        if odd:
+            name, size = next(iter(odd.items()))
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size}, but the experts of {name} are already split over "
+                f"groups of {size} ranks (by an earlier fit); use expert_parallel_size={size} with this model"
+            )
+        self._expert_groups = new_expert_parallel_groups(self.expert_parallel_size)
 
     @torch.no_grad()
     def _sync_expert_replicas(self, lightning_module: nn.Module) -> None:
@@ -101,29 +118,54 @@ class _ExpertParallel:
     def _route_norm_clipping(self) -> None:
         """Send Lightning's own norm clipping (``LightningModule.clip_gradients``, what a module without moekit's
         ``configure_gradient_clipping`` calls) through :meth:`clip_gradient_norm`: a rank's local norm misses the
-        experts of the other ranks, so each rank would clip by another factor (the replicated weights drift apart)."""
+        experts of the other ranks, so each rank would clip by another factor (the replicated weights drift apart).
+        Value clipping, too, reads the experts' mean gradients (manual optimization clips before the step)."""
         plugin = self.precision_plugin
         self.precision_plugin = plugin  # kept (without a Trainer's, each read gives a new default plugin)
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
             self.clip_gradient_norm(optimizer, float(clip_val))
 
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
+            self._sync_before_clipping()
+            type(plugin).clip_grad_by_value(plugin, optimizer, clip_val)
+
         plugin.clip_grad_by_norm = clip_grad_by_norm  # the plugin's clip_gradients calls it after unscaling
+        plugin.clip_grad_by_value = clip_grad_by_value
 
     @staticmethod
     def _expert_parameters(module: nn.Module) -> list[nn.Parameter]:
         return [p for bank in sharded_expert_banks(module).values() for p in bank.parameters()]
 
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        self._experts_synced = False  # new expert gradients: sync them before the next clipping or step
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _sync_expert_gradients(self) -> None:
+        """Make the experts' local gradients the data-parallel mean, once after each backward: before the first
+        clipping or optimizer step that reads them (manual optimization clips before the step, and each of several
+        optimizers steps)."""
+        if self._expert_groups is None or self._experts_synced:
+            return
+        expert_params = self._expert_parameters(self.lightning_module)
+        sync_expert_gradients(expert_params, self._expert_groups)
+        if getattr(self.precision_plugin, "scaler", None) is not None:  # before the scaler's local overflow check
+            share_non_finite_gradients(expert_params)
+        self._experts_synced = True
+
+    def _sync_before_clipping(self) -> None:
+        """Manual optimization clips before the step: sync the expert gradients first (automatic optimization clips
+        after the closure, which synced them)."""
+        if not getattr(self.lightning_module, "automatic_optimization", True):
+            self._sync_expert_gradients()
+
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         if self._expert_groups is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        expert_params = self._expert_parameters(self.lightning_module)
 
         def closure_then_sync_experts():
-            result = closure()  # forward + backward of the last micro-batch of the step
-            sync_expert_gradients(expert_params, self._expert_groups)
-            if getattr(self.precision_plugin, "scaler", None) is not None:  # before the scaler's local overflow check
-                share_non_finite_gradients(expert_params)
+            result = closure()  # forward + backward of the last micro-batch of the step (manual: nothing)
+            self._sync_expert_gradients()
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync_experts, model, **kwargs)
@@ -133,6 +175,7 @@ class _ExpertParallel:
         caller clips as usual)."""
         if self._expert_groups is None:
             return None
+        self._sync_before_clipping()
         params = [p for group in _unwrap(optimizer).param_groups for p in group["params"]]
         experts = self._expert_parameters(self.lightning_module)
         return clip_grad_norm_(params, experts, max_norm, self._expert_groups)
@@ -261,7 +304,8 @@ class MoEFSDPStrategy(_ExpertParallel, ModelParallelStrategy):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         net = lightning_module.net
-        if isinstance(net, FSDPModule):  # configure_model runs again for trainer.test after fit
+        if isinstance(net, FSDPModule):  # configure_model runs again for trainer.test after fit, or a new Trainer's
+            self._shard_experts(lightning_module)
             return
         if self.activation_checkpointing:
             if not hasattr(net, "set_grad_checkpointing"):
