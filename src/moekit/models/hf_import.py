@@ -34,18 +34,47 @@ __all__ = [
 
 # transformers' defaults (MixtralConfig, Qwen2MoeConfig) of the settings moekit reads that a config.json may leave
 # out: save_pretrained writes them all, a hand-written config need not, and transformers then takes these.
+_COMMON_DEFAULTS = {"hidden_act": "silu", "tie_word_embeddings": False, "router_aux_loss_coef": 0.001}
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8},
-    "qwen2_moe": {
+    "mixtral": _COMMON_DEFAULTS
+    | {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen2_moe": _COMMON_DEFAULTS
+    | {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "max_position_embeddings": 32768,
         "rope_theta": 1e4,
         "rms_norm_eps": 1e-6,
-        "num_key_value_heads": 16,
+        "moe_intermediate_size": 1408,
         "shared_expert_intermediate_size": 5632,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
         "qkv_bias": True,
     },
 }
+
+
+def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with transformers' default for each setting of :data:`HF_DEFAULTS` it leaves out."""
+    return {**HF_DEFAULTS.get(config.get("model_type"), {}), **config}
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -103,10 +132,10 @@ def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> d
     """The :class:`~moekit.models.TransformerLM` keywords of a transformers config (all but ``max_seq_len`` and
     ``dropout``, which are not the architecture's). ``moe`` is a recipe mapping of the ``top_k`` layer. A setting
     the config leaves out takes transformers' default for its layout (:data:`HF_DEFAULTS`)."""
-    config = {**HF_DEFAULTS.get(config.get("model_type"), {}), **config}
+    config = _with_defaults(config)
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     depth = config["num_hidden_layers"]
-    if config.get("hidden_act", "silu") != "silu":
+    if config["hidden_act"] != "silu":
         raise HFInterchangeError(f"{path}: hidden_act={config['hidden_act']!r}; moekit reads SwiGLU (silu) models")
     if config.get("head_dim") not in (None, dim // heads):
         raise HFInterchangeError(
@@ -141,7 +170,7 @@ def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> d
         "num_shared_experts": shared // expert_hidden,
         "shared_expert_gate": shared > 0,
         "granularity": dense_hidden / expert_hidden,
-        "switch_loss_weight": float(config.get("router_aux_loss_coef", 0.0)),
+        "switch_loss_weight": float(config["router_aux_loss_coef"]),
     }
     qkv_bias = config["qkv_bias"] if config["model_type"] == "qwen2_moe" else False
     return {
@@ -155,7 +184,7 @@ def hf_model_settings(config: Mapping[str, Any], path: str = "config.json") -> d
         "act_layer": "silu",
         "bias": False,
         "qkv_bias": qkv_bias,
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "tie_embeddings": bool(config["tie_word_embeddings"]),
         "norm": "rmsnorm",
         "norm_eps": float(config["rms_norm_eps"]),
         "pos_embedding": "rope",
@@ -293,7 +322,7 @@ def load_hf_lm(folder: str | os.PathLike, max_seq_len: int | None = None, **over
     config = read_hf_config(folder)
     path = str(Path(folder) / "config.json")
     settings = hf_model_settings(config, path)
-    max_seq_len = config["max_position_embeddings"] if max_seq_len is None else max_seq_len
+    max_seq_len = _with_defaults(config)["max_position_embeddings"] if max_seq_len is None else max_seq_len
     check_attention_window(config, max_seq_len, path)
     model = TransformerLM(**settings, max_seq_len=max_seq_len, **overrides)
     model.load_state_dict(read_hf_state_dict(folder, config))

@@ -4,6 +4,7 @@ that routes by token id (hash routing) is recognised, fed and fitted."""
 from __future__ import annotations
 
 import torch
+from timm.layers import get_act_layer
 from torch import Tensor, nn
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "check_positive_int",
     "check_dropout",
     "check_cache_batch",
+    "activation_layer",
     "takes_token_ids",
     "takes_positions",
     "fit_hash_routing",
@@ -64,6 +66,17 @@ def check_positive_int(value, name: str, owner: str) -> None:
 def check_dropout(value, owner: str) -> None:
     if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{owner}: dropout={value!r} must lie in [0, 1)")
+
+
+def activation_layer(act_layer: str, owner: str, examples: str) -> type[nn.Module]:
+    """The timm activation named ``act_layer``; a ``ValueError`` naming it where timm has none (timm: ``KeyError``)."""
+    try:
+        act = get_act_layer(act_layer)
+    except KeyError:
+        act = None
+    if act is None:
+        raise ValueError(f"{owner}: act_layer={act_layer!r} is not a timm activation name (e.g. {examples})")
+    return act
 
 
 def check_cache_batch(cache, batch: int, name: str) -> None:

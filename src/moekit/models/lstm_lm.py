@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from timm.layers import get_act_layer
 from torch import Tensor, nn
 
 from moekit.moe import build_moe_layer, require_causal
@@ -21,6 +20,7 @@ from moekit.moe.dropout import Dropout
 from moekit.recipes import check_fits, resolve_recipe
 
 from .lm_common import (
+    activation_layer,
     check_cache_batch,
     check_dropout,
     check_input_ids,
@@ -118,9 +118,7 @@ class LSTMMoELM(nn.Module):
         ):
             check_positive_int(value, key, name)
         check_dropout(dropout, name)
-        act = get_act_layer(act_layer)
-        if act is None:
-            raise ValueError(f"{name}: act_layer={act_layer!r} is not a timm activation name (e.g. 'relu', 'gelu')")
+        act = activation_layer(act_layer, name, "'relu', 'gelu'")
         spec = resolve_recipe(moe)
         if spec is None:
             raise ValueError(f"{name}: moe=None; the LSTM MoE LM needs an MoE recipe (e.g. moe='noisy_top_k')")

@@ -15,7 +15,8 @@ class RotaryEmbedding(nn.Module):
 
     ``forward(x: [batch, heads, tokens, head_dim], start, positions=None)`` rotates tokens at positions
     ``start .. start + tokens - 1`` (below ``max_seq_len``), or at ``positions: [batch, tokens]`` (the tokens a
-    Mixture-of-Depths block chose); the rotation is applied in float32 (then cast back to ``x``'s dtype).
+    Mixture-of-Depths block chose); the rotation is applied in float32 at least (float64 input stays float64), then
+    cast back to ``x``'s dtype.
 
     The ``cos`` / ``sin`` tables are float32 buffers, computed on the CPU and moved: a cast of the model
     (``model.to(torch.bfloat16)``) leaves them in float32, and a move or ``to_empty`` (a model built on the meta
@@ -63,6 +64,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.cos[start : start + tokens], self.sin[start : start + tokens]
         else:  # [batch, tokens, hd / 2] -> [batch, 1, tokens, hd / 2], broadcast over heads
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        first, second = x.float().chunk(2, dim=-1)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float32 for bf16 / fp16, float64 kept
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        first, second = x.to(dtype).chunk(2, dim=-1)  # [..., tokens, hd / 2] each
         rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
         return rotated.to(x.dtype)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint
-from timm.layers import Mlp, SwiGLU, get_act_layer
+from timm.layers import Mlp, SwiGLU
 from torch import Tensor, nn
 
 from moekit.moe import DepthRouter, ExpertBank, MoELayer, RoutingModule, build_moe_layer, require_causal
@@ -34,6 +34,7 @@ from moekit.recipes.depth import DepthSpec, resolve_depth
 from .attention import CausalSelfAttention, check_heads
 from .lm_common import (
     INIT_STD,
+    activation_layer,
     check_cache_batch,
     check_dropout,
     check_input_ids,
@@ -277,8 +278,10 @@ class TransformerLM(nn.Module):
             check_positive_int(value, key, name)
         check_heads(dim, num_heads, num_kv_heads, name)
         for key, value in (("norm_eps", norm_eps), ("rope_base", rope_base)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name}: {key}={value!r} must be a positive number")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+            ):
+                raise ValueError(f"{name}: {key}={value!r} must be a positive number (and finite)")
         if pos_embedding not in ("rope", "learned"):
             raise ValueError(f"{name}: pos_embedding={pos_embedding!r}; allowed: 'rope', 'learned'")
         if pos_embedding == "rope" and (dim // num_heads) % 2:
@@ -288,7 +291,7 @@ class TransformerLM(nn.Module):
             )
         if norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"{name}: norm={norm!r}; allowed: 'layernorm', 'rmsnorm'")
-        if not isinstance(mlp_ratio, (int, float)) or int(dim * mlp_ratio) < 1:
+        if not isinstance(mlp_ratio, (int, float)) or not 0 < mlp_ratio < math.inf or int(dim * mlp_ratio) < 1:
             raise ValueError(f"{name}: mlp_ratio={mlp_ratio!r} must give a positive hidden size int(dim * mlp_ratio)")
         check_dropout(dropout, name)
         spec = resolve_recipe(moe)
@@ -302,9 +305,7 @@ class TransformerLM(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = dim // num_heads
         act_name = act_layer or ("silu" if gated else "gelu")
-        act = get_act_layer(act_name)
-        if act is None:
-            raise ValueError(f"{name}: act_layer={act_layer!r} is not a timm activation name (e.g. 'gelu', 'silu')")
+        act = activation_layer(act_name, name, "'gelu', 'silu'")
         hidden = int(dim * mlp_ratio)
         mlp_kwargs = dict(in_features=dim, hidden_features=hidden, act_layer=act, bias=bias, drop=dropout)
 
