@@ -146,7 +146,7 @@ def test_sample_says_a_prompt_the_tokenizer_drops_whole_is_not_empty(trained_lm,
     Tokenizer(models.BPE(vocab=latin1, merges=[])).save(str(tmp_path / "tokenizer.json"))
     out, _ = trained_lm
     ckpt = sorted((out / "checkpoints").glob("epoch_*.ckpt"))[-1]
-    data = ["+data=text_files", f"data.paths=[{repeated_corpus}]", "data.tokenizer.kind=file"]
+    data = ["data=text_files", f"data.paths=[{repeated_corpus}]", "data.tokenizer.kind=file"]
     data.append(f"data.tokenizer.path={tmp_path / 'tokenizer.json'}")
     with pytest.raises(ValueError, match=r"prompt='東京' encodes to no tokens: tokenizer .* drops every character"):
         sample(compose_config("sample", [f"ckpt_path={ckpt}", 'prompt="東京"', *data], tmp_path))

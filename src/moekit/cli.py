@@ -26,10 +26,12 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.types import ValueType
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from moekit import recipes
 from moekit.configs import check_composed
 from moekit.console import tidy_library_output
 from moekit.utils.allocator import use_fast_allocator
@@ -164,20 +166,77 @@ class SearchSpaceCheck(Callback):
             sys.exit(1)
 
 
-def _did_you_mean(config: DictConfig, key: str) -> str:
-    """``did you mean trainer.max_epochs?`` for a dotted ``key`` that ``config`` lacks (``check its spelling``
-    when no key beside it comes close)."""
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(config, parent, default=None) if parent else config
-    close = difflib.get_close_matches(leaf, list(node) if isinstance(node, DictConfig) else [], n=1)
-    return f"did you mean {'.'.join(filter(None, [parent, close[0]]))}?" if close else "check its spelling"
+def _did_you_mean(config: DictConfig, key: str, groups: tuple[str, ...] = ()) -> str:
+    """``did you mean trainer.max_epochs?`` for a dotted ``key`` that ``config`` lacks, each part of it spelt as the
+    closest key at its level (``trainr.max_epochz`` too; ``groups``: config group names that also count at the top);
+    ``check its spelling`` when some part comes close to nothing."""
+    node: Any = config
+    parts = []
+    for depth, part in enumerate(key.split(".")):
+        names = [str(name) for name in node] if isinstance(node, DictConfig) else []
+        names += [group for group in groups if depth == 0 and group not in names]
+        if part not in names:
+            close = difflib.get_close_matches(part, names, n=1)
+            if not close:
+                return "check its spelling"
+            part = close[0]
+        parts.append(part)
+        node = OmegaConf.select(node, part, default=None, throw_on_resolution_failure=False) if node else None
+    return f"did you mean {'.'.join(parts)}?"
+
+
+def _group_folders(config_dir: Path, group: str) -> list[Path]:
+    """The folders of config group ``group``'s options (``moe``: the recipes' too)."""
+    folders = [config_dir / group]
+    if group == "moe":
+        folders.append(Path(recipes.__file__).parent / "moe")
+    return [folder for folder in folders if folder.is_dir()]
+
+
+def _options_with(config_dir: Path, key: str) -> list[str]:
+    """``mod=interleaved`` for ``mod.capacity``: the options of the config group ``key`` starts with whose own file
+    sets ``key``."""
+    group, _, rest = key.partition(".")
+    found, missing = [], object()
+    for folder in _group_folders(config_dir, group) if rest else []:
+        for path in sorted(folder.rglob("*.yaml")):
+            try:
+                node = OmegaConf.load(path)
+            except Exception:  # not a config this can read: skip it
+                continue
+            if "@package" in path.read_text().partition("\n")[0] or not isinstance(node, DictConfig):
+                continue
+            if OmegaConf.select(node, rest, default=missing, throw_on_resolution_failure=False) is not missing:
+                found.append(f"{group}={path.relative_to(folder).with_suffix('').as_posix()}")
+    return sorted(set(found))
+
+
+def _first_of_sweeps(args: list[str]) -> list[str] | None:
+    """The overrides of ``args`` with each sweep (``a=1,2``, ``range(...)``, ``choice(...)``) replaced by its first
+    value, an interval sweep left out: one job of the sweep, whose keys are the sweep's; None when Hydra's grammar
+    refuses them (Hydra reports that itself)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        single = []
+        for text, override in zip(overrides, parsed, strict=True):
+            if not override.is_sweep_override():
+                single.append(text)
+            elif override.value_type != ValueType.INTERVAL_SWEEP:
+                single.append(f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}")
+    except Exception:  # a grammar error, an empty sweep: Hydra's to report
+        return None
+    return single
 
 
 def _check_override_keys(config_dir: Path, config_name: str, args: list[str]) -> None:
-    """A misspelt key of a single run (``trainer.max_epochz=1``): Hydra would advise adding it with ``+``, which
-    the run then refuses as a key nothing reads. Compose the config first (a fifth of a second) and, where a key
-    is not in it, stop with the setting that was meant. Anything else Hydra reports itself, as it would."""
-    if any(arg.startswith("-") for arg in args):  # -m sweeps, --cfg, --help: Hydra's own
+    """A misspelt key (``trainer.max_epochz=1``, of a single run or a ``-m`` sweep): Hydra would advise adding it
+    with ``+``, which the run then refuses as a key nothing reads. Compose the config first (a fifth of a second;
+    a sweep's first job) and, where a key is not in it, stop with the setting that was meant, or the group option
+    that has it (``mod.capacity`` needs ``mod=interleaved``). Anything else Hydra reports itself, as it would."""
+    if any(arg.startswith("-") and arg not in ("-m", "--multirun") for arg in args):  # --cfg, --help: Hydra's own
         return
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
@@ -186,7 +245,9 @@ def _check_override_keys(config_dir: Path, config_name: str, args: list[str]) ->
         with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.3"):
             return compose(config_name=config_name, overrides=overrides)
 
-    overrides = [arg for arg in args if "=" in arg]
+    overrides = _first_of_sweeps(args)
+    if overrides is None:
+        return
     try:
         composed(overrides)
         return
@@ -200,11 +261,18 @@ def _check_override_keys(config_dir: Path, config_name: str, args: list[str]) ->
     except ConfigCompositionException:
         return
     logging.basicConfig(format="[%(name)s][%(levelname)s] - %(message)s")
-    log.error(
-        "%s is not a setting of this config; %s (a new key needs a leading +, and is refused when nothing reads it)",
-        key,
-        _did_you_mean(config, key),
-    )
+    options = _options_with(config_dir, key)
+    group = key.partition(".")[0]
+    chosen = [value for name, _, value in (o.partition("=") for o in overrides) if name.lstrip("+") == group]
+    if options:
+        instead = f", not of {group}={chosen[-1]}" if chosen else ""
+        pick = options[0] if len(options) == 1 else "one of them"
+        hint = f"it is a setting of {', '.join(options)}{instead}: put {pick} on the command line"
+    else:
+        groups = tuple(sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name != "hydra"))
+        adding = "a new key needs a leading +, and is refused when nothing reads it"
+        hint = f"{_did_you_mean(config, key, groups)} ({adding})"
+    log.error("%s is not a setting of this config; %s", key, hint)
     sys.exit(1)
 
 

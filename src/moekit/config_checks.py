@@ -12,6 +12,7 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ OPTIMIZERS = ("adamw", "sgd", "muon")
 """``task.optimizer.name``'s values (:func:`moekit.tasks.optim.build_optimizer`)."""
 NS_DTYPES = ("auto", "float32", "bfloat16")
 """``task.optimizer.ns_dtype``'s values (:class:`moekit.tasks.muon.MuonAdamW`)."""
+SCHEDULES = ("cosine", "rsqrt", "constant")
+"""``task.scheduler.name``'s values (:class:`moekit.tasks.optim.ScheduleConfig`)."""
 
 
 def _number(value: Any) -> bool:
@@ -65,10 +68,17 @@ def _epochs(value: Any) -> bool:  # Lightning's limits: -1 for none
     return value is None or isinstance(value, int) and not isinstance(value, bool) and value >= -1
 
 
+_DEVICE_INDICES = re.compile(r"^\s*\d+\s*(,\s*\d+\s*)*,?\s*$")  # "0,1" or "1,": Lightning's device indices
+
+
 def _devices(value: Any) -> bool:  # a count (-1: every device), "auto", a list of indices or "0,1"
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # "2" or "-1": Lightning reads a count
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool):
         return value >= 1 or value == -1
-    return isinstance(value, (str, list, tuple))
+    if isinstance(value, str):
+        return value == "auto" or bool(_DEVICE_INDICES.match(value))
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(_whole(i) for i in value)
 
 
 def _precision(value: Any) -> bool:  # Lightning's names, its 16 / 32 / 64, and moekit's auto
@@ -97,6 +107,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         f"one of {', '.join(NS_DTYPES)}",
         "auto: bfloat16 on GPUs with bf16 in hardware and CPUs with bf16 dot products (avx512_bf16, AMX), else float32",
     ),
+    "task.scheduler.name": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}", "e.g. cosine"),
     "task.scheduler.warmup_steps": (
         _non_negative,
         "a number >= 0",
@@ -115,7 +126,12 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         f"one of {', '.join(PRECISIONS)}",
         "auto: bf16-mixed on GPUs and AMX CPUs, measured on CPUs with avx512_bf16 alone, else 32-true",
     ),
-    "trainer.devices": (_devices, "a positive count, -1 (all), auto, or a list of device indices", "e.g. 1"),
+    "trainer.devices": (
+        _devices,
+        "a positive count, -1 (all), auto, or device indices (a list, or a string such as '0,1')",
+        "e.g. trainer.devices=1",
+    ),
+    "trainer.num_nodes": (_count, "a positive int", "the machines the run spans, e.g. trainer.num_nodes=1"),
     "kernel_choices": (
         lambda v: isinstance(v, list) and all(isinstance(s, str) and "=" in s for s in v),
         "a list of NAME=VALUE strings",
@@ -137,6 +153,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "moe.slots_per_expert": (_optional(_count), "a positive int or null", "null: from moe.capacity_factor"),
     "data.batch_size": (_count, "a positive integer", "the images or sequences of one step, e.g. 128"),
     "data.eval_batch_size": (_optional(_count), "a positive integer or null", "null uses data.batch_size"),
+    "data.seq_len": (_count, "a positive integer", "the tokens of one training sequence, e.g. 256"),
     "callbacks.last_checkpoint_steps.every_n_train_steps": (
         _whole,
         "a whole number of optimizer steps >= 0",
@@ -183,9 +200,17 @@ def check_settings(settings: Mapping[str, Any]) -> None:
                 f"moe.top_k={moe['top_k']} is more than moe.num_experts={moe['num_experts']}: a token cannot choose "
                 f"more experts than there are; use moe.top_k <= {moe['num_experts']}, or more experts"
             )
+    _check_cpu_devices(settings.get("trainer"))
     model = settings.get("model")
     if not isinstance(model, Mapping):
         return
+    data = settings.get("data")
+    context, seq_len = model.get("max_seq_len"), data.get("seq_len") if isinstance(data, Mapping) else None
+    if _count(context) and _count(seq_len) and context < seq_len:
+        raise ValueError(
+            f"model.max_seq_len={context} is shorter than data.seq_len={seq_len}, the length of every training "
+            f"sequence; set model.max_seq_len >= {seq_len} (by default it is data.seq_len) or data.seq_len <= {context}"
+        )
     for width_key in ("embed_dim", "dim"):
         width, heads = model.get(width_key), model.get("num_heads")
         if _count(width) and _count(heads) and width % heads:
@@ -194,3 +219,16 @@ def check_settings(settings: Mapping[str, Any]) -> None:
                 f"model.{width_key}={width} is not divisible by model.num_heads={heads}; pick heads that divide "
                 f"the width (for {width}: {', '.join(map(str, divisors))}, ...) or another width"
             )
+
+
+def _check_cpu_devices(trainer: Any) -> None:
+    """Lightning's CPU accelerator takes a count of processes (or ``auto``), not device indices nor -1."""
+    if not isinstance(trainer, Mapping) or trainer.get("accelerator") != "cpu":
+        return
+    devices = trainer.get("devices", "auto")
+    if devices == "auto" or (_devices(devices) and str(devices).strip().isdigit()):
+        return
+    raise ValueError(
+        f"trainer.devices={devices!r} with trainer.accelerator=cpu must be a count of processes or auto (the CPU has "
+        "no device indices, and -1 means every GPU); e.g. trainer.devices=2 with trainer=ddp"
+    )

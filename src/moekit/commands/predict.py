@@ -58,9 +58,9 @@ def predict(cfg: DictConfig) -> list[dict]:
             "model use scripts/sample.py"
         )
     num_classes = module.net.num_classes
-    if not (isinstance(cfg.top_k, int) and 1 <= cfg.top_k):
+    if isinstance(cfg.top_k, bool) or not (isinstance(cfg.top_k, int) and 1 <= cfg.top_k):  # top_k=true: not 1
         raise ValueError(f"top_k={cfg.top_k!r}; give a whole number from 1 to the {num_classes} classes")
-    if not (isinstance(cfg.batch_size, int) and cfg.batch_size >= 1):
+    if isinstance(cfg.batch_size, bool) or not (isinstance(cfg.batch_size, int) and cfg.batch_size >= 1):
         raise ValueError(f"batch_size={cfg.batch_size!r}; give a whole number >= 1")
     output_dir = check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     data = (module.hparams.get("run_config") or {}).get("data") or {}

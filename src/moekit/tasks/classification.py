@@ -40,7 +40,8 @@ class ImageClassifier(MoETask):
         optimizer: ``{name, lr, weight_decay, betas, eps, decay_1d}``.
         scheduler: :class:`~moekit.tasks.optim.ScheduleConfig` fields.
         label_smoothing: cross-entropy label smoothing.
-        mixup: timm ``Mixup`` keywords (``mixup_alpha``, ``cutmix_alpha``, ``prob``, ...) or None.
+        mixup: timm ``Mixup`` keywords (``mixup_alpha``, ``cutmix_alpha``, ``prob``, ...) or None; both alphas 0
+            (and no ``cutmix_minmax``) is None too, as in timm's ``train.py``.
         compile: ``torch.compile`` the network in place (state-dict keys unchanged).
         fused_attention: set timm attention's ``fused_attn`` (``scaled_dot_product_attention``); False
             uses the explicit softmax(q k^T) v, which is faster in bf16 on CPU. None keeps timm's choice.
@@ -100,6 +101,11 @@ class ImageClassifier(MoETask):
             from timm.data import Mixup
 
             self.mixup = Mixup(num_classes=num_classes, label_smoothing=label_smoothing, **mixup)
+            alphas = {"mixup_alpha": self.mixup.mixup_alpha, "cutmix_alpha": self.mixup.cutmix_alpha}
+            if min(alphas.values()) < 0:
+                raise ValueError(f"task.mixup: {alphas} must be >= 0 (0 turns that kind of mixing off)")
+            if max(alphas.values()) == 0 and self.mixup.cutmix_minmax is None:
+                self.mixup = None  # nothing to mix (timm would fail at the first step): off, as timm's train.py has it
         if fused_attention is not None:
             for module in self.net.modules():
                 if hasattr(module, "fused_attn"):

@@ -162,6 +162,7 @@ class LanguageModel(MoETask):
         ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD_TARGET)
         # the means weigh a batch by its real targets (a real input's target may be left out: a prompt's), on the device
         real_targets = (targets != PAD_TARGET).sum()
+        ce = ce.where(real_targets > 0, 0.0)  # a batch of no real target: 0 of weight 0, not the NaN of 0 / 0
         if split == "train":
             loss = self.add_aux_losses(split, ce, batch_size=real_targets)
             self.log("train/ppl", ce.detach().exp(), on_step=True, on_epoch=False, prog_bar=True)
