@@ -47,15 +47,16 @@ class RecordError(ValueError):
 
 
 def _git_commit(directory: Path) -> str | None:
-    """The commit checked out in ``directory`` (None outside a git checkout); ``+dirty`` when files differ."""
+    """The commit checked out in ``directory``, ``+dirty`` when files differ; None outside a checkout that tracks
+    ``directory``'s files (moekit installed into a virtual environment inside another project's checkout)."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=10, check=True)
+        return run.stdout.strip()
+
     try:
-
-        def git(*args: str) -> str:
-            return subprocess.run(
-                ["git", *args], cwd=directory, capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-
         commit = git("rev-parse", "HEAD")
+        git("ls-files", "--error-unmatch", "--", ".")  # fails where it tracks no file there
         return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None

@@ -70,10 +70,11 @@ def _slope(points: Sequence[tuple[float, float]]) -> float:
 def _scaling_trends(groups: Sequence[Group]) -> list[str]:
     """The reading of a scaling sweep, per router: the slope of the test metric against log2(experts)
     fitted to each seed's runs, and each run's difference to the dense run of the same seed (paired:
-    the runs of one seed hold out the same validation images and train on the same batches)."""
+    the runs of one seed hold out the same validation images and train on the same batches; a run without a seed,
+    which draws its own, has no pair)."""
     metric = metrics_of(run for g in groups for run in g.runs)[0]
     runs = [run for g in groups for run in g.runs if run.test.get(metric.key) is not None]
-    dense = {run.seed: run.test[metric.key] for run in runs if run.num_experts == 0}
+    dense = {run.seed: run.test[metric.key] for run in runs if run.num_experts == 0 and run.seed is not None}
     lines = [
         f"| router | seeds | {metric.label} per doubling of experts: mean (per seed) | vs dense of the same seed: mean "
         "(min to max) | above dense |",
@@ -105,13 +106,14 @@ def _pareto_pairs(groups: Sequence[Group]) -> list[str]:
     """The reading of a Pareto sweep: each MoE configuration against the dense run of the same setting
     but the recipe (the same width) and the same seed (paired: one seed's runs see the same batches). FLOPs
     and fit time as ratios to that dense run (the median over the seeds), the test metric as
-    differences, seed by seed."""
+    differences, seed by seed. A run without a seed (each draws its own) has no pair."""
     metric = metrics_of(run for g in groups for run in g.runs)[0]
 
     def without_model(group: Group) -> tuple[tuple[str, str], ...]:  # `moe=` picks the model (`model=` in older
         return tuple((k, v) for k, v in group.setting if k not in ("moe", "model"))  # archived records)
 
-    dense = {(without_model(g), run.seed): run for g in groups if g.family == "dense" for run in g.runs}
+    dense_runs = [(g, run) for g in groups if g.family == "dense" for run in g.runs if run.seed is not None]
+    dense = {(without_model(g), run.seed): run for g, run in dense_runs}
     lines = [
         f"| setting | seeds | FLOPs / example vs dense | fit time vs dense | {metric.label} vs dense: mean (per seed) "
         "| above dense |",
@@ -157,8 +159,9 @@ def markdown_table(results: Sequence[RunResult]) -> str:
         out += [*_task_table(task_groups), ""]
         if figure_kind(task) == "scaling":
             out += ["Trends against the number of experts:", "", *_scaling_trends(task_groups), ""]
-        if figure_kind(task) == "pareto" and any(g.family == "dense" for g in task_groups):
-            out += ["Against the dense run of the same width and seed:", "", *_pareto_pairs(task_groups), ""]
+        pairs = _pareto_pairs(task_groups) if figure_kind(task) == "pareto" else []
+        if len(pairs) > 2:  # a row under the header: an MoE run with a dense run of its width and seed
+            out += ["Against the dense run of the same width and seed:", "", *pairs, ""]
     out.append(_table_note(benched=any(run.bench_step_seconds is not None for run in results)))
     return "\n".join(out) + "\n"
 

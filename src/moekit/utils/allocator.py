@@ -71,13 +71,15 @@ def find_tcmalloc() -> str | None:
 def _loaded_replacements() -> set[str]:
     """The malloc replacements (``"tcmalloc"``, ``"jemalloc"``) loaded into this process, from ``/proc/self/maps``: a
     preload the loader could not find or open does not count. Where that cannot be read (not Linux), ``LD_PRELOAD``
-    is taken at its word."""
+    is taken at its word. Only a library's file name counts (``libtcmalloc_minimal.so.4``), not the folders above
+    it: any library loaded from a folder named ``jemalloc-tests`` is not jemalloc."""
     try:
         with open("/proc/self/maps") as maps:
-            text = maps.read()
+            paths = [line[line.index("/") :] for line in maps if "/" in line]  # a mapped file's path
     except OSError:
-        text = os.environ.get("LD_PRELOAD", "")
-    return {name for name in _REPLACEMENTS if name in text}
+        paths = os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+    names = {path.strip().rsplit("/", 1)[-1] for path in paths}
+    return {name for name in _REPLACEMENTS if any(name in file for file in names)}
 
 
 def active_allocator() -> str:

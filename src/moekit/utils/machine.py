@@ -152,7 +152,8 @@ _CPUINFO = Path("/proc/cpuinfo")
 def cpu_model() -> str:
     """The CPU's marketing name from ``/proc/cpuinfo`` with its x86 family and model, ``"AMD EPYC (family 23 model
     1)"``: a virtual machine's name is often the vendor's brand alone, the same for CPUs of twice the speed (a Zen 1
-    and a Zen 4 EPYC); ``platform.processor()`` where there is no ``/proc/cpuinfo``."""
+    and a Zen 4 EPYC); an ARM CPU, which Linux gives no name, by its implementer and part (``"ARM CPU (implementer
+    0x41 part 0xd40)"``: a Neoverse V1); ``platform.processor()`` where there is no ``/proc/cpuinfo``."""
     fields: dict[str, str] = {}
     try:
         for line in _CPUINFO.read_text().splitlines():
@@ -162,6 +163,8 @@ def cpu_model() -> str:
             fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    if "model name" not in fields and "CPU implementer" in fields:
+        return f"ARM CPU (implementer {fields['CPU implementer']} part {fields.get('CPU part', 'unknown')})"
     name = fields.get("model name") or platform.processor() or "unknown"
     if "cpu family" in fields and "model" in fields:
         return f"{name} (family {fields['cpu family']} model {fields['model']})"
@@ -169,10 +172,11 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    """The CPU's feature flags from ``/proc/cpuinfo`` (x86's ``flags``, ARM's ``Features``; empty where it cannot be
+    read)."""
     try:
         for line in _CPUINFO.read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return set(line.split(":", 1)[1].split())
     except OSError:
         pass
