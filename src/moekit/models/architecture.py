@@ -53,13 +53,20 @@ def setting_differences(pairs: Iterable[Pair], ours: str, theirs: str) -> list[s
         if isinstance(mine, _TRAINING_ONLY) and isinstance(other, _TRAINING_ONLY):
             continue
         if type(mine) is not type(other):
-            found.setdefault(("class", type(other).__name__, type(mine).__name__), []).append(name or "the model")
+            found.setdefault(("class", *_class_names(other, mine)), []).append(name or "the model")
             continue
         for field in fields:
             value, other_value = getattr(mine, field, None), getattr(other, field, None)
             if value != other_value:
                 found.setdefault((field, repr(other_value), repr(value)), []).append(name or "the model")
     return [f"{what}: {theirs} {b} vs {ours} {a} ({', '.join(names)})" for (what, b, a), names in found.items()]
+
+
+def _class_names(*modules: nn.Module) -> tuple[str, ...]:
+    """The modules' class names, qualified by their modules where they read the same (timm's ``LayerNorm`` and
+    torch's)."""
+    names = tuple(type(m).__name__ for m in modules)
+    return tuple(f"{type(m).__module__}.{type(m).__qualname__}" for m in modules) if len(set(names)) == 1 else names
 
 
 def outside_routing(model: nn.Module, other: nn.Module, other_name: Callable[[str], str], fields) -> Iterable[Pair]:

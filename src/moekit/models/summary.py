@@ -43,10 +43,12 @@ class MoELayerSummary:
         num_experts: routed experts.
         tokens: tokens per sequence the layer saw in the measured forward.
         expert_rows_per_token: expert-MLP applications per token in the measured forward: Soft MoE's slots and a
-            group-scope capacity per sequence, experts-choice and batch-wide capacities over all its tokens.
+            group-scope capacity per sequence, a position-scope capacity or balance over each position's tokens of
+            the batch, experts-choice and batch-wide capacities over all its tokens.
         expert_params: parameters of all its experts (shared experts included).
         params_per_expert: parameters of one routed expert.
-        active_params_per_token: ``params_per_expert * expert_rows_per_token``.
+        active_params_per_token: ``params_per_expert * expert_rows_per_token``, shared experts counted by their
+            own parameters.
         flops_per_image: forward FLOPs of the whole layer (router, dispatch, experts, combine) per image
             (per sequence in :func:`lm_summary`).
     """
@@ -355,13 +357,30 @@ def _summarize_depth_block(
     )
 
 
+def _competing_tokens(layer: MoELayer, batch: int, tokens: int) -> int:
+    """The tokens of a ``[batch, tokens]`` forward among which the layer shares its experts' rows: a sequence (Soft
+    MoE's slots, a group-scope capacity), one position's ``batch`` tokens (a position scope), or all of them."""
+    scope = getattr(getattr(layer, "capacity", None), "capacity_scope", None) or getattr(layer, "balance_scope", None)
+    if isinstance(layer, SoftMoE) or scope == "group":
+        return tokens
+    return batch if scope == "position" else batch * tokens
+
+
+def _active_params(layer: MoELayer, params_per_expert: int, rows: float) -> float:
+    """``params_per_expert * rows``, with always-on shared experts (part of ``rows``) counted by their own
+    parameters: one MLP of ``n`` times the routed hidden size has one output bias, not ``n``."""
+    shared = getattr(layer, "shared_experts", None)
+    if not isinstance(shared, ExpertBank):
+        return params_per_expert * rows
+    shared_rows = shared.hidden_features / layer.experts.hidden_features
+    return params_per_expert * (rows - shared_rows) + _param_count(shared.parameters())
+
+
 def _summarize_layer(name: str, layer: MoELayer, shape: tuple[int, int], flops: dict, batch_size: int):
     routed = layer.experts
     params_per_expert = _param_count(routed.parameters()) // routed.num_experts
     batch, tokens = shape
-    scope = getattr(getattr(layer, "capacity", None), "capacity_scope", None)
-    per_sequence = isinstance(layer, SoftMoE) or scope == "group"  # slots / a capacity per sequence (or group)
-    rows = float(layer.expert_rows_per_token(tokens if per_sequence else batch * tokens)) if tokens else 0.0
+    rows = float(layer.expert_rows_per_token(_competing_tokens(layer, batch, tokens))) if tokens else 0.0
     return MoELayerSummary(
         name=name,
         layer=getattr(layer, "registry_name", type(layer).__name__),
@@ -370,6 +389,6 @@ def _summarize_layer(name: str, layer: MoELayer, shape: tuple[int, int], flops: 
         expert_rows_per_token=rows,
         expert_params=_param_count(p for m in layer.modules() if isinstance(m, ExpertBank) for p in m.parameters()),
         params_per_expert=params_per_expert,
-        active_params_per_token=params_per_expert * rows,
+        active_params_per_token=_active_params(layer, params_per_expert, rows) if tokens else 0.0,
         flops_per_image=sum(flops.values()) / batch_size,
     )

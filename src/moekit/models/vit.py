@@ -43,12 +43,22 @@ _VIT_DEFAULTS: dict[str, Any] = {name: p.default for name, p in inspect.signatur
 
 
 def _check_patch_grid(img_size, patch_size) -> None:
+    """Refuse an ``img_size`` the patches do not tile: timm sizes the position embedding for the whole patches, and
+    the padded image of ``dynamic_img_pad`` alone has more tokens than it (``dynamic_img_size`` resizes it)."""
     for img, patch in zip(to_2tuple(img_size), to_2tuple(patch_size)):
         if img % patch:
             raise ValueError(
                 f"img_size={img_size} is not divisible by patch_size={patch_size} ({img} % {patch} = {img % patch}); "
-                "pick sizes that tile the image, or pass dynamic_img_pad=True to pad it"
+                "pick sizes that tile the image, or pass dynamic_img_pad=True with dynamic_img_size=True to pad it"
             )
+
+
+def _patch_tokens(patch_embed: nn.Module) -> int:
+    """The patch tokens of an ``img_size`` image: timm's ``num_patches``, or with ``dynamic_img_pad`` those of the
+    image padded to whole patches."""
+    if not getattr(patch_embed, "dynamic_img_pad", False):
+        return patch_embed.num_patches
+    return math.prod(-(-img // patch) for img, patch in zip(patch_embed.img_size, patch_embed.patch_size))
 
 
 def create_moe_vit(
@@ -82,7 +92,8 @@ def create_moe_vit(
 
     Raises:
         ValueError: an unknown recipe or placement, a recipe setting its layer does not take, ``img_size``
-            not divisible by ``patch_size``, or a ViT option MoE experts cannot follow (``scale_mlp_norm``).
+            not divisible by ``patch_size`` (unless ``dynamic_img_pad`` and ``dynamic_img_size``), or a ViT option
+            MoE experts cannot follow (``scale_mlp_norm``).
     """
     spec = resolve_recipe(moe)
     depth_spec = resolve_depth(mod)
@@ -92,7 +103,7 @@ def create_moe_vit(
             hint = f"did you mean {close[0]}?" if close else "see timm's VisionTransformer for its keywords"
             raise ValueError(f"{key} is not a VisionTransformer keyword; {hint}")
     settings = {**_VIT_DEFAULTS, **vit_kwargs}
-    if not settings["dynamic_img_pad"]:
+    if not (settings["dynamic_img_pad"] and settings["dynamic_img_size"]):
         _check_patch_grid(settings["img_size"], settings["patch_size"])
     model = VisionTransformer(**vit_kwargs)
     model.moe_block_indices = ()
@@ -127,7 +138,7 @@ def _replace_mlps(
         device=settings["device"],
         dtype=settings["dtype"],
     )
-    patches, prefix = model.patch_embed.num_patches, model.num_prefix_tokens
+    patches, prefix = _patch_tokens(model.patch_embed), model.num_prefix_tokens
     for i in block_ids:
         block = model.blocks[i]
         if not hasattr(block, "mlp"):
