@@ -8,11 +8,38 @@ module, runs single-threaded, and an exception in any rank fails the call with i
 import os
 import socket
 
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 import fork_server
+
+
+class Regression(L.LightningModule):
+    """A linear layer, a top-2 MoE layer of 4 experts (``num_shared_experts`` shared) and a linear layer, of width 8,
+    trained by SGD at ``lr`` without momentum: the expert-parallel strategies' tests."""
+
+    lr, num_shared_experts = 0.5, 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        from moekit.moe import TopKMoE
+
+        torch.manual_seed(0)
+        moe = TopKMoE(8, 16, num_experts=4, top_k=2, num_shared_experts=self.num_shared_experts)
+        self.net = nn.Sequential(nn.Linear(8, 8), moe, nn.Linear(8, 8))
+
+    def configure_model(self) -> None:
+        self.trainer.strategy.parallelize(self)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.net(x) - y).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def free_port() -> int:

@@ -10,33 +10,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from distributed import spawn
-from moekit.moe import TopKMoE
+from distributed import Regression, spawn
 from moekit.parallel import MoEDDPStrategy, MoEFSDPStrategy, sharded_expert_banks
 
 pytestmark = pytest.mark.e2e  # starts processes (make test-fast leaves it out)
 
-DIM, HIDDEN, EXPERTS = 8, 16, 4
+DIM = 8  # the width of distributed.Regression
 
 
-class _Regression(L.LightningModule):
+class _Regression(Regression):
     """A linear layer, an MoE layer and a linear layer, trained by SGD without momentum."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        moe = TopKMoE(DIM, HIDDEN, num_experts=EXPERTS, top_k=2)
-        self.net = nn.Sequential(nn.Linear(DIM, DIM), moe, nn.Linear(DIM, DIM))
-
-    def configure_model(self) -> None:
-        self.trainer.strategy.parallelize(self)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return (self.net(x) - y).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:

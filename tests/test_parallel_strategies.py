@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from distributed import spawn
+from distributed import Regression, spawn
 from moekit.moe import TopKMoE
 from moekit.parallel import (
     MoEDDPStrategy,
@@ -154,24 +154,10 @@ def test_strategies_refuse_experts_that_do_not_split_before_the_data_is_set_up(s
     spawn(_fit_refused, 2, strategy)
 
 
-class _Regression(L.LightningModule):
+class _Regression(Regression):
     """One MoE layer between two linear layers, trained by SGD with Lightning's default norm clipping."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        moe = TopKMoE(DIM, HIDDEN, num_experts=4, top_k=2, num_shared_experts=1)
-        self.net = nn.Sequential(nn.Linear(DIM, DIM), moe, nn.Linear(DIM, DIM))
-
-    def configure_model(self) -> None:
-        self.trainer.strategy.parallelize(self)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return (self.net(x) - y).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1.0)
+    lr, num_shared_experts = 1.0, 1
 
 
 def _sgd_step(rank: int, world: int, strategy_name: str, accumulate: int) -> None:
