@@ -244,7 +244,7 @@ class ImageClassificationDataModule(ResumableTrainOrderMixin, L.LightningDataMod
     def _split_indices(self, n_train: int, held_out: int | float) -> None:
         """Seeded split of ``range(n_train)`` into ``val_indices [n_val]`` and ``train_indices [n_train - n_val]``."""
         # a fraction above 0 holds out at least one example (rounded to none it would turn validation off)
-        n_val = max(round(held_out * n_train), held_out > 0) if isinstance(held_out, float) else held_out
+        n_val = max(round(held_out * n_train), int(held_out > 0)) if isinstance(held_out, float) else held_out
         if n_val >= n_train:
             raise ValueError(
                 f"val_size={held_out!r} leaves no training data: the {self.dataset} training set has {n_train} "
