@@ -56,7 +56,7 @@ def test_the_values_lightning_and_the_models_take_still_compose(overrides, tmp_p
     compose_config("train", overrides, tmp_path)
 
 
-def test_the_new_refusals_come_before_torch_is_imported():
+def test_device_and_schedule_refusals_come_before_torch_is_imported():
     code = (
         "import sys, tempfile; from moekit.configs import compose, CONFIG_DIR\n"
         "for bad in ('trainer.devices=abc', 'task.scheduler.name=linear'):\n"
