@@ -84,3 +84,21 @@ def test_export_and_quantize_refuse_to_write_over_the_checkpoint_they_read(comma
     with pytest.raises(OutputError, match=r"output_path=.* is ckpt_path itself.*e\.g\. output_path=.*last\."):
         run(cfg)
     assert ckpt.read_bytes() == before
+
+
+def test_export_refuses_a_folder_as_output_path_before_reading_the_checkpoint(tmp_path, monkeypatch):
+    """The output's checks come first: a folder given as output_path was refused only after the checkpoint (which can
+    take minutes to read) was loaded."""
+    import moekit.commands.export as export_command
+    from conftest import compose_config
+    from moekit.errors import OutputError
+
+    def never(path):
+        raise AssertionError(f"read {path} before checking the output")
+
+    monkeypatch.setattr(export_command, "load_task", never)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    cfg = compose_config("export", [f"ckpt_path={tmp_path / 'last.ckpt'}", f"output_path={folder}"], tmp_path / "run")
+    with pytest.raises(OutputError, match=rf"output_path='{folder}' is a folder; .* output_path={folder}/last\."):
+        export_command.export(cfg)

@@ -84,3 +84,10 @@ def test_predict_refuses_a_boolean_count(setting, monkeypatch, tmp_path):
     cfg = compose_config("predict", ["ckpt_path=x.ckpt", f"inputs={tmp_path}", setting], tmp_path / "out")
     with pytest.raises(ValueError, match=rf"{setting.split('=')[0]}=True; give a whole number"):
         predict_command.predict(cfg)
+
+
+@pytest.mark.parametrize(("key", "where"), [("label_smoothing", "task.label_smoothing"), ("num_classes", "the data")])
+def test_mixup_settings_the_task_gives_are_refused_naming_where_they_come_from(key, where):
+    """timm's Mixup got them twice: a TypeError ("multiple values for keyword argument") that named no fix."""
+    with pytest.raises(ValueError, match=rf"task.mixup.{key}=0.1: the mixed targets take it from {where}"):
+        ImageClassifier(net=TINY_NET, num_classes=10, mixup={"mixup_alpha": 0.8, key: 0.1})

@@ -35,15 +35,15 @@ def export(cfg: DictConfig) -> Path:
             f"ckpt_path={cfg.ckpt_path!r} is a safetensors file: a quantized checkpoint (eval.py, predict.py and "
             "sample.py load it) or an export already; export the training checkpoint (.ckpt)"
         )
-    if cfg.format == "safetensors":
+    if cfg.format == "safetensors":  # the output checked before the checkpoint is read
         default = Path(cfg.ckpt_path).with_suffix(".safetensors")
-        check_not_checkpoint(Path(cfg.get("output_path") or default), cfg.ckpt_path, default)
+        output = Path(cfg.get("output_path") or default)
+        check_not_checkpoint(output, cfg.ckpt_path, default)
+        check_output_file(output, default.name)
+        check_writable_dir(output.parent, "the folder of output_path")
     module = load_task(cfg.ckpt_path)
     if cfg.format == "hf":
         return _export_hf(module, cfg)
-    output = Path(cfg.get("output_path") or Path(cfg.ckpt_path).with_suffix(".safetensors"))
-    check_output_file(output, Path(cfg.ckpt_path).with_suffix(".safetensors").name)
-    check_writable_dir(output.parent, "the folder of output_path")
     with storage_errors(output.parent):
         path = export_safetensors(module.net, output)
     net_cfg = {k: v for k, v in module.hparams["net"].items() if not k.startswith("_")}

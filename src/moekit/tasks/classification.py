@@ -100,6 +100,9 @@ class ImageClassifier(MoETask):
         if mixup:
             from timm.data import Mixup
 
+            for key, where in (("label_smoothing", "task.label_smoothing"), ("num_classes", "the data")):
+                if key in mixup:
+                    raise ValueError(f"task.mixup.{key}={mixup[key]!r}: the mixed targets take it from {where}")
             self.mixup = Mixup(num_classes=num_classes, label_smoothing=label_smoothing, **mixup)
             alphas = {"mixup_alpha": self.mixup.mixup_alpha, "cutmix_alpha": self.mixup.cutmix_alpha}
             if min(alphas.values()) < 0:
