@@ -103,7 +103,7 @@ class DenseMoE(MoELayer):
             gates = expert_softmax(logits)  # [N, E]
         else:  # Eigen et al.: the softmax over the experts that did not run ahead (renormalised gates that stay
             # finite where the kept experts' scores underflow next to a dropped expert's)
-            gates = expert_softmax(logits.masked_fill(self.overpowering.keep_E() == 0, -torch.inf))
+            gates = expert_softmax(self.overpowering.without_dropped(logits))
             real = num_tokens if mask_N is None else mask_N.sum()
             mass = gates.detach() if mask_N is None else gates.detach() * mask_N.unsqueeze(1)
             self.overpowering.received(mass.sum(dim=0), real)

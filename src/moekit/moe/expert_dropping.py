@@ -62,6 +62,10 @@ class OverpoweringExperts(Float32State):
             self._keep_E = (total - total.mean() <= self.margin).float()
         return self._keep_E
 
+    def without_dropped(self, x_NE: Tensor) -> Tensor:
+        """``x_NE`` with the dropped experts' columns at -inf: neither chosen nor given softmax mass."""
+        return x_NE.masked_fill(self.keep_E() == 0, -torch.inf)
+
     @torch.no_grad()
     def received(self, mass_E: Tensor, num_tokens: int | Tensor) -> None:
         """Add ``mass_E``, the summed gates each expert received from the ``num_tokens`` real tokens of a training

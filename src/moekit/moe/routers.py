@@ -251,16 +251,16 @@ class TopKRouter(Router):
             scores_NE = torch.sigmoid(logits_NE)
             probs_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
         losses = self._score_losses(scores_NE, mask)
-        keep_E = None if self.overpowering is None or not self.training else self.overpowering.keep_E()  # eval: all
-        if keep_E is not None and cfg.score_func == "softmax":  # Eigen et al.: leave out the experts that ran ahead
+        dropping = self.overpowering if self.overpowering is not None and self.training else None  # eval: all kept
+        if dropping is not None and cfg.score_func == "softmax":  # Eigen et al.: leave out the experts that ran ahead
             # the softmax over the kept experts' logits: the renormalised scores, also where the kept experts'
             # scores underflow next to a dropped expert's (scores / sum would be 0 / 0)
-            scores_NE = expert_softmax(logits_NE.masked_fill(keep_E == 0, -torch.inf))
-        elif keep_E is not None:
-            scores_NE = scores_NE * keep_E
+            scores_NE = expert_softmax(dropping.without_dropped(logits_NE))
+        elif dropping is not None:
+            scores_NE = scores_NE * dropping.keep_E()
         choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias
-        if keep_E is not None:  # a dropped expert is not chosen, whatever its balancing bias
-            choice_NE = choice_NE.masked_fill(keep_E == 0, -torch.inf)
+        if dropping is not None:  # a dropped expert is not chosen, whatever its balancing bias
+            choice_NE = dropping.without_dropped(choice_NE)
         expert_ids_NK = choice_NE.topk(self.top_k, dim=-1).indices
         gates_NK = scores_NE.gather(1, expert_ids_NK)
         if cfg.normalize_gates:
