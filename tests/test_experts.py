@@ -117,10 +117,13 @@ def test_loop_kernel_gradcheck_float64():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows_each", [3, PLANES_MIN_ROWS[torch.float32] + 1], ids=["views", "contiguous-planes"])
-def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, rows_each):
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, rows_each, library):
     """``planes=2`` gives ``[2, rows, out / 2]``: plane ``p`` is output columns ``p * out / 2`` onwards, with the
-    gradients of the one-plane product. Where experts average ``PLANES_MIN_ROWS`` rows the CPU loop writes the planes
-    contiguous (its gated activation then reads no strided halves), with the tail's rows zero in both."""
+    gradients of the one-plane product. Where experts average ``PLANES_MIN_ROWS`` rows the CPU loop on MKL writes the
+    planes contiguous (its gated activation then reads no strided halves), with the tail's rows zero in both; on
+    oneDNN (float32 products, :mod:`moekit.moe.cpu_matmul`) it runs one product per expert and hands back views."""
+    kernel_choices.set_choice(f"CPU_FLOAT32_MATMUL={library}")
     experts = 4
     if kernel == "bmm":
         counts = rows_each
@@ -136,7 +139,7 @@ def test_planes_are_the_output_columns_split_in_values_and_gradients(kernel, row
     assert planes.shape == (2, rows, 3)
     contiguous = planes[0].is_contiguous() and planes[1].is_contiguous()
     large = rows_each > PLANES_MIN_ROWS[torch.float32]
-    assert contiguous == (kernel == "loop" and large), "planes contiguous where groups are large"
+    assert contiguous == (kernel == "loop" and large and library == "mkl"), "planes contiguous where groups are large"
     planes.backward(grad.unflatten(-1, (2, 3)).transpose(0, 1))
     got = (planes.detach(), x.grad, w.grad, b.grad)
     x.grad = w.grad = b.grad = None
@@ -175,19 +178,23 @@ def test_planes_of_bf16_rows_and_float32_weights_cast_each_experts_plane():
     torch.testing.assert_close(got[1], x.grad, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_reduced_precision_products_run_on_a_bounded_set_of_row_counts(dtype):
-    """oneDNN builds a kernel per new shape: in bf16 each expert's rows are cut into a multiple of ``ROW_BLOCK`` and a
-    rest, so that any row count maps to shapes from a set of ``n / ROW_BLOCK + ROW_BLOCK`` sizes; float32 products
-    (MKL's) take the rows whole."""
+@pytest.mark.parametrize(
+    "dtype, onednn",
+    [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)],
+    ids=["bf16", "fp32-mkl", "fp32-onednn"],
+)
+def test_onednn_products_run_on_a_bounded_set_of_row_counts(dtype, onednn):
+    """oneDNN builds a kernel per new shape: in bf16, and in float32 where oneDNN runs it, each expert's rows are cut
+    into a multiple of ``ROW_BLOCK`` and a rest, so that any row count maps to shapes from a set of
+    ``n / ROW_BLOCK + ROW_BLOCK`` sizes; MKL's float32 products take the rows whole."""
     sizes = [0, 1, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1, 5 * ROW_BLOCK + 17, 7 * ROW_BLOCK]
-    block_sizes, blocks = _row_blocks(sizes, torch.empty(0, dtype=dtype))
+    block_sizes, blocks = _row_blocks(sizes, torch.empty(0, dtype=dtype), onednn)
     assert blocks[0].start == 0 and blocks[-1].stop == len(block_sizes)
     assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:])), "each expert's blocks, in order"
     for n, parts in zip(sizes, blocks):
         lengths = [block_sizes[i] for i in parts]
         assert sum(lengths) == n
-        if dtype == torch.float32:
+        if dtype == torch.float32 and not onednn:
             assert lengths == [n]
         else:
             assert all(length % ROW_BLOCK == 0 or length < ROW_BLOCK for length in lengths) and len(lengths) <= 2

@@ -47,6 +47,7 @@ from moekit.analysis.peak import device_sync, matmul_peak
 from moekit.models.attention import attention_with_dropout
 from moekit.models.flops import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer, kernel_choices
+from moekit.moe.cpu_matmul import adopt_linears, float32_library
 from moekit.moe.dropout import Dropout
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
@@ -172,9 +173,9 @@ def table_soft(args) -> None:
     for experts in (8, 32, 128) if not args.quick else (4, 16):
         per = slots // experts
         ours = SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)
-        dense_same_flops = Mlp(dim, round(hidden * slots / tokens))
+        dense_same_flops = adopt_linears(Mlp(dim, round(hidden * slots / tokens)))
         cands = [
-            Candidate("dense Mlp (same hidden)", Mlp(dim, hidden)),
+            Candidate("dense Mlp (same hidden)", adopt_linears(Mlp(dim, hidden))),
             Candidate(f"dense Mlp (same expert FLOPs, h={round(hidden * slots / tokens)})", dense_same_flops),
             Candidate("moekit SoftMoE", ours),
         ]
@@ -246,7 +247,9 @@ def table_topk(args) -> None:
     x = torch.randn(1, tokens, dim, device=args.backend.device, requires_grad=True)
     for experts, hidden in shapes:
         cands = [
-            Candidate(f"dense SwiGLU (h={2 * hidden}, same active FLOPs)", SwiGLU(dim, 2 * hidden, bias=False)),
+            Candidate(
+                f"dense SwiGLU (h={2 * hidden}, same active FLOPs)", adopt_linears(SwiGLU(dim, 2 * hidden, bias=False))
+            ),
             Candidate(
                 "moekit TopKMoE",
                 TopKMoE(
@@ -288,7 +291,7 @@ def table_recipes(args) -> None:
     batch *= args.batch_scale
     x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
     ids = torch.randint(0, 1000, (batch, tokens), device=args.backend.device)
-    cands = [Candidate("dense Mlp", Mlp(dim, hidden))]
+    cands = [Candidate("dense Mlp", adopt_linears(Mlp(dim, hidden)))]
     for name in list_recipes():
         spec = load_recipe(name)
         layer = build_moe_layer(
@@ -328,7 +331,7 @@ def table_scaling(args) -> None:
     print("|---:|---:|---:|---:|---:|")
     for experts, per in per_expert.items():
         cands = [
-            Candidate("dense", Mlp(dim, hidden)),
+            Candidate("dense", adopt_linears(Mlp(dim, hidden))),
             Candidate("soft", SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)),
             Candidate("top1", TopKMoE(dim, hidden, num_experts=experts, top_k=1, capacity_factor=1.0)),
             Candidate("ec", ExpertsChoiceMoE(dim, hidden, num_experts=experts, capacity_factor=1.0)),
@@ -431,6 +434,9 @@ def main(argv: list[str] | None = None) -> None:
         f"batch x{args.batch_scale}, allocator: {active_allocator()}, OpenMP {machine['openmp_spin']}, kernel "
         f"choices: {kernel_choices.describe()}; matmul peak {args.peak / 1e9:.1f} GFLOP/s ({peak_what})"
     )
+    if args.device == "cpu" and args.dtype == "fp32":
+        library, why = float32_library()
+        print(f"# moekit's and the dense layers' float32 products: {library} ({why}); the reference layers: torch's")
     for name in args.tables:
         TABLES[name](args)
 

@@ -23,6 +23,7 @@ from moekit.checkpoint import read_training_checkpoint
 from moekit.configs import check_target_keys, family_of, group_choice, instantiate
 from moekit.errors import OutputError
 from moekit.moe import kernel_choices
+from moekit.moe.cpu_matmul import float32_library
 from moekit.tasks import MoETask
 from moekit.tasks.precision import forward_backward_seconds, random_batch
 from moekit.utils.machine import bf16_in_hardware, resolve_precision, trains_on_cuda
@@ -107,7 +108,11 @@ def choose_precision(
     the checkpoint's run trained in, where this machine runs it natively. A rank started by the process that chose
     (Lightning's DDP ranks) takes its choice; one of several processes started together (torchrun, Slurm, MPI),
     which could each measure otherwise, does not measure.
+
+    First the library of float32 CPU products is chosen (:func:`~moekit.moe.cpu_matmul.float32_library`, logged): a
+    float32 step is then timed as the run would take it.
     """
+    float32_library()
     if cfg.trainer.get("precision") != "auto":
         return "as configured"
     handed = os.environ.get(PRECISION_HANDOVER, "").split(":", 2)
@@ -244,6 +249,8 @@ def inference_device(value: Any) -> torch.device:
         raise ValueError(f"device={value} but this machine has no CUDA GPU; use device=cpu")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={value}: the scripts run on cpu or cuda; use device=cpu or device=cuda")
+    if device.type == "cpu":
+        float32_library()  # measured and logged now, not in the middle of the script's output
     return device
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.moe import build_moe_layer, require_causal
+from moekit.moe.cpu_matmul import adopt_linears
 from moekit.moe.dropout import Dropout
 from moekit.recipes import check_fits, resolve_recipe
 
@@ -145,6 +146,7 @@ class LSTMMoELM(nn.Module):
             nn.init.zeros_(self.head.bias)
         if tie_embeddings:
             self.head.weight = self.embedding.weight
+        adopt_linears(self)  # float32 CPU products on the faster library (moekit.moe.cpu_matmul)
         require_causal(self)
 
     @property

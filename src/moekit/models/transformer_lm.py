@@ -27,6 +27,7 @@ from timm.layers import Mlp, SwiGLU
 from torch import Tensor, nn
 
 from moekit.moe import DepthRouter, ExpertBank, MoELayer, RoutingModule, build_moe_layer, require_causal
+from moekit.moe.cpu_matmul import adopt_linears
 from moekit.moe.dropout import Dropout, use_fast_dropout
 from moekit.recipes import check_fits, resolve_recipe, routes_by_position
 from moekit.recipes.depth import DepthSpec, resolve_depth
@@ -353,6 +354,7 @@ class TransformerLM(nn.Module):
             self.head.weight = self.token_embedding.weight
         self._init_weights()
         use_fast_dropout(self)  # timm's MLPs build torch's Dropout
+        adopt_linears(self)  # float32 CPU products on the faster library (moekit.moe.cpu_matmul)
         require_causal(self)
         self.grad_checkpointing = False
 

@@ -27,6 +27,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from moekit.moe import DepthRouter, ExpertBank, MixtureOfDepths, build_moe_layer
+from moekit.moe.cpu_matmul import adopt_linears
 from moekit.moe.depth import capacity_tokens
 from moekit.moe.dropout import use_fast_dropout
 from moekit.recipes import check_fits, resolve_recipe
@@ -88,7 +89,8 @@ def create_moe_vit(
         Mixture-of-Depths blocks. Experts start from a normal of std
         :data:`EXPERT_INIT_STD` cut at two std (timm's MLPs: the same std, cut at +-2, far out: in effect uncut;
         ``fix_init`` rescales their fc2 as timm's). Its
-        dropout layers draw their CPU masks as :mod:`moekit.moe.dropout` does.
+        dropout layers draw their CPU masks as :mod:`moekit.moe.dropout` does, and its linear layers run float32
+        CPU products on the library :mod:`moekit.moe.cpu_matmul` chooses.
 
     Raises:
         ValueError: an unknown recipe or placement, a recipe setting its layer does not take, ``img_size``
@@ -117,7 +119,7 @@ def create_moe_vit(
     for i in model.mod_block_indices:
         router = DepthRouter(model.embed_dim, depth_spec, causal=False, device=settings["device"])
         model.blocks[i] = MixtureOfDepths(model.blocks[i], router, prefix_tokens=model.num_prefix_tokens)
-    return use_fast_dropout(model)
+    return adopt_linears(use_fast_dropout(model))
 
 
 def _replace_mlps(

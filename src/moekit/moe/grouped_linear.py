@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import kernel_choices
+from .cpu_matmul import matmul_into, takes_onednn
 from .cpu_threads import for_each_expert
 
 __all__ = ["grouped_linear", "Kernel", "GroupSizes"]
@@ -35,12 +36,13 @@ def _grouped_mm_takes(dtype: torch.dtype) -> bool:
     )
 
 
-def _row_blocks(sizes: list[int], x: Tensor) -> tuple[list[int], list[range]]:
-    """The blocks of rows the products run on, each expert's rows all at once or, on a CPU in bf16 / float16, a
-    multiple of ``kernel_choices.ROW_BLOCK`` and the rest (see there): the block sizes in row order, and the range of
-    its blocks' indices per expert. One ``split`` by these sizes gives every block's view (slicing per expert and block
-    in Python cost as much as a small product)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+def _row_blocks(sizes: list[int], x: Tensor, onednn: bool) -> tuple[list[int], list[range]]:
+    """The blocks of rows the products run on, each expert's rows all at once or, where oneDNN runs them (a CPU in
+    bf16 / float16, or float32 where :mod:`moekit.moe.cpu_matmul` chose it), a multiple of ``kernel_choices.ROW_BLOCK``
+    and the rest (see there): the block sizes in row order, and the range of its blocks' indices per expert. One
+    ``split`` by these sizes gives every block's view (slicing per expert and block in Python cost as much as a small
+    product)."""
+    if x.device.type != "cpu" or not (onednn or x.dtype in (torch.bfloat16, torch.float16)):
         return sizes, [range(e, e + 1) for e in range(len(sizes))]
     block_sizes, blocks, row_block = [], [], kernel_choices.ROW_BLOCK
     for n in sizes:
@@ -61,7 +63,8 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
     dtype = x.dtype
     width = weight.shape[-1] // planes
     out = x.new_empty(planes, x.shape[0], width)
-    block_sizes, blocks = _row_blocks(sizes, x)
+    onednn = takes_onednn(x)  # here, before the worker threads: the first call measures the libraries
+    block_sizes, blocks = _row_blocks(sizes, x, onednn)
     x_parts = x[:rows].split(block_sizes)
     out_parts = [plane[:rows].split(block_sizes) for plane in out]
     w_parts = [w.unbind(0) for w in weight.split(width, dim=-1)]
@@ -72,10 +75,7 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
             w = w_parts[p][e].to(dtype)
             b = None if b_parts is None else b_parts[p][e].to(dtype)
             for i in blocks[e]:
-                if b is None:
-                    torch.mm(x_parts[i], w, out=out_parts[p][i])
-                else:
-                    torch.addmm(b, x_parts[i], w, out=out_parts[p][i])
+                matmul_into(out_parts[p][i], x_parts[i], w, b, onednn=onednn)
 
     for_each_expert(work, sizes, x.device)
     if rows < x.shape[0]:
@@ -103,7 +103,8 @@ def _loop_backward(
     dtype = x.dtype
     width = weight.shape[-1] // planes
     grad_out = grad_out.contiguous() if planes > 1 else grad_out.contiguous().unsqueeze(0)
-    block_sizes, blocks = _row_blocks(sizes, x)
+    onednn = takes_onednn(x)
+    block_sizes, blocks = _row_blocks(sizes, x, onednn)
     g_parts = [plane[:rows].split(block_sizes) for plane in grad_out]
     grad_x = grad_w = grad_b = x.new_empty(0)
     steps = []
@@ -116,10 +117,7 @@ def _loop_backward(
             for p in range(planes):
                 w = w_t[p][e].to(dtype)
                 for i in blocks[e]:
-                    if p == 0:
-                        torch.mm(g_parts[p][i], w, out=gx_parts[i])
-                    else:
-                        gx_parts[i].addmm_(g_parts[p][i], w)
+                    matmul_into(gx_parts[i], g_parts[p][i], w, add=p > 0, onednn=onednn)
 
         steps.append(input_grad)
         if rows < x.shape[0]:
@@ -135,9 +133,13 @@ def _loop_backward(
             for p in range(planes):
                 gw = gw_parts[p][e]
                 first, *rest = blocks[e]
-                acc = torch.mm(x_t[first], g_parts[p][first], out=None if cast else gw)
+                if cast:
+                    acc = torch.mm(x_t[first], g_parts[p][first])
+                else:
+                    acc = gw
+                    matmul_into(gw, x_t[first], g_parts[p][first], onednn=onednn)
                 for i in rest:
-                    acc.addmm_(x_t[i], g_parts[p][i])
+                    matmul_into(acc, x_t[i], g_parts[p][i], add=True, onednn=onednn)
                 if cast:  # once: a pass over a float32 gradient per block cost more than the blocks saved
                     gw.copy_(acc)
 
@@ -264,6 +266,8 @@ def _resolve_kernel(kernel: str, x: Tensor, equal_groups: bool) -> str:
         kernel = kernel_choices.AUTO_KERNELS.get((x.device.type, "equal" if equal_groups else "ragged"), "loop")
         if kernel == "grouped_mm" and not _grouped_mm_takes(x.dtype):
             kernel = "bmm" if equal_groups else "loop"
+        if kernel == "bmm" and takes_onednn(x):  # oneDNN's per-expert products beat MKL's batched one
+            kernel = "loop"
     if kernel == "bmm" and not equal_groups:
         raise ValueError("kernel='bmm' needs equal rows per expert (capacity buffers); use 'loop' or 'grouped_mm'")
     if kernel == "grouped_mm" and not _HAS_GROUPED_MM:
@@ -329,7 +333,8 @@ def grouped_linear(
         counts = torch.full((num_experts,), group_sizes, dtype=torch.long) if equal else group_sizes
         table = kernel_choices.PLANES_MIN_ROWS  # other dtypes take bf16's; no entry: views of one output
         min_rows = table.get(x.dtype, table.get(torch.bfloat16))
-        if planes > 1 and min_rows is not None and x.device.type == "cpu" and x.shape[0] >= min_rows * num_experts:
+        large = min_rows is not None and x.shape[0] >= min_rows * num_experts
+        if planes > 1 and large and x.device.type == "cpu" and not takes_onednn(x):  # oneDNN: one product, views
             return _loop(x, weight, bias, counts, planes)
         out = _loop(x, weight, bias, counts, 1)
     else:

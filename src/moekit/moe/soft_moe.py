@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, soft_moe_slots
+from .cpu_matmul import linear
 from .experts import ExpertsConfig
 from .routing import logit_checksum, router_precision
 from .stats import soft_moe_stats
@@ -146,12 +147,12 @@ class SoftMoE(MoELayer):
             x_BMD = router_precision(x_BMD)
             phi_DS = self.phi.to(x_BMD.dtype)
             if not self.normalize:
-                return torch.matmul(x_BMD, phi_DS)
+                return linear(x_BMD, phi_DS.t())  # x @ Phi
             phi_DS = self.scale.to(x_BMD.dtype) * F.normalize(phi_DS, dim=0)
             # l2norm(X) @ Phi = (X @ Phi) / |X|: the division runs over S logits a token, not over its D
             # features, and no normalised copy of X is kept for backward (F.normalize's eps as the floor).
             norm_BM1 = torch.linalg.vector_norm(x_BMD, dim=-1, keepdim=True).clamp_min(1e-12)
-            return torch.matmul(x_BMD, phi_DS) / norm_BM1
+            return linear(x_BMD, phi_DS.t()) / norm_BM1
 
     def routing_weights(self, x: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Dispatch and combine weights ``D, C: [B, M, S]`` (float32) for ``x: [B, M, D]``, noise included in

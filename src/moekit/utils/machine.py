@@ -262,8 +262,11 @@ def resolve_precision(
 def machine_info() -> dict[str, Any]:
     """What a run ran on: CPU model, logical cores (all, and those this process may use), torch
     threads, torch / Python versions, the OS, the memory allocator, OpenMP's idle spin, whether the CPU has bf16
-    matrix units (AMX) and bf16 dot products, and the GPU's name (None without CUDA)."""
+    matrix units (AMX) and bf16 dot products, the library of its float32 products (:mod:`moekit.moe.cpu_matmul`), and
+    the GPU's name (None without CUDA)."""
     import torch
+
+    from moekit.moe.cpu_matmul import float32_library
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     flags = cpu_flags()
@@ -279,6 +282,7 @@ def machine_info() -> dict[str, Any]:
         "openmp_spin": spin_setting(),
         "cpu_amx": "amx_bf16" in flags,
         "cpu_bf16_dot_products": bool(BF16_DOT_PRODUCTS & flags),
+        "cpu_float32_matmul": dict(zip(("library", "reason"), float32_library())),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
