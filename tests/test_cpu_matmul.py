@@ -80,10 +80,10 @@ def test_mkl_runs_torch_s_own_operators():
 
 @pytest.mark.parametrize("planes", [1, 2])
 def test_the_experts_loop_on_onednn_matches_float64(onednn, planes):
-    """Ragged experts (an empty one, one past ``ROW_BLOCK`` in two blocks, rows past the last group), with bias and
-    gate / up planes: outputs and the three gradients equal float64's, the tail's zero."""
+    """Ragged experts (an empty one, one past ``FLOAT32_ROW_BLOCK`` in two blocks, rows past the last group), with
+    bias and gate / up planes: outputs and the three gradients equal float64's, the tail's zero."""
     torch.manual_seed(1)
-    block = kernel_choices.ROW_BLOCK
+    block = kernel_choices.FLOAT32_ROW_BLOCK
     counts = torch.tensor([3, 0, block + 5, 1])
     x, w, b = torch.randn(int(counts.sum()) + 2, 12), torch.randn(4, 12, 10), torch.randn(4, 10)
 

@@ -185,9 +185,10 @@ def test_planes_of_bf16_rows_and_float32_weights_cast_each_experts_plane():
 )
 def test_onednn_products_run_on_a_bounded_set_of_row_counts(dtype, onednn):
     """oneDNN builds a kernel per new shape: in bf16, and in float32 where oneDNN runs it, each expert's rows are cut
-    into a multiple of ``ROW_BLOCK`` and a rest, so that any row count maps to shapes from a set of
-    ``n / ROW_BLOCK + ROW_BLOCK`` sizes; MKL's float32 products take the rows whole."""
-    sizes = [0, 1, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1, 5 * ROW_BLOCK + 17, 7 * ROW_BLOCK]
+    into a multiple of ``ROW_BLOCK`` (``FLOAT32_ROW_BLOCK``) and a rest, so that any row count maps to shapes from a
+    set of ``n / block + block`` sizes; MKL's float32 products take the rows whole."""
+    block = kernel_choices.FLOAT32_ROW_BLOCK if dtype == torch.float32 else ROW_BLOCK
+    sizes = [0, 1, block - 1, block, block + 1, 5 * block + 17, 7 * block]
     block_sizes, blocks = _row_blocks(sizes, torch.empty(0, dtype=dtype), onednn)
     assert blocks[0].start == 0 and blocks[-1].stop == len(block_sizes)
     assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:])), "each expert's blocks, in order"
@@ -197,8 +198,8 @@ def test_onednn_products_run_on_a_bounded_set_of_row_counts(dtype, onednn):
         if dtype == torch.float32 and not onednn:
             assert lengths == [n]
         else:
-            assert all(length % ROW_BLOCK == 0 or length < ROW_BLOCK for length in lengths) and len(lengths) <= 2
-            assert len(lengths) == (2 if n > ROW_BLOCK and n % ROW_BLOCK else 1)
+            assert all(length % block == 0 or length < block for length in lengths) and len(lengths) <= 2
+            assert len(lengths) == (2 if n > block and n % block else 1)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])

@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# moekit model benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{machine['cpu']} x{machine['cpu_cores']}{gpu}, allocator: {active_allocator()}, "
-        f"OpenMP {machine['openmp_spin']}, kernel choices: {kernel_choices.describe()}; one training step (forward, "
+        f"OpenMP {machine['openmp_spin']}, float32 CPU products: {machine['cpu_float32_matmul']['library']}, "
+        f"kernel choices: {kernel_choices.describe()}; one training step (forward, "
         f"backward, clip, optimizer step), median of {args.rounds} interleaved rounds x {args.steps} steps after "
         f"{args.warmup} warm-up step(s) each"
     )

@@ -39,12 +39,13 @@ def _grouped_mm_takes(dtype: torch.dtype) -> bool:
 def _row_blocks(sizes: list[int], x: Tensor, onednn: bool) -> tuple[list[int], list[range]]:
     """The blocks of rows the products run on, each expert's rows all at once or, where oneDNN runs them (a CPU in
     bf16 / float16, or float32 where :mod:`moekit.moe.cpu_matmul` chose it), a multiple of ``kernel_choices.ROW_BLOCK``
-    and the rest (see there): the block sizes in row order, and the range of its blocks' indices per expert. One
-    ``split`` by these sizes gives every block's view (slicing per expert and block in Python cost as much as a small
-    product)."""
+    (``FLOAT32_ROW_BLOCK``) and the rest (see there): the block sizes in row order, and the range of its blocks'
+    indices per expert. One ``split`` by these sizes gives every block's view (slicing per expert and block in Python
+    cost as much as a small product)."""
     if x.device.type != "cpu" or not (onednn or x.dtype in (torch.bfloat16, torch.float16)):
         return sizes, [range(e, e + 1) for e in range(len(sizes))]
-    block_sizes, blocks, row_block = [], [], kernel_choices.ROW_BLOCK
+    block_sizes, blocks = [], []
+    row_block = kernel_choices.FLOAT32_ROW_BLOCK if x.dtype == torch.float32 else kernel_choices.ROW_BLOCK
     for n in sizes:
         bulk = n - n % row_block
         blocks.append(range(len(block_sizes), len(block_sizes) + (2 if 0 < bulk < n else 1)))
