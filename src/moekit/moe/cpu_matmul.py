@@ -9,11 +9,13 @@ Intel's own library. So the library is measured once per process, the first time
 where it is at least ``ONEDNN_MARGIN`` times faster (about 40 ms). ``kernel_choices.CPU_FLOAT32_MATMUL`` sets it
 instead (``"mkl"``, ``"onednn"``; ``"auto"`` measures).
 
-Where oneDNN is chosen, :class:`Linear` (every ``nn.Linear`` of moekit's models: :func:`adopt_linears`) and the
-experts' grouped products (:mod:`moekit.moe.grouped_linear`) run their forward and backward products on oneDNN's
-matmul (``torch.ops.mkldnn._linear_pointwise``, the operator Inductor's CPU linear fusions call). Elsewhere, and under
-bf16 autocast, ``torch.compile`` or a ``TorchDispatchMode`` (the FLOP counter sees only ATen's matmuls), the plain
-torch operators run. The values are the same products in float32, summed in another order.
+Where oneDNN is chosen, :class:`Linear` (every ``nn.Linear`` of moekit's models: :func:`adopt_linears`), the routers'
+float32 logits (:func:`linear`) and the experts' grouped products (:mod:`moekit.moe.grouped_linear`) run their
+forward and backward products on oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the operator Inductor's
+CPU linear fusions call). Elsewhere, and under bf16 autocast, ``torch.compile`` or a ``TorchDispatchMode`` (the FLOP
+counter sees only ATen's matmuls), the plain torch operators run. The values are the same products in float32, summed
+in another order. Each process measures for itself (DDP's ranks too): where they choose differently, they differ
+only in that order.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ log = logging.getLogger("moekit")
 
 ONEDNN_MARGIN = 1.25
 """How much faster oneDNN's measured product must be to be chosen: on the Zen 4 EPYC that exposes AVX-512 its
-1.09-1.22x, at a layer's forward + backward 0.99-1.17x at widths of 64 to 256, is inside the machine's noise."""
+1.09-1.22x (at a 4096^3 product and at dense layers' shapes) is near the machine's run-to-run noise; the Zen 5's 2.1x
+is far above it."""
 
 _chosen: tuple[str, str] | None = None  # (library, why), once per process
 
@@ -57,11 +60,12 @@ def _measure() -> tuple[str, str]:
         return "mkl", f"oneDNN's matmul failed: {error}"
     times = {"mkl": float("inf"), "onednn": float("inf")}
     products = {"mkl": lambda: a @ w.t(), "onednn": lambda: op(a, w, None, "none", [], "")}
-    for _ in range(4):  # the first round warms both up
+    for round_ in range(4):  # the first round warms both up
         for name, product in products.items():
             start = time.perf_counter()
             product()
-            times[name] = min(times[name], time.perf_counter() - start)
+            if round_:
+                times[name] = min(times[name], time.perf_counter() - start)
     gain = times["mkl"] / times["onednn"]
     library = "onednn" if gain >= ONEDNN_MARGIN else "mkl"
     return library, (
