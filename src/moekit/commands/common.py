@@ -109,10 +109,11 @@ def choose_precision(
     (Lightning's DDP ranks) takes its choice; one of several processes started together (torchrun, Slurm, MPI),
     which could each measure otherwise, does not measure.
 
-    First the library of float32 CPU products is chosen (:func:`~moekit.moe.cpu_matmul.float32_library`, logged): a
-    float32 step is then timed as the run would take it.
+    First, for a run on the CPU, the library of float32 CPU products is chosen
+    (:func:`~moekit.moe.cpu_matmul.float32_library`, logged): a float32 step is then timed as the run would take it.
     """
-    float32_library()
+    if not trains_on_cuda(cfg.trainer.get("accelerator")):
+        float32_library()
     if cfg.trainer.get("precision") != "auto":
         return "as configured"
     handed = os.environ.get(PRECISION_HANDOVER, "").split(":", 2)
