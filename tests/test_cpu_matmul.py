@@ -144,19 +144,35 @@ def test_a_vit_training_step_is_the_same_on_either_library(name):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_measures_once_and_draws_no_random_numbers(monkeypatch):
-    """``auto`` measures the two libraries the first time it is asked, says why, keeps the answer, and leaves the
-    random state as it was (a run draws the same numbers with or without the measurement)."""
-    monkeypatch.setattr(cpu_matmul, "_chosen", None)
-    calls = []
-    measure = cpu_matmul._measure
-    monkeypatch.setattr(cpu_matmul, "_measure", lambda: calls.append(1) or measure())
+def test_auto_follows_the_table_of_cpu_families(monkeypatch):
+    """``auto`` is a property of the CPU, not a timing: oneDNN on the families of ``ONEDNN_FLOAT32_CPUS``, MKL
+    elsewhere, said why; a change of the table takes effect; the run record names it."""
+    monkeypatch.setattr(cpu_matmul, "_this_cpu", lambda: "AMD family 26")
+    assert float32_library() == ("onednn", "AMD family 26 is in kernel_choices.ONEDNN_FLOAT32_CPUS")
+    assert machine_info()["cpu_float32_matmul"] == {"library": "onednn", "reason": float32_library()[1]}
+    kernel_choices.set_choice("ONEDNN_FLOAT32_CPUS=AMD family 25")
+    assert float32_library() == ("mkl", "AMD family 26 is not in kernel_choices.ONEDNN_FLOAT32_CPUS")
+    monkeypatch.setattr(cpu_matmul, "_this_cpu", lambda: None)
+    assert float32_library()[0] == "mkl"
+
+
+def test_the_cpu_family_is_read_from_cpuinfo(monkeypatch, tmp_path):
+    from moekit.utils import machine
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nprocessor\t: 1\n")
+    monkeypatch.setattr(machine, "_CPUINFO", cpuinfo)
+    assert machine.cpu_family() == "AMD family 26"
+    cpuinfo.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")
+    assert machine.cpu_family() is None
+
+
+def test_measuring_the_libraries_draws_no_random_numbers():
+    """The benchmark's measurement leaves the random state as it was (a run draws the same numbers with it)."""
     state = torch.random.get_rng_state()
-    library, why = float32_library()
+    mkl, onednn = cpu_matmul.measure_libraries()
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert library in ("mkl", "onednn") and "measured" in why and "ms on MKL" in why
-    assert float32_library() == (library, why) and len(calls) == 1
-    assert machine_info()["cpu_float32_matmul"] == {"library": library, "reason": why}
+    assert 0 < mkl < 1 and 0 < onednn < 1
 
 
 def test_the_choice_is_one_of_its_paths():

@@ -2,24 +2,25 @@
 
 torch runs a CPU's float32 ``mm`` / ``addmm`` / ``linear`` on MKL, whose kernels on AMD CPUs take a path that leaves
 much of the FMA units idle: on a 2-core Zen 5 EPYC a 4096^3 product ran at 190 GFLOP/s on MKL against 415 on oneDNN,
-which torch also ships (it runs bf16 products and convolutions), and a linear layer's forward + backward 1.6-2.1x
-faster at widths of 384 to 8192. On a Zen 4 EPYC that exposes AVX-512 the gap is 1.09-1.22x; on Intel's CPUs MKL is
-Intel's own library. So the library is measured once per process, the first time a float32 product on the CPU asks
-(:func:`float32_library`): a ``[1024, 512] @ [512, 1024]`` product on each, best of three, taking turns, and oneDNN
-where it is at least ``ONEDNN_MARGIN`` times faster (about 40 ms). ``kernel_choices.CPU_FLOAT32_MATMUL`` sets it
-instead (``"mkl"``, ``"onednn"``; ``"auto"`` measures).
+which torch also ships (it runs bf16 products and convolutions), and a linear layer's forward + backward 1.3-2.1x
+faster at widths of 64 to 8192. On a Zen 4 EPYC that exposes AVX-512 the gap is 1.09-1.22x; on Intel's CPUs MKL is
+Intel's own library. The library is a property of the CPU, not of a run: ``kernel_choices.CPU_FLOAT32_MATMUL``
+``"auto"`` takes oneDNN on the CPU families of ``kernel_choices.ONEDNN_FLOAT32_CPUS`` (measured there) and MKL
+elsewhere, so that every process on one kind of machine sums its products in the same order (a seeded run, a
+resumed one and DDP's ranks repeat bit for bit); ``"mkl"`` or ``"onednn"`` sets it. :func:`measure_libraries` times
+the two on this machine (the layer benchmark's header prints it), to tell whether a CPU belongs in the table.
 
 Where oneDNN is chosen, :class:`Linear` (every ``nn.Linear`` of moekit's models: :func:`adopt_linears`), the routers'
 float32 logits (:func:`linear`) and the experts' grouped products (:mod:`moekit.moe.grouped_linear`) run their
 forward and backward products on oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the operator Inductor's
 CPU linear fusions call). Elsewhere, and under bf16 autocast, ``torch.compile`` or a ``TorchDispatchMode`` (the FLOP
 counter sees only ATen's matmuls), the plain torch operators run. The values are the same products in float32, summed
-in another order. Each process measures for itself (DDP's ranks too): where they choose differently, they differ
-only in that order.
+in another order.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -27,18 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.utils.machine import cpu_family
+
 from . import kernel_choices
 
-__all__ = ["float32_library", "takes_onednn", "linear", "Linear", "adopt_linears", "matmul_into"]
+__all__ = [
+    "float32_library",
+    "measure_libraries",
+    "takes_onednn",
+    "linear",
+    "Linear",
+    "adopt_linears",
+    "matmul_into",
+]
 
 log = logging.getLogger("moekit")
-
-ONEDNN_MARGIN = 1.25
-"""How much faster oneDNN's measured product must be to be chosen: on the Zen 4 EPYC that exposes AVX-512 its
-1.09-1.22x (at a 4096^3 product and at dense layers' shapes) is near the machine's run-to-run noise; the Zen 5's 2.1x
-is far above it."""
-
-_chosen: tuple[str, str] | None = None  # (library, why), once per process
 
 
 def _onednn_op():
@@ -47,44 +51,51 @@ def _onednn_op():
     return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
-def _measure() -> tuple[str, str]:
+def measure_libraries() -> tuple[float, float] | None:
+    """Seconds of a float32 ``[1024, 512] @ [512, 1024]`` product on MKL and on oneDNN on this machine, best of three
+    after a warm-up round, taking turns, with no random draw (None where this torch has no oneDNN matmul)."""
     op = _onednn_op()
     if op is None:
-        return "mkl", "this torch has no oneDNN matmul"
-    a = torch.linspace(-1, 1, 1024 * 512).view(1024, 512)  # no random draw: the run's numbers stay as they were
+        return None
+    a = torch.linspace(-1, 1, 1024 * 512).view(1024, 512)
     w = torch.linspace(1, -1, 1024 * 512).view(1024, 512)  # [out, in]
-    try:
-        if not torch.allclose(op(a, w, None, "none", [], ""), a @ w.t(), rtol=1e-4, atol=1e-3):
-            return "mkl", "oneDNN's float32 matmul gave other values (a reduced-precision math mode)"
-    except RuntimeError as error:
-        return "mkl", f"oneDNN's matmul failed: {error}"
-    times = {"mkl": float("inf"), "onednn": float("inf")}
     products = {"mkl": lambda: a @ w.t(), "onednn": lambda: op(a, w, None, "none", [], "")}
-    for round_ in range(4):  # the first round warms both up
+    times = {"mkl": float("inf"), "onednn": float("inf")}
+    for round_ in range(4):
         for name, product in products.items():
             start = time.perf_counter()
             product()
             if round_:
                 times[name] = min(times[name], time.perf_counter() - start)
-    gain = times["mkl"] / times["onednn"]
-    library = "onednn" if gain >= ONEDNN_MARGIN else "mkl"
-    return library, (
-        f"measured, a [1024, 512] @ [512, 1024] product took {times['onednn'] * 1e3:.2f} ms on oneDNN against "
-        f"{times['mkl'] * 1e3:.2f} ms on MKL ({gain:.2f}x{'' if library == 'onednn' else f', under {ONEDNN_MARGIN}x'})"
-    )
+    return times["mkl"], times["onednn"]
+
+
+@functools.cache
+def _this_cpu() -> str | None:
+    return cpu_family()
+
+
+@functools.cache
+def _auto_choice(onednn_cpus: frozenset[str]) -> tuple[str, str]:
+    """``"auto"``'s library on this machine under the table ``onednn_cpus``, and why; logged once per table."""
+    family = _this_cpu()
+    if _onednn_op() is None:
+        library, why = "mkl", "this torch has no oneDNN matmul"
+    elif family in onednn_cpus:
+        library, why = "onednn", f"{family} is in kernel_choices.ONEDNN_FLOAT32_CPUS"
+    else:
+        library, why = "mkl", f"{family or 'this CPU'} is not in kernel_choices.ONEDNN_FLOAT32_CPUS"
+    log.info("float32 CPU products: %s (%s)", "oneDNN" if library == "onednn" else "MKL", why)
+    return library, why
 
 
 def float32_library() -> tuple[str, str]:
-    """``("onednn" | "mkl", why)``: the library of this process's float32 CPU products (measured once; see the
-    module's docstring)."""
-    global _chosen
+    """``("onednn" | "mkl", why)``: the library of this process's float32 CPU products (see the module's
+    docstring)."""
     setting = kernel_choices.CPU_FLOAT32_MATMUL
     if setting != "auto":
         return setting, "set by kernel_choices.CPU_FLOAT32_MATMUL"
-    if _chosen is None:
-        _chosen = _measure()
-        log.info("float32 CPU products: %s (%s)", "oneDNN" if _chosen[0] == "onednn" else "MKL", _chosen[1])
-    return _chosen
+    return _auto_choice(frozenset(kernel_choices.ONEDNN_FLOAT32_CPUS))
 
 
 def takes_onednn(x: Tensor) -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "FLOAT32_ROW_BLOCK",
     "MIN_EXPERTS_PER_THREAD",
     "CPU_FLOAT32_MATMUL",
+    "ONEDNN_FLOAT32_CPUS",
     "SORT_RADIX_FROM",
     "SOFTMAX_PAD_LANES",
     "DISPATCH_GRADIENT",
@@ -85,11 +86,14 @@ FLOAT32_ROW_BLOCK = 128
 # as their larger products split well over the BLAS's own threads.
 MIN_EXPERTS_PER_THREAD = 16
 
-# The library of float32 products on CPUs (moekit.moe.cpu_matmul): "auto" measures MKL's and oneDNN's once per process
-# and takes oneDNN where it is 1.25x faster or more; "mkl" (torch's own operators) or "onednn" sets it. A 4096^3
-# product ran at 190 GFLOP/s on MKL against 415 on oneDNN on a 2-core Zen 5 EPYC, 189-198 against 214-222 on the
-# Zen 4 that exposes AVX-512; a linear layer's forward + backward 1.6-2.1x faster on the Zen 5 at widths of 384-8192.
+# The library of float32 products on CPUs (moekit.moe.cpu_matmul): "auto" takes oneDNN on the CPU families of
+# ONEDNN_FLOAT32_CPUS (vendor and family, as moekit.utils.machine.cpu_family names them) and MKL, torch's own
+# operators, elsewhere; "mkl" or "onednn" sets it. A 4096^3 product ran at 178-192 GFLOP/s on MKL against 399-419 on
+# oneDNN on a 2-core Zen 5 EPYC (AMD family 26), a linear layer's forward + backward 1.3-2.1x faster at widths of
+# 64-8192; 189-198 against 214-222 on the Zen 4 that exposes AVX-512 (AMD family 25): near its run-to-run noise, so
+# not taken there. By the CPU, not measured per process: every process on one kind of machine sums in one order.
 CPU_FLOAT32_MATMUL = "auto"
+ONEDNN_FLOAT32_CPUS: set[str] = {"AMD family 26"}
 
 # -- Routing, dispatch and combine (moekit.moe.routing, moekit.moe.dispatch) --
 
@@ -210,7 +214,10 @@ def set_choice(spec: str) -> None:
         globals()[name] = _parse_value(name, value, counts=False)
     elif isinstance(shipped, set):
         if key:
-            raise ValueError(f"{name} is a set of device types: set it as {name}=cpu,cuda (or {name}= for none)")
+            what, example = (
+                ("CPU families", "AMD family 26,AMD family 25") if "CPUS" in name else ("device types", "cpu,cuda")
+            )
+            raise ValueError(f"{name} is a set of {what}: set it as {name}={example} (or {name}= for none)")
         globals()[name] = {part.strip() for part in value.split(",") if part.strip()}
     elif not key:
         raise ValueError(

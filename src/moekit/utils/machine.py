@@ -149,11 +149,8 @@ def _cgroup_memory_left() -> int | None:
 _CPUINFO = Path("/proc/cpuinfo")
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name from ``/proc/cpuinfo`` with its x86 family and model, ``"AMD EPYC (family 23 model
-    1)"``: a virtual machine's name is often the vendor's brand alone, the same for CPUs of twice the speed (a Zen 1
-    and a Zen 4 EPYC); an ARM CPU, which Linux gives no name, by its implementer and part (``"ARM CPU (implementer
-    0x41 part 0xd40)"``: a Neoverse V1); ``platform.processor()`` where there is no ``/proc/cpuinfo``."""
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (empty where it cannot be read)."""
     fields: dict[str, str] = {}
     try:
         for line in _CPUINFO.read_text().splitlines():
@@ -163,6 +160,24 @@ def cpu_model() -> str:
             fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_family() -> str | None:
+    """An x86 CPU's vendor and family, ``"AMD family 26"`` (Zen 5), ``"Intel family 6"``; None elsewhere."""
+    fields = _cpuinfo_fields()
+    if "cpu family" not in fields:
+        return None
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(fields.get("vendor_id", ""), fields.get("vendor_id"))
+    return f"{vendor or 'unknown'} family {fields['cpu family']}"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from ``/proc/cpuinfo`` with its x86 family and model, ``"AMD EPYC (family 23 model
+    1)"``: a virtual machine's name is often the vendor's brand alone, the same for CPUs of twice the speed (a Zen 1
+    and a Zen 4 EPYC); an ARM CPU, which Linux gives no name, by its implementer and part (``"ARM CPU (implementer
+    0x41 part 0xd40)"``: a Neoverse V1); ``platform.processor()`` where there is no ``/proc/cpuinfo``."""
+    fields = _cpuinfo_fields()
     if "model name" not in fields and "CPU implementer" in fields:
         return f"ARM CPU (implementer {fields['CPU implementer']} part {fields.get('CPU part', 'unknown')})"
     name = fields.get("model name") or platform.processor() or "unknown"
