@@ -144,7 +144,15 @@ def test_a_vit_training_step_is_the_same_on_either_library(name):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_follows_the_table_of_cpu_families(monkeypatch):
+@pytest.fixture
+def fresh_choice():
+    """``auto``'s choice is kept per process: forget it before and after a test that fakes the CPU."""
+    cpu_matmul._auto_choice.cache_clear()
+    yield
+    cpu_matmul._auto_choice.cache_clear()
+
+
+def test_auto_follows_the_table_of_cpu_families(monkeypatch, fresh_choice):
     """``auto`` is a property of the CPU, not a timing: oneDNN on the families of ``ONEDNN_FLOAT32_CPUS``, MKL
     elsewhere, said why; a change of the table takes effect; the run record names it."""
     monkeypatch.setattr(cpu_matmul, "_this_cpu", lambda: "AMD family 26")
@@ -153,7 +161,9 @@ def test_auto_follows_the_table_of_cpu_families(monkeypatch):
     kernel_choices.set_choice("ONEDNN_FLOAT32_CPUS=AMD family 25")
     assert float32_library() == ("mkl", "AMD family 26 is not in kernel_choices.ONEDNN_FLOAT32_CPUS")
     monkeypatch.setattr(cpu_matmul, "_this_cpu", lambda: None)
-    assert float32_library()[0] == "mkl"
+    kernel_choices.reset()
+    cpu_matmul._auto_choice.cache_clear()
+    assert float32_library() == ("mkl", "this CPU is not in kernel_choices.ONEDNN_FLOAT32_CPUS")
 
 
 def test_the_cpu_family_is_read_from_cpuinfo(monkeypatch, tmp_path):
