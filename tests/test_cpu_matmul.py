@@ -177,14 +177,6 @@ def test_the_cpu_family_is_read_from_cpuinfo(monkeypatch, tmp_path):
     assert machine.cpu_family() is None
 
 
-def test_measuring_the_libraries_draws_no_random_numbers():
-    """The benchmark's measurement leaves the random state as it was (a run draws the same numbers with it)."""
-    state = torch.random.get_rng_state()
-    mkl, onednn = cpu_matmul.measure_libraries()
-    assert torch.equal(torch.random.get_rng_state(), state)
-    assert 0 < mkl < 1 and 0 < onednn < 1
-
-
 def test_the_choice_is_one_of_its_paths():
     with pytest.raises(ValueError, match="CPU_FLOAT32_MATMUL='blas'.*'onednn'"):
         kernel_choices.set_choice("CPU_FLOAT32_MATMUL=blas")

@@ -47,7 +47,7 @@ from moekit.analysis.peak import device_sync, matmul_peak
 from moekit.models.attention import attention_with_dropout
 from moekit.models.flops import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer, kernel_choices
-from moekit.moe.cpu_matmul import adopt_linears, float32_library, measure_libraries
+from moekit.moe.cpu_matmul import adopt_linears, float32_library
 from moekit.moe.dropout import Dropout
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
@@ -435,10 +435,8 @@ def main(argv: list[str] | None = None) -> None:
         f"choices: {kernel_choices.describe()}; matmul peak {args.peak / 1e9:.1f} GFLOP/s ({peak_what})"
     )
     if args.device == "cpu" and args.dtype == "fp32":
-        library, why = float32_library()
-        mkl, onednn = measure_libraries() or (float("nan"), float("nan"))  # nan: this torch has no oneDNN matmul
-        gain = f"a [1024, 512] @ [512, 1024] product on oneDNN here: {mkl / onednn:.2f}x MKL's speed"
-        print(f"# moekit's and the dense layers' float32 products: {library} ({why}; {gain}); the references': torch's")
+        library, why = float32_library()  # the peak above gives both libraries' rates here
+        print(f"# moekit's and the dense layers' float32 products: {library} ({why}); the references': torch's")
     for name in args.tables:
         TABLES[name](args)
 

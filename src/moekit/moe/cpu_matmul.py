@@ -7,8 +7,9 @@ faster at widths of 64 to 8192. On a Zen 4 EPYC that exposes AVX-512 the gap is 
 Intel's own library. The library is a property of the CPU, not of a run: ``kernel_choices.CPU_FLOAT32_MATMUL``
 ``"auto"`` takes oneDNN on the CPU families of ``kernel_choices.ONEDNN_FLOAT32_CPUS`` (measured there) and MKL
 elsewhere, so that every process on one kind of machine sums its products in the same order (a seeded run, a
-resumed one and DDP's ranks repeat bit for bit); ``"mkl"`` or ``"onednn"`` sets it. :func:`measure_libraries` times
-the two on this machine (the layer benchmark's header prints it), to tell whether a CPU belongs in the table.
+resumed one and DDP's ranks repeat bit for bit); ``"mkl"`` or ``"onednn"`` sets it. The layer benchmark's header
+gives both libraries' rates on a machine (its matmul peak, :func:`moekit.analysis.peak.matmul_peak`), to tell whether
+a CPU belongs in the table.
 
 Where oneDNN is chosen, :class:`Linear` (every ``nn.Linear`` of moekit's models: :func:`adopt_linears`), the routers'
 float32 logits (:func:`linear`) and the experts' grouped products (:mod:`moekit.moe.grouped_linear`) run their
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,6 @@ from . import kernel_choices
 
 __all__ = [
     "float32_library",
-    "measure_libraries",
     "takes_onednn",
     "linear",
     "Linear",
@@ -49,25 +48,6 @@ def _onednn_op():
     if not torch.backends.mkldnn.is_available():
         return None
     return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-
-
-def measure_libraries() -> tuple[float, float] | None:
-    """Seconds of a float32 ``[1024, 512] @ [512, 1024]`` product on MKL and on oneDNN on this machine, best of three
-    after a warm-up round, taking turns, with no random draw (None where this torch has no oneDNN matmul)."""
-    op = _onednn_op()
-    if op is None:
-        return None
-    a = torch.linspace(-1, 1, 1024 * 512).view(1024, 512)
-    w = torch.linspace(1, -1, 1024 * 512).view(1024, 512)  # [out, in]
-    products = {"mkl": lambda: a @ w.t(), "onednn": lambda: op(a, w, None, "none", [], "")}
-    times = {"mkl": float("inf"), "onednn": float("inf")}
-    for round_ in range(4):
-        for name, product in products.items():
-            start = time.perf_counter()
-            product()
-            if round_:
-                times[name] = min(times[name], time.perf_counter() - start)
-    return times["mkl"], times["onednn"]
 
 
 @functools.cache
