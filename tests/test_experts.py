@@ -1,5 +1,7 @@
 """Expert bank: every kernel equals the per-expert reference, in values and gradients."""
 
+import importlib
+
 import pytest
 import torch
 from timm.layers import GluMlp, Mlp, SwiGLU
@@ -357,12 +359,15 @@ def test_expert_bank_under_bf16_autocast_runs_in_bf16():
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_the_cpu_loop_casts_float32_weights_expert_by_expert_as_casting_the_bank_first_does(path, with_bias):
+def test_the_cpu_loop_casts_float32_weights_expert_by_expert_as_casting_the_bank_first_does(
+    path, with_bias, monkeypatch
+):
     """bf16 rows with the float32 parameters autocast leaves them: the loop casts each expert's weights as it runs
     its product, and its values and gradients are those of the bank cast first (the bias gradient is summed in
     float32, not rounded to bf16 first). The compiled path's custom operator does the same."""
     from moekit.moe.grouped_linear import _loop_op
 
+    monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {})  # no expert in float32, whatever the CPU
     torch.manual_seed(0)
     counts = torch.tensor([5, 0, 7, 3, 1])  # an empty expert; 16 rows plus a tail of 2
     x = torch.randn(18, 8).to(torch.bfloat16).requires_grad_()
@@ -390,6 +395,44 @@ def test_the_cpu_loop_casts_float32_weights_expert_by_expert_as_casting_the_bank
                              [(5, 12), (12, 15), (15, 16)])])  # fmt: skip
         torch.testing.assert_close(got[3], exact, rtol=0, atol=1e-6)
         torch.testing.assert_close(got[3], b.grad, rtol=0, atol=0.05)  # bf16 sums, rounded at each add
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_the_cpu_loop_runs_experts_of_few_rows_in_float32_under_bf16(planes, library, monkeypatch):
+    """bf16 rows, float32 weights, on a CPU with matrix units (``FLOAT32_EXPERT_ROWS``): an expert of fewer rows runs
+    its products in float32 on the float32 weights, on either float32 library. Its weight gradient is the exact sum
+    to float32's precision (the bf16 path rounds it to bf16), its outputs and input gradient the float32 products
+    rounded once to bf16; the other experts give what the bank cast to bf16 first gives, bit for bit."""
+    module = importlib.import_module("moekit.moe.grouped_linear")  # the package's name is the function's
+    monkeypatch.setattr(module, "_cpu_matrix_units", lambda: "AMX")
+    monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {"AMX": 6})
+    kernel_choices.set_choice(f"CPU_FLOAT32_MATMUL={library}")
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 3, 1])  # experts 0, 3 and 4 in float32; 16 rows plus a tail of 2
+    x = torch.randn(18, 8).to(torch.bfloat16).requires_grad_()
+    w, b = torch.randn(5, 8, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+    grad = torch.randn(18, 6).to(torch.bfloat16)
+
+    def run(weight, bias):
+        out = grouped_linear(x, weight, bias, counts, "loop", planes=planes)
+        out.backward(grad if planes == 1 else grad.unflatten(-1, (2, 3)).transpose(0, 1))
+        out = out if planes == 1 else out.transpose(0, 1).flatten(-2)
+        return out.detach(), x.grad.clone(), weight.grad if weight.is_leaf else w.grad.clone()
+
+    out, gx, gw = run(w, b)
+    x.grad = w.grad = b.grad = None
+    ref_out, ref_gx, ref_gw = run(w.to(torch.bfloat16), b.to(torch.bfloat16))  # every expert in bf16
+    big = slice(5, 12)  # expert 2's rows
+    assert torch.equal(out[big], ref_out[big]) and torch.equal(gx[big], ref_gx[big]) and torch.equal(gw[2], ref_gw[2])
+    assert torch.all(gw[1] == 0)
+    x64, w64, g64 = x.detach().double(), w.detach().double(), grad.double()
+    for e, rows in ((0, slice(0, 5)), (3, slice(12, 15)), (4, slice(15, 16))):
+        want_out = x64[rows] @ w64[e] + b.detach().double()[e]
+        torch.testing.assert_close(out[rows].double(), want_out, rtol=2**-8, atol=1e-6)  # rounded once to bf16
+        torch.testing.assert_close(gx[rows].double(), g64[rows] @ w64[e].T, rtol=2**-8, atol=1e-6)
+        torch.testing.assert_close(gw[e].double(), x64[rows].T @ g64[rows], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(ref_gw[e].double(), x64[rows].T @ g64[rows], rtol=1e-5, atol=1e-6), "bf16's"
 
 
 def test_a_bank_larger_than_the_memory_left_is_refused_with_the_size(monkeypatch):

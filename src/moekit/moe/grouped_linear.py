@@ -7,17 +7,19 @@ batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` wit
 feature sizes that are not 16-byte multiples are zero-padded to one). ``"auto"`` picks per device and layout
 (``AUTO_KERNELS`` of :mod:`moekit.moe.kernel_choices`, the table of every such choice). ``planes=2`` hands a gated
 expert's gate and up back as two planes, contiguous from the CPU loop where groups are large (``PLANES_MIN_ROWS``).
+Under bf16 autocast on CPUs with AMX, experts of few rows run their products in float32 (``FLOAT32_EXPERT_ROWS``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from . import kernel_choices
-from .cpu_matmul import matmul_into, takes_onednn
+from .cpu_matmul import float32_library, matmul_into, takes_onednn
 from .cpu_threads import for_each_expert
 
 __all__ = ["grouped_linear", "Kernel", "GroupSizes"]
@@ -53,18 +55,40 @@ def _row_blocks(sizes: list[int], x: Tensor, onednn: bool) -> tuple[list[int], l
     return block_sizes, blocks
 
 
+@functools.cache
+def _cpu_matrix_units() -> str:
+    return "AMX" if torch.cpu._is_amx_tile_supported() else ""
+
+
+def _float32_rows(x: Tensor, weight: Tensor) -> tuple[int, bool]:
+    """Rows below which an expert's products run in float32 on its float32 weights, bf16 rows cast up
+    (``FLOAT32_EXPERT_ROWS``; 0: none), and whether those products run on oneDNN."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.float32:
+        return 0, False
+    rows = kernel_choices.FLOAT32_EXPERT_ROWS.get(_cpu_matrix_units(), 0)
+    return rows, rows > 0 and float32_library()[0] == "onednn"
+
+
+def _float32_product(a: Tensor, b: Tensor, bias: Tensor | None = None, onednn: bool = False) -> Tensor:
+    """``a @ b (+ bias)`` in float32, ``a`` cast up: a product of few rows on float32 weights, read once."""
+    out = a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32)
+    matmul_into(out, a.float(), b, bias, onednn=onednn)
+    return out
+
+
 def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
     """Rows of expert ``e`` times ``weight[e]`` (plus ``bias[e]``), in ``x``'s dtype: ``[rows, out]``, or for
     ``planes`` > 1 ``[planes, rows, out / planes]``, plane ``p`` holding output columns ``p * out / planes`` onwards,
     contiguous, one product per expert and plane. Weights of another dtype (float32 parameters for bf16 activations)
     are cast expert by expert as each product runs: a cast tile in the cache, where casting the whole bank first reads
-    and writes it once more in memory."""
+    and writes it once more in memory; an expert of fewer rows than :func:`_float32_rows` runs in float32 instead."""
     sizes = counts.tolist()  # the host sync the loop needs (free on CPU)
     rows = sum(sizes)
     dtype = x.dtype
     width = weight.shape[-1] // planes
     out = x.new_empty(planes, x.shape[0], width)
-    onednn = takes_onednn(x)  # here, before the worker threads: the first call measures the libraries
+    onednn = takes_onednn(x)  # here, before the worker threads
+    float32_rows, onednn32 = _float32_rows(x, weight)
     block_sizes, blocks = _row_blocks(sizes, x, onednn)
     x_parts = x[:rows].split(block_sizes)
     out_parts = [plane[:rows].split(block_sizes) for plane in out]
@@ -73,6 +97,11 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
 
     def work(e: int) -> None:
         for p in range(planes):
+            if sizes[e] < float32_rows:
+                b = None if b_parts is None else b_parts[p][e]
+                for i in blocks[e]:
+                    out_parts[p][i].copy_(_float32_product(x_parts[i], w_parts[p][e], b, onednn32))
+                continue
             w = w_parts[p][e].to(dtype)
             b = None if b_parts is None else b_parts[p][e].to(dtype)
             for i in blocks[e]:
@@ -95,7 +124,8 @@ def _loop_backward(
     need_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`_loop_forward` (an empty tensor for each one not needed), each in its input's
-    dtype: the products run in ``x``'s, and a weight gradient of another dtype is cast expert by expert. One pass
+    dtype: the products run in ``x``'s (in float32 for an expert of few rows, :func:`_float32_rows`), and a weight
+    gradient of another dtype is cast expert by expert. One pass
     over the experts computes all of an expert's gradients while its rows of ``grad_out`` are in the cache, with one
     wait for the threads (docs/performance.md, "Expert products over the CPU's threads"). The input gradient of
     several planes adds one product per plane into the first's (in bf16, rounded once per plane)."""
@@ -105,6 +135,7 @@ def _loop_backward(
     width = weight.shape[-1] // planes
     grad_out = grad_out.contiguous() if planes > 1 else grad_out.contiguous().unsqueeze(0)
     onednn = takes_onednn(x)
+    float32_rows, onednn32 = _float32_rows(x, weight)
     block_sizes, blocks = _row_blocks(sizes, x, onednn)
     g_parts = [plane[:rows].split(block_sizes) for plane in grad_out]
     grad_x = grad_w = grad_b = x.new_empty(0)
@@ -115,6 +146,13 @@ def _loop_backward(
         w_t = [w.transpose(1, 2).unbind(0) for w in weight.split(width, dim=-1)]
 
         def input_grad(e: int) -> None:
+            if sizes[e] < float32_rows:
+                for i in blocks[e]:
+                    gx = _float32_product(g_parts[0][i], w_t[0][e], onednn=onednn32)
+                    for p in range(1, planes):
+                        matmul_into(gx, g_parts[p][i].float(), w_t[p][e], add=True, onednn=onednn32)
+                    gx_parts[i].copy_(gx)
+                return
             for p in range(planes):
                 w = w_t[p][e].to(dtype)
                 for i in blocks[e]:
@@ -134,6 +172,10 @@ def _loop_backward(
             for p in range(planes):
                 gw = gw_parts[p][e]
                 first, *rest = blocks[e]
+                if sizes[e] < float32_rows:  # float32 rows: the sum lands in the float32 gradient
+                    for i in blocks[e]:
+                        matmul_into(gw, x_t[i].float(), g_parts[p][i].float(), add=i != first, onednn=onednn32)
+                    continue
                 if cast:
                     acc = torch.mm(x_t[first], g_parts[p][first])
                 else:
