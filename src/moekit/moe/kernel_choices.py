@@ -98,8 +98,9 @@ ONEDNN_FLOAT32_CPUS: set[str] = {"AMD family 26"}
 # Under bf16 autocast on a CPU, an expert with fewer rows than this, by the CPU's matrix units, runs its products in
 # float32 on its float32 weights (the rows cast up) instead of casting its weights to bf16 for them: such products
 # wait on memory, and the cast reads the weights, writes them again and the product reads that copy. On a 2-core Xeon
-# with AMX, forward + backward of one grouped product over 2 threads: 1.28-1.48x faster at 32 rows per expert (256
-# experts of 512 x 512 and 256 x 512), 0.87x at 64 (128 x 512 x 512). Other CPUs: not measured, no such path.
+# with AMX, forward + backward of one grouped product over 2 threads: 1.28-1.41x faster at 32 rows per expert (256
+# experts of 512 x 512 and 256 x 512), 0.87-0.91x at 64 (128 x 512 x 512); the dropless top-2 layer of 256 experts
+# 1.18x. Other CPUs: not measured, no such path.
 FLOAT32_EXPERT_ROWS: dict[str, int] = {"AMX": 48}
 
 # -- Routing, dispatch and combine (moekit.moe.routing, moekit.moe.dispatch) --
