@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from moekit.utils.machine import cpu_flags
+
 from . import kernel_choices
 from .cpu_matmul import float32_library, matmul_into, takes_onednn
 from .cpu_threads import for_each_expert
@@ -57,7 +59,7 @@ def _row_blocks(sizes: list[int], x: Tensor, onednn: bool) -> tuple[list[int], l
 
 @functools.cache
 def _cpu_matrix_units() -> str:
-    return "AMX" if torch.cpu._is_amx_tile_supported() else ""
+    return "AMX" if "amx_bf16" in cpu_flags() else ""  # the flag trainer.precision=auto reads
 
 
 def _float32_rows(x: Tensor, weight: Tensor) -> tuple[int, bool]:
