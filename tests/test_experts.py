@@ -1,7 +1,5 @@
 """Expert bank: every kernel equals the per-expert reference, in values and gradients."""
 
-import importlib
-
 import pytest
 import torch
 from timm.layers import GluMlp, Mlp, SwiGLU
@@ -404,8 +402,7 @@ def test_the_cpu_loop_runs_experts_of_few_rows_in_float32_under_bf16(planes, lib
     its products in float32 on the float32 weights, on either float32 library. Its weight gradient is the exact sum
     to float32's precision (the bf16 path rounds it to bf16), its outputs and input gradient the float32 products
     rounded once to bf16; the other experts give what the bank cast to bf16 first gives, bit for bit."""
-    module = importlib.import_module("moekit.moe.grouped_linear")  # the package's name is the function's
-    monkeypatch.setattr(module, "_cpu_matrix_units", lambda: "AMX")
+    monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "AMX")
     monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {"AMX": 6})
     kernel_choices.set_choice(f"CPU_FLOAT32_MATMUL={library}")
     torch.manual_seed(0)

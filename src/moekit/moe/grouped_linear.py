@@ -12,13 +12,10 @@ Under bf16 autocast on CPUs with AMX, experts of few rows run their products in 
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import torch
 from torch import Tensor
-
-from moekit.utils.machine import cpu_flags
 
 from . import kernel_choices
 from .cpu_matmul import float32_library, matmul_into, takes_onednn
@@ -57,17 +54,12 @@ def _row_blocks(sizes: list[int], x: Tensor, onednn: bool) -> tuple[list[int], l
     return block_sizes, blocks
 
 
-@functools.cache
-def _cpu_matrix_units() -> str:
-    return "AMX" if "amx_bf16" in cpu_flags() else ""  # the flag trainer.precision=auto reads
-
-
 def _float32_rows(x: Tensor, weight: Tensor) -> tuple[int, bool]:
     """Rows below which an expert's products run in float32 on its float32 weights, bf16 rows cast up
     (``FLOAT32_EXPERT_ROWS``; 0: none), and whether those products run on oneDNN."""
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.float32:
         return 0, False
-    rows = kernel_choices.FLOAT32_EXPERT_ROWS.get(_cpu_matrix_units(), 0)
+    rows = kernel_choices.FLOAT32_EXPERT_ROWS.get(kernel_choices.cpu_matrix_units(), 0)
     return rows, rows > 0 and float32_library()[0] == "onednn"
 
 
