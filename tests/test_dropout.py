@@ -75,6 +75,17 @@ def test_odd_sizes_strided_inputs_inplace_and_bfloat16():
     assert abs((b == 0).float().mean().item() - 0.5) < 0.04  # 0.5 +- 0.008 std
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_noise_is_the_scale_where_kept_and_zero_elsewhere_in_every_float_dtype(dtype):
+    from moekit.moe.dropout import _noise
+
+    keep = torch.rand(1001, generator=torch.Generator().manual_seed(0)) < 0.9
+    for scale in (1 / 0.9, 65536 / 65535, 2.0, 10.0):
+        got = _noise(keep, scale, dtype)
+        assert got.dtype == dtype
+        assert torch.equal(got, torch.where(keep, torch.tensor(scale, dtype=dtype), 0.0)), scale
+
+
 def test_the_mask_follows_the_seed_and_advances_the_generator():
     x = torch.randn(4096)
     torch.manual_seed(4)
