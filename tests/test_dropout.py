@@ -173,7 +173,7 @@ def _attention_inputs(heads=4, kv_heads=4, tokens=12, batch=3, hd=8, dtype=torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_attention_with_dropout_is_sdpa_without_it(kv_heads, masked, dtype):
     """p = 0: the same values and gradients as F.scaled_dot_product_attention (causal or a key mask, grouped heads),
-    in float64 to float64's precision (the softmax runs in float32 only for narrower dtypes)."""
+    in float64 to float64's precision."""
     q, k, v = _attention_inputs(kv_heads=kv_heads, dtype=dtype)
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
     mask = causal
@@ -189,6 +189,25 @@ def test_attention_with_dropout_is_sdpa_without_it(kv_heads, masked, dtype):
     torch.testing.assert_close(ours, ref, **tol)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_attention_with_dropout_in_bf16_has_the_float32_softmax_s_probabilities():
+    """bf16 (p = 0): the softmax runs in bf16, whose CPU kernel sums in float32 and rounds once: the output is the
+    float32 softmax's probabilities cast to bf16, bit for bit, and the gradients are float64's to bf16's precision."""
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _attention_inputs(tokens=32))
+    causal = torch.ones(32, 32, dtype=torch.bool).tril()
+    ours = attention_with_dropout(q, k, v, causal, 0.0)
+    bias = torch.zeros(32, 32, dtype=torch.bfloat16).masked_fill_(~causal, float("-inf"))
+    flat = [t.detach().reshape(-1, 32, 8) for t in (q, k, v)]
+    scores = torch.baddbmm(bias.expand(12, 32, 32), flat[0], flat[1].transpose(1, 2), alpha=8**-0.5)
+    want = torch.bmm(torch.softmax(scores.float(), dim=-1).to(torch.bfloat16), flat[2]).view(3, 4, 32, 8)
+    assert torch.equal(ours.detach(), want)
+    g = torch.randn(3, 4, 32, 8)
+    grads = torch.autograd.grad(ours, (q, k, v), g.to(torch.bfloat16))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=causal)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q64, k64, v64), g.double())):
+        torch.testing.assert_close(got.double(), want, rtol=2**-5, atol=2**-5)
 
 
 def test_attention_with_dropout_drops_probabilities_with_the_seeded_mask():
