@@ -74,7 +74,7 @@ def _noise(keep: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
     bits = _BITS.get(torch.empty((), dtype=dtype).element_size())
     if bits is None or not dtype.is_floating_point or torch.compiler.is_compiling():
         return torch.where(keep, torch.tensor(scale, dtype=dtype), 0.0)
-    pattern = torch.tensor(scale, dtype=dtype).view(bits).item()
+    pattern = torch.tensor(scale, dtype=dtype, device=keep.device).view(bits)  # a 0-dim tensor: no host read
     return keep.view(torch.uint8).to(bits).mul_(pattern).view(dtype)
 
 

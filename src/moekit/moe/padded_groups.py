@@ -2,13 +2,14 @@
 as batched matmuls over it, the rows copied back.
 
 Under bf16 on a CPU with AMX, oneDNN's per-expert products of the loop kernel ran at about half the rate of one
-batched matmul over the same rows (each product a kernel lookup, a weight cast and a pass over its rows from memory;
-docs/performance.md, "bf16 autocast on a CPU"). A dispatch whose groups are nearly equal, the usual case for a
-balanced router, pays little padding for the batched kernel: an :class:`~moekit.moe.ExpertBank` pads its rows once
-before ``fc1`` and unpads once after ``fc2``, where the padding adds at most ``PADDED_GROUPS_MAX_PERCENT`` of
-:mod:`moekit.moe.kernel_choices` (by the CPU's matrix units) to the rows. The longest group sets the buffer's rows per
-expert, rounded up to one of 16 sizes per power of two: a bounded set of shapes for oneDNN's kernel cache. Padded
-rows are zeros, so their gradients add nothing to the experts' weights, and their outputs are dropped.
+batched matmul over the same rows (an expert's weight gradient, a product of a few outputs over thousands of rows,
+splits poorly over the threads, where the batch splits by expert; docs/performance.md, "bf16 autocast on a CPU"). A
+dispatch whose groups are nearly equal pays little padding for the batched kernel: an
+:class:`~moekit.moe.ExpertBank` pads its rows once before ``fc1`` and unpads once after ``fc2``, where the padding
+adds at most ``PADDED_GROUPS_MAX_PERCENT`` of :mod:`moekit.moe.kernel_choices` (by the CPU's matrix units) to the
+rows. The longest group sets the buffer's rows per expert, rounded up to one of 16 sizes per power of two: a bounded
+set of shapes for oneDNN's kernel cache. Padded rows are zeros, so their gradients add nothing to the experts'
+weights, and their outputs are dropped.
 
 Not taken under ``torch.compile`` (the buffer's size is read from the counts on the host) or a ``TorchDispatchMode``
 (the FLOP counter would count the padding).
