@@ -72,7 +72,7 @@ def test_a_padded_bank_gives_the_ragged_loops_values_and_gradients(gated, amx, m
         return out.detach(), grads
 
     out, grads = run()
-    assert pads == [16], "the padding was taken: 3 experts' rows in blocks of 16"
+    assert pads == [16], "the padding was taken: each expert's rows in a block of 16"
     monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {})
     want_out, want_grads = run()
     assert pads == [16], "the reference ran on the ragged rows"
