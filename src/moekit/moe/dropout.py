@@ -71,7 +71,7 @@ def _noise(keep: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
     """``scale`` where ``keep``, else 0, in ``dtype``: the keep mask's 0s and 1s times the bit pattern of ``scale``,
     read as ``dtype`` (``torch.where(keep, scale, 0.0)``'s values; on a CPU ATen's ``where`` and a bool cast to a float
     ran 2.8x slower than the byte cast and the integer product). Under ``torch.compile``, ``where`` (fused there)."""
-    bits = _BITS.get(torch.empty((), dtype=dtype).element_size())
+    bits = _BITS.get(dtype.itemsize)
     if bits is None or not dtype.is_floating_point or torch.compiler.is_compiling():
         return torch.where(keep, torch.tensor(scale, dtype=dtype), 0.0)
     pattern = torch.tensor(scale, dtype=dtype, device=keep.device).view(bits)  # a 0-dim tensor: no host read

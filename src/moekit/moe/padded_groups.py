@@ -18,6 +18,7 @@ Not taken under ``torch.compile`` (the buffer's size is read from the counts on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -73,10 +74,12 @@ def plan_padding(x: Tensor, counts: Tensor, kernel: str) -> PaddedGroups | None:
         return None
     sizes = counts.tolist()  # the host read the loop makes too (free on a CPU)
     rows, num_experts = sum(sizes), len(sizes)
-    per_expert = padded_rows(max(sizes)) if rows else 0
-    if not rows or num_experts * per_expert * 100 > rows * (100 + limit):
+    if not rows:
         return None
-    starts = torch.tensor([0, *sizes[:-1]], device=x.device).cumsum(0)
-    shift_E = torch.arange(num_experts, device=x.device) * per_expert - starts  # buffer row - dispatch row
-    dest_R = torch.arange(rows, device=x.device) + shift_E.repeat_interleave(counts, output_size=rows)
+    per_expert = padded_rows(max(sizes))
+    if num_experts * per_expert * 100 > rows * (100 + limit):
+        return None
+    starts = accumulate(sizes[:-1], initial=0)  # each expert's first row in dispatch order
+    shift_E = torch.tensor([e * per_expert - start for e, start in enumerate(starts)], device=x.device)
+    dest_R = torch.arange(rows, device=x.device) + shift_E.repeat_interleave(counts, output_size=rows)  # buffer rows
     return PaddedGroups(dest_R, per_expert, num_experts)
