@@ -79,11 +79,14 @@ def test_odd_sizes_strided_inputs_inplace_and_bfloat16():
 def test_the_noise_is_the_scale_where_kept_and_zero_elsewhere_in_every_float_dtype(dtype):
     from moekit.moe.dropout import _noise
 
-    keep = torch.rand(1001, generator=torch.Generator().manual_seed(0)) < 0.9
-    for scale in (1 / 0.9, 65536 / 65535, 2.0, 10.0):
-        got = _noise(keep, scale, dtype)
-        assert got.dtype == dtype
-        assert torch.equal(got, torch.where(keep, torch.tensor(scale, dtype=dtype), 0.0)), scale
+    level = torch.randint(-(2**15), 2**15, (1001,), generator=torch.Generator().manual_seed(0), dtype=torch.int16)
+    for lowest_kept in (-32000, -26214, 0, 32000):
+        keep = level >= lowest_kept
+        assert 0 < keep.sum() < level.numel()
+        for scale in (1 / 0.9, 65536 / 65535, 2.0, 10.0):
+            got = _noise(level, lowest_kept, scale, dtype)
+            assert got.dtype == dtype
+            assert torch.equal(got, torch.where(keep, torch.tensor(scale, dtype=dtype), 0.0)), (lowest_kept, scale)
 
 
 def test_the_mask_follows_the_seed_and_advances_the_generator():

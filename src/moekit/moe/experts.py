@@ -41,22 +41,14 @@ from moekit.utils.machine import check_fits_in_memory
 
 from .all_to_all import expert_parallel_apply
 from .dropout import Dropout
+from .gated_activation import expert_activation
 from .grouped_linear import GroupSizes, Kernel, grouped_linear
 from .padded_groups import plan_padding
 
 if TYPE_CHECKING:
     from .base import MlpSpec
 
-__all__ = ["ExpertBank", "ExpertsConfig", "expert_activation", "experts_on_meta"]
-
-
-def expert_activation(h: Tensor, act: nn.Module, gated: bool, planes: bool = False) -> Tensor:
-    """The experts' nonlinearity on ``fc1``'s output: ``act(h)``, or ``act(gate) * up`` for gated experts, whose ``h``
-    is ``[..., 2 * hidden]`` (gate, then up), or with ``planes`` ``[2, rows, hidden]`` (``grouped_linear``'s)."""
-    if gated:
-        gate, up = h if planes else h.chunk(2, dim=-1)
-        return act(gate) * up
-    return act(h)
+__all__ = ["ExpertBank", "ExpertsConfig", "experts_on_meta"]
 
 
 _EXPERTS_ON_META: ContextVar[bool] = ContextVar("experts_on_meta", default=False)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moekit.moe.experts import ExpertBank, expert_activation
+from moekit.moe.experts import ExpertBank
+from moekit.moe.gated_activation import expert_activation
 from moekit.moe.grouped_linear import GroupSizes
 
 from .formats import QuantFormat, pack_codes, unpack_codes
