@@ -1,13 +1,16 @@
-"""Ragged groups padded to equal ones (moekit.moe.padded_groups): the bank's values and gradients are the ragged
-loop's, padding adds nothing to the weights' gradients, and the path is taken only where the table says."""
+"""Ragged groups padded to equal ones (moekit.moe.padded_groups): the dispatch fills the buffer and the combine reads
+it, the layers' values and gradients are the ragged loop's, padding adds nothing to the weights' gradients, and the
+path is taken only where the table says."""
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from moekit.moe import ExpertBank, kernel_choices
+from moekit.moe import StrictlyBalancedMoE, TopKMoE, kernel_choices
 from moekit.moe.padded_groups import PaddedGroups, padded_rows, plan_padding
+
+BF16 = torch.bfloat16
 
 
 @pytest.fixture
@@ -27,72 +30,132 @@ def test_padded_rows_are_one_of_16_sizes_per_power_of_two():
         assert n <= padded_rows(n) <= n + max(7, n // 16)
 
 
-def test_pad_puts_each_expert_at_its_block_and_unpad_returns_the_rows_and_a_zero_tail():
-    counts = torch.tensor([3, 0, 5, 1])
-    x = torch.arange(11 * 2, dtype=torch.float32).view(11, 2) + 1  # 9 rows of the groups, a tail of 2
-    plan = PaddedGroups(dest_R=torch.tensor([0, 1, 2, 16, 17, 18, 19, 20, 24]), rows_per_expert=8, num_experts=4)
-    buffer = plan.pad(x)
-    assert buffer.shape == (32, 2)
-    starts = [0, 3, 3, 8]
-    for e, n in enumerate(counts.tolist()):
-        block = buffer[8 * e : 8 * (e + 1)]
-        assert torch.equal(block[:n], x[starts[e] : starts[e] + n]) and torch.all(block[n:] == 0)
-    back = plan.unpad(buffer * 2, 11)
-    assert torch.equal(back[:9], 2 * x[:9]) and torch.all(back[9:] == 0)
-
-
 def test_plan_padding_maps_each_row_to_its_expert_block(amx):
-    counts = torch.tensor([3, 0, 5, 1])
-    plan = plan_padding(torch.zeros(11, 2, dtype=torch.bfloat16), counts, "auto")
+    plan = plan_padding(torch.tensor([3, 0, 5, 1]), BF16, "auto")
     assert plan.rows_per_expert == 8 and plan.num_experts == 4  # the longest group, 5, rounded up to 8
     assert plan.dest_R.tolist() == [0, 1, 2, 16, 17, 18, 19, 20, 24]
+    assert plan.pad_rows.tolist() == [3, 4, 5, 6, 7, *range(8, 16), 21, 22, 23, *range(25, 32)]
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_a_padded_bank_gives_the_ragged_loops_values_and_gradients(gated, amx, monkeypatch):
-    """bf16 autocast, float32 parameters, an empty expert and a tail of dropped rows: with the padding and without it
-    (the loop on the ragged rows), the same outputs and gradients, the tail zero; the padding is taken."""
+def test_the_buffer_holds_each_experts_tokens_in_its_block_and_zeros_and_the_combine_reads_them_back():
+    counts = [3, 0, 5, 1]  # 9 kept rows in dispatch order, then 2 dropped
+    plan = plan_padding_for(counts)
+    x = torch.arange(6 * 2, dtype=torch.float32).view(6, 2) + 1  # 6 tokens
+    tokens_R = torch.tensor([5, 0, 2, 1, 1, 3, 4, 0, 2, 3, 4])  # the token of each dispatched row
+    buffer = plan.gather(x, tokens_R)
+    assert buffer.shape == (32, 2)
+    starts = [0, 3, 3, 8]
+    for e, n in enumerate(counts):
+        block = buffer[8 * e : 8 * (e + 1)]
+        assert torch.equal(block[:n], x[tokens_R[starts[e] : starts[e] + n]]) and torch.all(block[n:] == 0)
+    rows_A = torch.tensor([10, 4, 0, 8, 9, 1, 2, 3, 5, 6, 7])  # each assignment's row in dispatch order (9, 10 dropped)
+    assert plan.buffer_rows_of(rows_A).tolist() == [0, 17, 0, 24, 0, 1, 2, 16, 18, 19, 20]
+
+
+def plan_padding_for(counts: list[int]) -> PaddedGroups:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_choices, "cpu_matrix_units", lambda: "AMX")
+        patch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {"AMX": 10_000})
+        return plan_padding(torch.tensor(counts), BF16, "auto")
+
+
+def _run(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    with torch.autocast("cpu", dtype=BF16):
+        out = layer(x)
+    out.float().backward(grad)
+    grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+LAYERS = {
+    "top2-swiglu-dropless": lambda: TopKMoE(16, 32, num_experts=4, top_k=2, act_layer=nn.SiLU, gated=True),
+    "top2-gelu-capacity": lambda: TopKMoE(16, 32, num_experts=4, top_k=2, capacity_factor=0.75),
+    "top1-six-experts": lambda: TopKMoE(16, 32, num_experts=6, top_k=1),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_a_padded_layer_gives_the_ragged_loops_values_and_gradients(name, amx, monkeypatch):
+    """bf16 autocast, float32 parameters: with the padding and without it (the loop on the ragged rows), the same
+    outputs and gradients; the padding is taken."""
     monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {})  # every expert in bf16 on both paths
     torch.manual_seed(0)
-    bank = ExpertBank(4, 16, 32, act_layer=nn.SiLU if gated else nn.GELU, gated=gated)
-    counts = torch.tensor([9, 0, 14, 5])
-    x = torch.randn(30, 16, requires_grad=True)  # 28 rows of the groups, a tail of 2
-    grad = torch.randn(30, 16)
-    pads = []
-    real_pad = PaddedGroups.pad
-    monkeypatch.setattr(PaddedGroups, "pad", lambda self, t: pads.append(self.rows_per_expert) or real_pad(self, t))
-
-    def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = bank(x.to(torch.bfloat16), counts)
-        out.float().backward(grad)
-        grads = [x.grad.clone()] + [p.grad.clone() for p in bank.parameters()]
-        x.grad = None
-        bank.zero_grad(set_to_none=True)
-        return out.detach(), grads
-
-    out, grads = run()
-    assert pads == [16], "the padding was taken: each expert's rows in a block of 16"
+    layer = LAYERS[name]().train()
+    x = torch.randn(2, 15, 16, requires_grad=True)
+    grad = torch.randn(2, 15, 16)
+    gathers = []
+    real_gather = PaddedGroups.gather
+    monkeypatch.setattr(PaddedGroups, "gather", lambda self, *a: gathers.append(self) or real_gather(self, *a))
+    out, grads = _run(layer, x, grad)
+    assert len(gathers) == 1, "the padding was taken"
     monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {})
-    want_out, want_grads = run()
-    assert pads == [16], "the reference ran on the ragged rows"
-    assert torch.all(out[28:] == 0)
+    want_out, want_grads = _run(layer, x, grad)
+    assert len(gathers) == 1, "the reference ran on the ragged rows"
     torch.testing.assert_close(out, want_out, rtol=2**-7, atol=1e-3)
-    for got, want in zip(grads, want_grads):
+    for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=2**-6, atol=2e-3)
-    assert torch.all(grads[1][1] == 0), "the empty expert's fc1 weight gets no gradient from its padded rows"
+
+
+def test_an_expert_without_rows_gets_no_gradient_from_its_padding_rows(amx, monkeypatch):
+    torch.manual_seed(0)
+    layer = TopKMoE(16, 32, num_experts=4, top_k=1).train()
+    x = torch.randn(2, 15, 16).abs().requires_grad_()  # positive features: expert 3's logit is -100 x their sum
+    with torch.no_grad():
+        layer.router.weight[3] = -100.0
+    gathers = []
+    real_gather = PaddedGroups.gather
+    monkeypatch.setattr(PaddedGroups, "gather", lambda self, *a: gathers.append(self) or real_gather(self, *a))
+    with torch.autocast("cpu", dtype=BF16):
+        out = layer(x)
+    out.float().backward(torch.randn(2, 15, 16))
+    (plan,) = gathers
+    has_rows = torch.bincount(plan.dest_R // plan.rows_per_expert, minlength=4) > 0
+    assert not has_rows[3] and has_rows.any(), "expert 3's block is all padding"
+    bank = layer.experts
+    for grad in (bank.fc1_weight.grad, bank.fc1_bias.grad, bank.fc2_weight.grad, bank.fc2_bias.grad):
+        assert torch.equal(grad.flatten(1).abs().sum(1) > 0, has_rows)  # a gradient exactly where an expert has rows
+
+
+def test_strictly_balanced_gating_at_its_thresholds_runs_padded_like_ragged(amx, monkeypatch):
+    monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {})
+    torch.manual_seed(0)
+    layer = StrictlyBalancedMoE(16, 32, num_experts=4, top_k=2).train()
+    x = torch.randn(2, 15, 16, requires_grad=True)
+    grad = torch.randn(2, 15, 16)
+    layer(x)  # the first training batch sets the thresholds
+    layer.eval()  # then a tokens-choice dispatch at the thresholds
+    gathers = []
+    real_gather = PaddedGroups.gather
+    monkeypatch.setattr(PaddedGroups, "gather", lambda self, *a: gathers.append(self) or real_gather(self, *a))
+    out, grads = _run(layer, x, grad)
+    assert len(gathers) == 1
+    monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {})
+    want_out, want_grads = _run(layer, x, grad)
+    torch.testing.assert_close(out, want_out, rtol=2**-7, atol=1e-3)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=2**-6, atol=2e-3)
 
 
 def test_padding_is_left_out_where_it_would_cost_or_mislead(amx, monkeypatch):
-    x, counts = torch.zeros(13, 4, dtype=torch.bfloat16), torch.tensor([10, 1, 1, 1])
-    assert plan_padding(x, counts, "auto") is not None  # 64 buffer rows for 13: taken at the fixture's limit
-    assert plan_padding(x.float(), counts, "auto") is None  # float32 rows
-    assert plan_padding(x, counts, "loop") is None  # a kernel the user chose
+    counts = torch.tensor([10, 1, 1, 1])
+    assert plan_padding(counts, BF16, "auto") is not None  # 64 buffer rows for 13: taken at the fixture's limit
+    assert plan_padding(counts, torch.float32, "auto") is None  # float32 rows
+    assert plan_padding(counts, BF16, "loop") is None  # a kernel the user chose
     with FlopCounterMode(display=False):  # the FLOP counter would count the padding
-        assert plan_padding(x, counts, "auto") is None
+        assert plan_padding(counts, BF16, "auto") is None
     monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {"AMX": 25})
-    assert plan_padding(x, counts, "auto") is None  # 64 rows for 13: 392% more
-    assert plan_padding(x, torch.tensor([4, 3, 3, 3]), "auto") is None  # 32 rows for 13
-    assert plan_padding(torch.zeros(64, 4, dtype=torch.bfloat16), torch.tensor([16] * 4), "auto") is not None
+    assert plan_padding(counts, BF16, "auto") is None  # 64 rows for 13: 392% more
+    assert plan_padding(torch.tensor([4, 3, 3, 3]), BF16, "auto") is None  # 32 rows for 13
+    assert plan_padding(torch.tensor([16] * 4), BF16, "auto") is not None
     monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "")  # a CPU without an entry
-    assert plan_padding(torch.zeros(64, 4, dtype=torch.bfloat16), torch.tensor([16] * 4), "auto") is None
+    assert plan_padding(torch.tensor([16] * 4), BF16, "auto") is None
+
+
+def test_an_expert_parallel_bank_runs_its_ragged_rows(amx):
+    layer = TopKMoE(16, 32, num_experts=4, top_k=2)
+    counts = torch.tensor([8, 8, 8, 6])
+    assert layer.experts.padding(counts, torch.zeros(1, 16, dtype=BF16)) is not None
+    layer.experts.ep_group = object()  # as shard_ leaves it: the rows arrive from the other ranks
+    assert layer.experts.padding(counts, torch.zeros(1, 16, dtype=BF16)) is None

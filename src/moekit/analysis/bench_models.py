@@ -5,7 +5,12 @@ step is what ``scripts/train.py`` trains, built from the same Hydra configs: the
 ``training_step`` (forward, task loss + MoE auxiliary losses) under the trainer's precision
 (``bf16-mixed``: bf16 autocast), backward, gradient clipping at ``trainer.gradient_clip_val``, a step of
 the task's optimizer (``task.optimizer``, its parameter groups; no schedule), the loss-free balancing update
-and ``zero_grad``, on a random batch of the data config's shapes and batch size.
+and ``zero_grad``, on a random batch of the data config's shapes and batch size. The optimizer runs at learning rate
+0: its arithmetic in full, the parameters where they were. At the configured rate, without the schedule's warm-up, on
+one batch over and over, the routers collapsed within a step or two (the top-2 MoE LM's layers would need 19-69% of
+padding rows for equal groups at the first step, 56-188% from the second on; the top-2 ViT's 22% at the median over
+the second half of a 240-step run on Fashion-MNIST), a state no training run passes through, and each round timed
+another routing.
 The models of a table are timed in interleaved rounds, so that a slow phase of the machine hits all of
 them alike: in each round every model takes ``--warmup`` untimed steps, then ``--steps`` timed ones in a
 row; its time is the median over all its timed steps. The warm-up step matters: a model's first step
@@ -243,8 +248,11 @@ def build_candidate(
     summary = _summary(task, datamodule)  # measured on the CPU, as train() does before fit
     device = torch.device(device)
     task.to(device).train()
-    # MoETask.configure_optimizers without the schedule (that needs a trainer for its length).
+    # MoETask.configure_optimizers without the schedule (that needs a trainer for its length), at learning rate 0:
+    # the step's cost, the routing of the initial weights at every step (the module docstring).
     optimizer = optimizer_for(task.net, task.optimizer_config)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
     batch = random_batch(task, datamodule, batch_size or datamodule.batch_size, device)
     examples = batch[1].numel()  # images, or target tokens
     clip_val = cfg.trainer.get("gradient_clip_val")

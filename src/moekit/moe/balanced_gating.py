@@ -245,8 +245,10 @@ class StrictlyBalancedMoE(MoELayer):
         the masked ones dropped)."""
         expert_ids_NE = torch.arange(self.num_experts, device=x_ND.device).expand_as(mask_NE)
         plan = plan_dispatch(expert_ids_NE, self.num_experts, keep=mask_NE)
-        expert_out = self.experts(dispatch(x_ND, plan), plan.counts)
-        return combine(expert_out, plan, self._gates(scores_NE, mask_NE)), plan.counts
+        padding = self.experts.padding(plan.counts, x_ND)  # equal groups of a zero-padded buffer, where faster
+        groups = plan.counts if padding is None else padding.rows_per_expert
+        expert_out = self.experts(dispatch(x_ND, plan, padding), groups)
+        return combine(expert_out, plan, self._gates(scores_NE, mask_NE), padding), plan.counts
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.top_k}, balance_scope={self.balance_scope!r}"

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import kernel_choices
+from .padded_groups import PaddedGroups
 from .routing import count_ids
 
 __all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine"]
@@ -214,28 +215,37 @@ def plan_dispatch(
     return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1], all_kept=all_kept)
 
 
-def dispatch(x: Tensor, plan: DispatchPlan) -> Tensor:
-    """``x: [N, d]`` -> ``[N * k, d]`` token copies in ``plan.order`` (expert-sorted rows)."""
+def dispatch(x: Tensor, plan: DispatchPlan, padding: PaddedGroups | None = None) -> Tensor:
+    """``x: [N, d]`` -> ``[N * k, d]`` token copies in ``plan.order`` (expert-sorted rows), or with ``padding`` the
+    buffer of equal groups it describes (:mod:`moekit.moe.padded_groups`)."""
     tokens = torch.div(plan.order, plan.top_k, rounding_mode="floor")  # [N * k]: the token of each row
+    if padding is not None:
+        return padding.gather(x, tokens)
     if kernel_choices.DISPATCH_GRADIENT.get(x.device.type, "gather") == "index_add":
         return x.index_select(0, tokens)
     return _GatherRows.apply(x, tokens, plan.inverse, plan.top_k)
 
 
-def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
+def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor, padding: PaddedGroups | None = None) -> Tensor:
     """Weighted sum of each token's expert outputs.
 
     Args:
-        expert_out: ``[N * k, o]`` in ``plan.order`` (rows of dropped assignments are ignored).
+        expert_out: ``[N * k, o]`` in ``plan.order`` (rows of dropped assignments are ignored), or the buffer of
+            ``padding``.
         plan: the plan used for :func:`dispatch`.
         gates: ``[N, k]`` gate values.
+        padding: the padding given to :func:`dispatch`, if any.
 
     Returns:
         ``[N, o]``: ``sum_j keep[n, j] * gates[n, j] * expert_out[n, j]``; a token whose assignments
         were all dropped gets zeros (the block's residual then carries it through unchanged).
     """
     num_tokens, top_k = gates.shape
-    per_assignment = _GatherRows.apply(expert_out, plan.inverse, plan.order, 1).view(num_tokens, top_k, -1)
+    if padding is None:
+        per_assignment = _GatherRows.apply(expert_out, plan.inverse, plan.order, 1)
+    else:  # the gradient of the buffer's padding rows: zeros
+        per_assignment = expert_out.index_select(0, padding.buffer_rows_of(plan.inverse))
+    per_assignment = per_assignment.view(num_tokens, top_k, -1)
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:
         return per_assignment[:, 0] * weights

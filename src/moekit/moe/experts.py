@@ -15,8 +15,8 @@ per expert, either
   ``counts.sum()`` (dropped assignments) come out as zeros.
 
 Kernels (``kernel=``): ``"loop"``, ``"bmm"``, ``"grouped_mm"`` or ``"auto"``, see
-:mod:`moekit.moe.grouped_linear`. With ``"auto"`` under bf16 on a CPU with AMX, nearly equal ragged groups run
-zero-padded as equal ones (:mod:`moekit.moe.padded_groups`).
+:mod:`moekit.moe.grouped_linear`. With ``"auto"`` under bf16 on a CPU with AMX, a tokens-choice layer's nearly equal
+ragged groups run zero-padded as equal ones (:meth:`ExpertBank.padding`, :mod:`moekit.moe.padded_groups`).
 
 Expert parallelism. :meth:`ExpertBank.shard_` keeps only this rank's block of experts of an
 expert-parallel process group; ``forward`` then takes the same input (rows sorted by global expert)
@@ -43,7 +43,7 @@ from .all_to_all import expert_parallel_apply
 from .dropout import Dropout
 from .gated_activation import expert_activation
 from .grouped_linear import GroupSizes, Kernel, grouped_linear
-from .padded_groups import plan_padding
+from .padded_groups import PaddedGroups, plan_padding
 
 if TYPE_CHECKING:
     from .base import MlpSpec
@@ -276,18 +276,22 @@ class ExpertBank(nn.Module):
             weights = tuple(w.to(x.dtype) if w is not None else None for w in weights)
         return x, weights
 
+    def padding(self, counts: Tensor, x: Tensor) -> PaddedGroups | None:
+        """How ragged groups of ``counts`` rows (``[experts]``) of ``x``'s tokens run as equal, zero-padded ones where
+        :mod:`moekit.moe.padded_groups` finds that faster (the dispatch then fills the buffer and the combine reads
+        it: :func:`~moekit.moe.dispatch.dispatch`), else None; None under expert parallelism."""
+        if self.ep_group is not None:
+            return None
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        return plan_padding(counts, dtype, self.kernel)
+
     def _local_forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
-        """The experts held here on rows sorted by local expert (ragged groups zero-padded to equal ones where
-        :mod:`moekit.moe.padded_groups` finds that faster)."""
+        """The experts held here on rows sorted by local expert."""
         x, (w1, b1, w2, b2) = self._cast(x, weights_too=False)
-        padding = None if isinstance(group_sizes, int) else plan_padding(x, group_sizes, self.kernel)
-        rows = x.shape[0]
-        if padding is not None:
-            x, group_sizes, no_tail = padding.pad(x), padding.rows_per_expert, True
         with torch.autocast(x.device.type, enabled=False):
             h = self.drop1(self._fc1_activation(x, w1, b1, group_sizes, no_tail))
-            y = self.drop2(grouped_linear(h, w2, b2, group_sizes, self.kernel, no_tail))
-        return y if padding is None else padding.unpad(y, rows)
+            return self.drop2(grouped_linear(h, w2, b2, group_sizes, self.kernel, no_tail))
 
     def _fc1_activation(
         self, x: Tensor, w1: Tensor, b1: Tensor | None, group_sizes: GroupSizes, no_tail: bool = False

@@ -1,18 +1,20 @@
-"""Ragged expert groups run as equal ones: each expert's rows copied into a zero-padded buffer, the experts' products
-as batched matmuls over it, the rows copied back.
+"""Ragged expert groups run as equal ones: the dispatch copies each expert's token rows into a zero-padded block of a
+buffer, the experts' products run as batched matmuls over it, and the combine reads each assignment's row back.
 
 Under bf16 on a CPU with AMX, oneDNN's per-expert products of the loop kernel ran at about half the rate of one
 batched matmul over the same rows (an expert's weight gradient, a product of a few outputs over thousands of rows,
 splits poorly over the threads, where the batch splits by expert; docs/performance.md, "bf16 autocast on a CPU"). A
-dispatch whose groups are nearly equal pays little padding for the batched kernel: an
-:class:`~moekit.moe.ExpertBank` pads its rows once before ``fc1`` and unpads once after ``fc2``, where the padding
-adds at most ``PADDED_GROUPS_MAX_PERCENT`` of :mod:`moekit.moe.kernel_choices` (by the CPU's matrix units) to the
-rows. The longest group sets the buffer's rows per expert, rounded up to one of 16 sizes per power of two: a bounded
-set of shapes for oneDNN's kernel cache. Padded rows are zeros, so their gradients add nothing to the experts'
-weights, and their outputs are dropped.
+dispatch whose groups are nearly equal pays little padding for the batched kernel: a tokens-choice layer asks its
+:class:`~moekit.moe.ExpertBank` (:meth:`~moekit.moe.ExpertBank.padding`) and, where the padding adds at most
+``PADDED_GROUPS_MAX_PERCENT`` of :mod:`moekit.moe.kernel_choices` (by the CPU's matrix units) to the rows,
+:func:`~moekit.moe.dispatch.dispatch` gathers the tokens straight into the buffer and
+:func:`~moekit.moe.dispatch.combine` gathers the outputs straight from it: no copy of the rows in and out of the
+buffer. The longest group sets the buffer's rows per expert, rounded up to one of 16 sizes per power of two: a bounded
+set of shapes for oneDNN's kernel cache. Padding rows are zeros and their outputs are never read: their gradients are
+zero and add nothing to the experts' weights.
 
-Not taken under ``torch.compile`` (the buffer's size is read from the counts on the host) or a ``TorchDispatchMode``
-(the FLOP counter would count the padding).
+Not taken under ``torch.compile`` (the buffer's size is read from the counts on the host), a ``TorchDispatchMode``
+(the FLOP counter would count the padding) or expert parallelism (each rank's rows arrive after the exchange).
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ def padded_rows(longest: int) -> int:
 
 @dataclass(frozen=True)
 class PaddedGroups:
-    """Where each of the ``rows`` dispatched rows (sorted by expert) lies in a buffer of ``rows_per_expert`` rows per
-    expert: ``dest_R[r]``, row ``r``'s row of the buffer ``[experts * rows_per_expert, features]``."""
+    """Where each of the ``rows`` kept assignments, in dispatch order (sorted by expert), lies in a buffer of
+    ``rows_per_expert`` rows per expert: ``dest_R[r]``, row ``r``'s row of the buffer ``[experts * rows_per_expert,
+    features]``; ``pad_rows``, the buffer's other rows."""
 
     dest_R: Tensor
+    pad_rows: Tensor
     rows_per_expert: int
     num_experts: int
 
@@ -48,24 +52,34 @@ class PaddedGroups:
     def rows(self) -> int:
         return self.dest_R.shape[0]
 
-    def pad(self, x: Tensor) -> Tensor:
-        """``[rows (+ a tail), in]`` -> ``[experts * rows_per_expert, in]``: each expert's rows, then zeros."""
-        buffer = x.new_zeros(self.num_experts * self.rows_per_expert, x.shape[-1])
-        return buffer.index_copy(0, self.dest_R, x[: self.rows])
+    @property
+    def buffer_rows(self) -> int:
+        return self.num_experts * self.rows_per_expert
 
-    def unpad(self, y: Tensor, total_rows: int) -> Tensor:
-        """The buffer's real rows, back in dispatch order: ``[total_rows, out]``, rows past ``rows`` (the tail of
-        dropped assignments) zeros."""
-        y = y.index_select(0, self.dest_R)
-        return F.pad(y, (0, 0, 0, total_rows - self.rows)) if total_rows > self.rows else y
+    def gather(self, x_ND: Tensor, tokens_R: Tensor) -> Tensor:
+        """The buffer ``[buffer_rows, d]``: each dispatched row's token from ``x_ND`` (``tokens_R``: the token of each
+        row in dispatch order, kept ones first), padding rows zero. One ``index_select`` of the buffer's rows (padding
+        rows read token 0) and an ``index_fill_`` of the padding rows, outside autograd: their outputs are never read,
+        so their gradients are zeros anyway, where autograd's ``index_fill_`` copies the whole gradient to zero them."""
+        tokens_B = tokens_R.new_zeros(self.buffer_rows).index_copy_(0, self.dest_R, tokens_R[: self.rows])
+        buffer = x_ND.index_select(0, tokens_B)
+        with torch.no_grad():
+            buffer.index_fill_(0, self.pad_rows, 0)
+        return buffer
+
+    def buffer_rows_of(self, rows_A: Tensor) -> Tensor:
+        """The buffer row of each assignment, from ``rows_A``, its row in dispatch order; a dropped assignment (a row
+        past the kept ones, its gate zeroed by the combine) reads buffer row 0."""
+        dest = F.pad(self.dest_R, (0, rows_A.numel() - self.rows))
+        return dest.index_select(0, rows_A)
 
 
-def plan_padding(x: Tensor, counts: Tensor, kernel: str) -> PaddedGroups | None:
-    """The padding of ragged groups of ``counts`` rows (``[experts]``) of ``x``, or None where the experts run on
-    the ragged rows: another kernel than ``"auto"``'s loop, a device other than the CPU, rows not in bf16, a CPU
-    without an entry in ``PADDED_GROUPS_MAX_PERCENT``, more padding than the entry allows, ``torch.compile`` or a
-    dispatch mode."""
-    if kernel != "auto" or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+def plan_padding(counts: Tensor, dtype: torch.dtype, kernel: str) -> PaddedGroups | None:
+    """The padding of ragged groups of ``counts`` rows (``[experts]``) whose products run in ``dtype``, or None where
+    the experts run on the ragged rows: another kernel than ``"auto"``'s loop, a device other than the CPU, rows not in
+    bf16, a CPU without an entry in ``PADDED_GROUPS_MAX_PERCENT``, more padding than the entry allows, ``torch.compile``
+    or a dispatch mode."""
+    if kernel != "auto" or counts.device.type != "cpu" or dtype != torch.bfloat16:
         return None
     if kernel_choices.AUTO_KERNELS.get(("cpu", "ragged"), "loop") != "loop":
         return None
@@ -80,6 +94,7 @@ def plan_padding(x: Tensor, counts: Tensor, kernel: str) -> PaddedGroups | None:
     if num_experts * per_expert * 100 > rows * (100 + limit):
         return None
     starts = accumulate(sizes[:-1], initial=0)  # each expert's first row in dispatch order
-    shift_E = torch.tensor([e * per_expert - start for e, start in enumerate(starts)], device=x.device)
-    dest_R = torch.arange(rows, device=x.device) + shift_E.repeat_interleave(counts, output_size=rows)  # buffer rows
-    return PaddedGroups(dest_R, per_expert, num_experts)
+    shift_E = torch.tensor([e * per_expert - start for e, start in enumerate(starts)], device=counts.device)
+    dest_R = torch.arange(rows, device=counts.device) + shift_E.repeat_interleave(counts, output_size=rows)
+    padding_B = torch.ones(num_experts * per_expert, dtype=torch.bool, device=counts.device).index_fill_(0, dest_R, 0)
+    return PaddedGroups(dest_R, padding_B.nonzero().squeeze(1), per_expert, num_experts)

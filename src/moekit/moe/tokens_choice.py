@@ -285,8 +285,10 @@ class TokensChoiceMoE(MoELayer):
         routing = self.router(x_ND, token_ids.reshape(-1) if token_ids is not None else None, mask_N)
 
         plan = self.plan(routing, B, T, start, state, mask_N)
-        expert_out = self.experts(dispatch(x_ND, plan), plan.counts, no_tail=plan.all_kept)  # [N * K, O], by expert
-        out_NO = combine(expert_out, plan, routing.gates)
+        padding = self.experts.padding(plan.counts, x_ND)  # equal groups of a zero-padded buffer, where faster
+        groups = plan.counts if padding is None else padding.rows_per_expert
+        expert_out = self.experts(dispatch(x_ND, plan, padding), groups, no_tail=plan.all_kept)  # [N * K, O], by expert
+        out_NO = combine(expert_out, plan, routing.gates, padding)
         if self.shared_experts is not None:
             shared_NO = self.shared_experts(x_ND, x_ND.shape[0])
             if self.shared_expert_gate is not None:

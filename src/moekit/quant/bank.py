@@ -167,6 +167,10 @@ class QuantizedExpertBank(nn.Module):
     def fmt(self) -> QuantFormat:
         return self.fc1.fmt
 
+    def padding(self, counts: Tensor, x: Tensor) -> None:
+        """:meth:`moekit.moe.ExpertBank.padding`: None, each expert runs on its ragged rows."""
+        return None
+
     def forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """:meth:`moekit.moe.ExpertBank.forward`'s contract (``no_tail`` changes nothing here: the loop writes
         the groups' rows into zeros)."""
