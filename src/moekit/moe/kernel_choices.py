@@ -110,10 +110,11 @@ FLOAT32_EXPERT_ROWS: dict[str, int] = {"AMX": 48}
 
 # Under bf16 on a CPU, by its matrix units: a tokens-choice layer runs ragged groups as equal ones, zero-padded to the
 # longest group (moekit.moe.padded_groups: the dispatch gathers into the buffer, batched matmuls, the combine gathers
-# from it), where the padding adds at most this percentage to the rows. On a 2-core Xeon with AMX, an expert bank's forward + backward
-# against the loop on the ragged rows: 8 experts of 64 -> 256 -> 64 1.39x faster at 2-15% padding, 1.19x at 35-41%;
-# 128 -> 512 -> 128 and the MoE LM's SwiGLU 256 -> 512 1.11-1.14x at up to 16%, 0.95x at 40-43%; 64 SwiGLU experts
-# of 128 rows 1.05-1.51x at up to 114%. Float32 (MKL there): 0.83-1.09x at up to 16%, so no entry for it.
+# from it), where the padding adds at most this percentage to the rows. On a 2-core Xeon with AMX, an expert bank's
+# forward + backward against the loop on the ragged rows: 8 experts of 64 -> 256 -> 64 1.39x faster at 2-15%
+# padding, 1.19x at 35-41%; 128 -> 512 -> 128 and the MoE LM's SwiGLU 256 -> 512 1.11-1.14x at up to 16%, 0.95x at
+# 40-43%; 64 SwiGLU experts of 128 rows 1.05-1.51x at up to 114%. Float32 (MKL there): 0.83-1.09x at up to 16%, so
+# no entry for it.
 PADDED_GROUPS_MAX_PERCENT: dict[str, int] = {"AMX": 30}
 
 # -- Routing, dispatch and combine (moekit.moe.routing, moekit.moe.dispatch) --
