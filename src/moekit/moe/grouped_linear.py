@@ -187,9 +187,10 @@ def _loop_backward(
         whole = len(block_sizes) == len(sizes)  # one block per expert: the blocks are the experts' rows
         g_rows = g_parts if whole else [plane[:rows].split(sizes) for plane in grad_out]
 
-        def bias_grad(e: int) -> None:
+        def bias_grad(e: int) -> None:  # in the rows' dtype (float32 accumulation inside), rounded once, as the
+            # batched kernel's and torch's Linear's under autocast: sum(dtype=float32) casts all the rows first
             for p in range(planes):
-                torch.sum(g_rows[p][e], dim=0, dtype=grad_b.dtype, out=gb_parts[p][e])
+                gb_parts[p][e].copy_(g_rows[p][e].sum(dim=0))
 
         steps.append(bias_grad)
 
