@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import experts_choice_capacity
-from .dispatch import combine, dispatch, plan_dispatch
+from .dispatch import apply_experts, plan_dispatch
 from .experts import ExpertsConfig
 from .losses import batchwise_threshold_loss, router_z_loss
 from .routing import expert_softmax, logit_checksum, reset_own_parameters, router_logits, router_weight
@@ -245,10 +245,7 @@ class StrictlyBalancedMoE(MoELayer):
         the masked ones dropped)."""
         expert_ids_NE = torch.arange(self.num_experts, device=x_ND.device).expand_as(mask_NE)
         plan = plan_dispatch(expert_ids_NE, self.num_experts, keep=mask_NE)
-        padding = self.experts.padding(plan.counts, x_ND)  # equal groups of a zero-padded buffer, where faster
-        groups = plan.counts if padding is None else padding.rows_per_expert
-        expert_out = self.experts(dispatch(x_ND, plan, padding), groups)
-        return combine(expert_out, plan, self._gates(scores_NE, mask_NE), padding), plan.counts
+        return apply_experts(self.experts, x_ND, plan, self._gates(scores_NE, mask_NE)), plan.counts
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.top_k}, balance_scope={self.balance_scope!r}"

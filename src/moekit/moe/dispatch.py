@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import kernel_choices
 from .padded_groups import PaddedGroups
 from .routing import count_ids
 
-__all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine"]
+__all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine", "apply_experts"]
 
 # torch's CPU sort runs a 1-D integer tensor of at least this many entries (at::internal::GRAIN_SIZE) as a parallel
 # radix sort, stable and linear in its length; shorter ones, and floats, get a comparison sort. From
@@ -224,6 +224,16 @@ def dispatch(x: Tensor, plan: DispatchPlan, padding: PaddedGroups | None = None)
     if kernel_choices.DISPATCH_GRADIENT.get(x.device.type, "gather") == "index_add":
         return x.index_select(0, tokens)
     return _GatherRows.apply(x, tokens, plan.inverse, plan.top_k)
+
+
+def apply_experts(experts: nn.Module, x_ND: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
+    """``[N, o]``: each token of ``x_ND`` through the experts ``plan`` chose, weighted by ``gates``: :func:`dispatch`,
+    the bank (an :class:`~moekit.moe.ExpertBank`) and :func:`combine`, over zero-padded equal groups where the bank's
+    :meth:`~moekit.moe.ExpertBank.padding` says so."""
+    padding = experts.padding(plan.counts, x_ND)
+    groups = plan.counts if padding is None else padding.rows_per_expert
+    expert_out = experts(dispatch(x_ND, plan, padding), groups, no_tail=plan.all_kept)  # [N * k, o], by expert
+    return combine(expert_out, plan, gates, padding)
 
 
 def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor, padding: PaddedGroups | None = None) -> Tensor:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import Capacity, check_factor, tokens_choice_capacity
-from .dispatch import DispatchPlan, combine, dispatch, plan_dispatch
+from .dispatch import DispatchPlan, apply_experts, plan_dispatch
 from .experts import ExpertsConfig
 from .hash_routing import HashRouter
 from .hierarchical_routing import HierarchicalRouter
@@ -285,10 +285,7 @@ class TokensChoiceMoE(MoELayer):
         routing = self.router(x_ND, token_ids.reshape(-1) if token_ids is not None else None, mask_N)
 
         plan = self.plan(routing, B, T, start, state, mask_N)
-        padding = self.experts.padding(plan.counts, x_ND)  # equal groups of a zero-padded buffer, where faster
-        groups = plan.counts if padding is None else padding.rows_per_expert
-        expert_out = self.experts(dispatch(x_ND, plan, padding), groups, no_tail=plan.all_kept)  # [N * K, O], by expert
-        out_NO = combine(expert_out, plan, routing.gates, padding)
+        out_NO = apply_experts(self.experts, x_ND, plan, routing.gates)
         if self.shared_experts is not None:
             shared_NO = self.shared_experts(x_ND, x_ND.shape[0])
             if self.shared_expert_gate is not None:
