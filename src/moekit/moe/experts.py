@@ -279,7 +279,7 @@ class ExpertBank(nn.Module):
     def padding(self, counts: Tensor, x: Tensor) -> PaddedGroups | None:
         """How ragged groups of ``counts`` rows (``[experts]``) of ``x``'s tokens run as equal, zero-padded ones where
         :mod:`moekit.moe.padded_groups` finds that faster (the dispatch then fills the buffer and the combine reads
-        it: :func:`~moekit.moe.dispatch.dispatch`), else None; None under expert parallelism."""
+        it: :func:`~moekit.moe.dispatch.apply_experts`), else None; None under expert parallelism."""
         if self.ep_group is not None:
             return None
         device_type = x.device.type
