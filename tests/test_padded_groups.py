@@ -37,9 +37,9 @@ def test_plan_padding_maps_each_row_to_its_expert_block(amx):
     assert plan.pad_rows.tolist() == [3, 4, 5, 6, 7, *range(8, 16), 21, 22, 23, *range(25, 32)]
 
 
-def test_the_buffer_holds_each_experts_tokens_in_its_block_and_zeros_and_the_combine_reads_them_back():
+def test_the_buffer_holds_each_experts_tokens_in_its_block_and_zeros_and_the_combine_reads_them_back(amx):
     counts = [3, 0, 5, 1]  # 9 kept rows in dispatch order, then 2 dropped
-    plan = plan_padding_for(counts)
+    plan = plan_padding(torch.tensor(counts), BF16, "auto")
     x = torch.arange(6 * 2, dtype=torch.float32).view(6, 2) + 1  # 6 tokens
     tokens_R = torch.tensor([5, 0, 2, 1, 1, 3, 4, 0, 2, 3, 4])  # the token of each dispatched row
     buffer = plan.gather(x, tokens_R)
@@ -50,13 +50,6 @@ def test_the_buffer_holds_each_experts_tokens_in_its_block_and_zeros_and_the_com
         assert torch.equal(block[:n], x[tokens_R[starts[e] : starts[e] + n]]) and torch.all(block[n:] == 0)
     rows_A = torch.tensor([10, 4, 0, 8, 9, 1, 2, 3, 5, 6, 7])  # each assignment's row in dispatch order (9, 10 dropped)
     assert plan.buffer_rows_of(rows_A).tolist() == [0, 17, 0, 24, 0, 1, 2, 16, 18, 19, 20]
-
-
-def plan_padding_for(counts: list[int]) -> PaddedGroups:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel_choices, "cpu_matrix_units", lambda: "AMX")
-        patch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {"AMX": 10_000})
-        return plan_padding(torch.tensor(counts), BF16, "auto")
 
 
 def _run(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
