@@ -48,7 +48,14 @@ from .padded_groups import PaddedGroups, plan_padding
 if TYPE_CHECKING:
     from .base import MlpSpec
 
-__all__ = ["ExpertBank", "ExpertsConfig", "experts_on_meta"]
+__all__ = ["ExpertBank", "ExpertsConfig", "compute_dtype", "experts_on_meta"]
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the experts compute ``x`` in: autocast's where it is on for ``x``'s device, else ``x``'s own (e.g.
+    FSDP mixed precision)."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 _EXPERTS_ON_META: ContextVar[bool] = ContextVar("experts_on_meta", default=False)
@@ -268,10 +275,7 @@ class ExpertBank(nn.Module):
         """``x`` in the compute dtype (autocast's when enabled, else the input's), and the weights in it too unless
         ``weights_too`` is False (:func:`grouped_linear` takes them in their own dtype and casts them itself)."""
         weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            x = x.to(torch.get_autocast_dtype(device_type))
-        # else e.g. FSDP mixed precision: compute in the input's dtype
+        x = x.to(compute_dtype(x))
         if weights_too and x.dtype != self.fc1_weight.dtype:
             weights = tuple(w.to(x.dtype) if w is not None else None for w in weights)
         return x, weights
@@ -282,9 +286,7 @@ class ExpertBank(nn.Module):
         it: :func:`~moekit.moe.dispatch.apply_experts`), else None; None under expert parallelism."""
         if self.ep_group is not None:
             return None
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        return plan_padding(counts, dtype, self.kernel)
+        return plan_padding(counts, compute_dtype(x), self.kernel)
 
     def _local_forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """The experts held here on rows sorted by local expert."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .base import MlpSpec, MoELayer, register_moe_layer
 from .capacity import check_factor, soft_moe_slots
 from .cpu_matmul import linear
-from .experts import ExpertsConfig
+from .experts import ExpertsConfig, compute_dtype
 from .routing import logit_checksum, router_precision
 from .stats import soft_moe_stats
 
@@ -176,8 +176,8 @@ class SoftMoE(MoELayer):
         B, M, D = x.shape
         dispatch_BMS, combine_BMS, checksum = self._routing(x, padding_mask)
 
-        compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        slots_BSD = torch.bmm(dispatch_BMS.transpose(1, 2).to(compute_dtype), x.to(compute_dtype))
+        dtype = compute_dtype(x)
+        slots_BSD = torch.bmm(dispatch_BMS.transpose(1, 2).to(dtype), x.to(dtype))
         # Slot i goes to expert i // p: regroup [B, n, p, D] -> [n, B * p, D] rows sorted by expert.
         n, p = self.num_experts, self.slots_per_expert
         expert_in = slots_BSD.view(B, n, p, D).transpose(0, 1).reshape(n * B * p, D)

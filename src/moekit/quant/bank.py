@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moekit.moe.experts import ExpertBank
+from moekit.moe.experts import ExpertBank, compute_dtype
 from moekit.moe.gated_activation import expert_activation
 from moekit.moe.grouped_linear import GroupSizes
 
@@ -175,7 +175,7 @@ class QuantizedExpertBank(nn.Module):
         """:meth:`moekit.moe.ExpertBank.forward`'s contract (``no_tail`` changes nothing here: the loop writes
         the groups' rows into zeros)."""
         device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        dtype = compute_dtype(x)
         x = x.to(dtype)
         sizes = [group_sizes] * self.num_experts if isinstance(group_sizes, int) else group_sizes.tolist()
         out = x.new_zeros(x.shape[0], self.out_features)
