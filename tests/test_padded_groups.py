@@ -18,6 +18,7 @@ def amx(monkeypatch):
     """A CPU with AMX whatever this one is, padding taken whatever it adds."""
     monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "AMX")
     monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {"AMX": 10_000})
+    monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT_DROPOUT", {"AMX": 10_000})
 
 
 def test_padded_rows_are_one_of_16_sizes_per_power_of_two():
@@ -144,6 +145,21 @@ def test_padding_is_left_out_where_it_would_cost_or_mislead(amx, monkeypatch):
     assert plan_padding(torch.tensor([16] * 4), BF16, "auto") is not None
     monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "")  # a CPU without an entry
     assert plan_padding(torch.tensor([16] * 4), BF16, "auto") is None
+
+
+def test_experts_that_drop_out_take_the_dropout_limit_in_training_only(amx, monkeypatch):
+    monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {"AMX": 30})
+    monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT_DROPOUT", {"AMX": 15})
+    counts = torch.tensor([24, 20, 20, 16])  # 96 buffer rows for 80: 20% more
+    assert plan_padding(counts, BF16, "auto") is not None
+    assert plan_padding(counts, BF16, "auto", dropout=True) is None
+    assert plan_padding(torch.tensor([24, 24, 22, 22]), BF16, "auto", dropout=True) is not None  # 96 for 92
+    x = torch.zeros(1, 16, dtype=BF16)
+    for drop, padded_in_training in ((0.1, False), ((0.0, 0.1), False), (0.0, True)):
+        layer = TopKMoE(16, 32, num_experts=4, top_k=2, drop=drop)
+        assert (layer.experts.padding(counts, x) is not None) == padded_in_training, drop
+        layer.eval()  # no masks drawn
+        assert layer.experts.padding(counts, x) is not None
 
 
 def test_an_expert_parallel_bank_runs_its_ragged_rows(amx):

@@ -286,7 +286,8 @@ class ExpertBank(nn.Module):
         it: :func:`~moekit.moe.dispatch.apply_experts`), else None; None under expert parallelism."""
         if self.ep_group is not None:
             return None
-        return plan_padding(counts, compute_dtype(x), self.kernel)
+        dropout = self.training and (self.drop1.p > 0 or self.drop2.p > 0)
+        return plan_padding(counts, compute_dtype(x), self.kernel, dropout)
 
     def _local_forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """The experts held here on rows sorted by local expert."""

@@ -6,7 +6,8 @@ batched matmul over the same rows (an expert's weight gradient, a product of a f
 splits poorly over the threads, where the batch splits by expert; docs/performance.md, "bf16 autocast on a CPU"). A
 dispatch whose groups are nearly equal pays little padding for the batched kernel: a tokens-choice layer asks its
 :class:`~moekit.moe.ExpertBank` (:meth:`~moekit.moe.ExpertBank.padding`) and, where the padding adds at most
-``PADDED_GROUPS_MAX_PERCENT`` of :mod:`moekit.moe.kernel_choices` (by the CPU's matrix units) to the rows,
+``PADDED_GROUPS_MAX_PERCENT`` of :mod:`moekit.moe.kernel_choices` (by the CPU's matrix units; less for experts that
+drop out, whose padding rows draw masks too) to the rows,
 :func:`~moekit.moe.dispatch.dispatch` gathers the tokens straight into the buffer and
 :func:`~moekit.moe.dispatch.combine` gathers the outputs straight from it: no copy of the rows in and out of the
 buffer. The longest group sets the buffer's rows per expert, rounded up to one of 16 sizes per power of two: a bounded
@@ -74,16 +75,17 @@ class PaddedGroups:
         return dest.index_select(0, rows_A)
 
 
-def plan_padding(counts: Tensor, dtype: torch.dtype, kernel: str) -> PaddedGroups | None:
+def plan_padding(counts: Tensor, dtype: torch.dtype, kernel: str, dropout: bool = False) -> PaddedGroups | None:
     """The padding of ragged groups of ``counts`` rows (``[experts]``) whose products run in ``dtype``, or None where
     the experts run on the ragged rows: another kernel than ``"auto"``'s loop, a device other than the CPU, rows not in
-    bf16, a CPU without an entry in ``PADDED_GROUPS_MAX_PERCENT``, more padding than the entry allows, ``torch.compile``
-    or a dispatch mode."""
+    bf16, a CPU without an entry in ``PADDED_GROUPS_MAX_PERCENT`` (``PADDED_GROUPS_MAX_PERCENT_DROPOUT`` for experts
+    that drop out, ``dropout``), more padding than the entry allows, ``torch.compile`` or a dispatch mode."""
     if kernel != "auto" or counts.device.type != "cpu" or dtype != torch.bfloat16:
         return None
     if kernel_choices.AUTO_KERNELS.get(("cpu", "ragged"), "loop") != "loop":
         return None
-    limit = kernel_choices.PADDED_GROUPS_MAX_PERCENT.get(kernel_choices.cpu_matrix_units())
+    table = kernel_choices.PADDED_GROUPS_MAX_PERCENT_DROPOUT if dropout else kernel_choices.PADDED_GROUPS_MAX_PERCENT
+    limit = table.get(kernel_choices.cpu_matrix_units())
     if limit is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return None
     sizes = counts.tolist()  # the host read the loop makes too (free on a CPU)
