@@ -122,6 +122,31 @@ def test_the_grouped_mm_kernel_gives_the_loops_layer(capacity_factor):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kw", [dict(top_k=2, capacity_factor=0.5), dict(top_k=1, capacity_factor=0.75, gated=True)], ids=["top2", "top1"]
+)
+def test_a_layer_that_drops_runs_its_experts_on_the_kept_rows_alone(kw, dtype, monkeypatch):
+    """On a CPU the experts of a layer that drops assignments see only the kept rows (``kept_rows``), with the
+    outputs and gradients, bit for bit, of the experts run on every dispatched row (the dropped ones as zeros)."""
+    rows_seen, results = [], []
+    for trim in (True, False):
+        if not trim:
+            monkeypatch.setattr(dispatch_module, "kept_rows", lambda plan, x: None)
+        torch.manual_seed(0)
+        layer = TopKMoE(16, 32, num_experts=4, **kw)
+        layer.experts.register_forward_pre_hook(lambda bank, args: rows_seen.append((args[0].shape[0], args[1])))
+        x = torch.randn(2, 24, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            out = layer(x)
+        out.float().square().sum().backward()
+        results.append((out, x.grad, *(p.grad for p in layer.parameters())))
+    (kept, counts), (every, _) = rows_seen
+    assert kept == int(counts.sum()) < every == 48 * kw["top_k"]
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_priority_order_is_highest_score_first_ties_by_index():
     assert priority_order(torch.tensor([0.1, 0.9, 0.3, 0.9, 0.2])).tolist() == [1, 3, 2, 4, 0]
 

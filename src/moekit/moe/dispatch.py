@@ -22,7 +22,7 @@ from . import kernel_choices
 from .padded_groups import PaddedGroups
 from .routing import count_ids
 
-__all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "combine", "apply_experts"]
+__all__ = ["DispatchPlan", "priority_order", "plan_dispatch", "dispatch", "kept_rows", "combine", "apply_experts"]
 
 # torch's CPU sort runs a 1-D integer tensor of at least this many entries (at::internal::GRAIN_SIZE) as a parallel
 # radix sort, stable and linear in its length; shorter ones, and floats, get a comparison sort. From
@@ -215,9 +215,12 @@ def plan_dispatch(
     return DispatchPlan(order=order, counts=counts, keep=keep, top_k=expert_ids.shape[1], all_kept=all_kept)
 
 
-def dispatch(x: Tensor, plan: DispatchPlan, padding: PaddedGroups | None = None) -> Tensor:
+def dispatch(x: Tensor, plan: DispatchPlan, padding: PaddedGroups | None = None, kept: int | None = None) -> Tensor:
     """``x: [N, d]`` -> ``[N * k, d]`` token copies in ``plan.order`` (expert-sorted rows), or with ``padding`` the
-    buffer of equal groups it describes (:mod:`moekit.moe.padded_groups`)."""
+    buffer of equal groups it describes (:mod:`moekit.moe.padded_groups`), or with ``kept`` the first ``kept`` rows
+    only (:func:`kept_rows`)."""
+    if kept is not None:
+        return x.index_select(0, torch.div(plan.order[:kept], plan.top_k, rounding_mode="floor"))
     tokens = torch.div(plan.order, plan.top_k, rounding_mode="floor")  # [N * k]: the token of each row
     if padding is not None:
         return padding.gather(x, tokens)
@@ -226,35 +229,58 @@ def dispatch(x: Tensor, plan: DispatchPlan, padding: PaddedGroups | None = None)
     return _GatherRows.apply(x, tokens, plan.inverse, plan.top_k)
 
 
+def kept_rows(plan: DispatchPlan, x: Tensor) -> int | None:
+    """How many assignments ``plan`` kept, where the experts can leave out the dropped ones' rows, else None. A
+    dropped row comes out of the experts as zeros and its gate is zero, but costs what a kept one costs outside the
+    products (the activation, dropout, casts, the gathers). On a CPU in eager mode (the count is read on the host, as
+    the CPU loop reads its counts), where the dispatch's gradient is ``index_select``'s own (``DISPATCH_GRADIENT``;
+    the gather's takes every token's ``k`` copies)."""
+    if plan.all_kept or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    if kernel_choices.DISPATCH_GRADIENT.get(x.device.type, "gather") != "index_add":
+        return None
+    kept = int(plan.counts.sum())
+    return kept if 0 < kept < plan.order.numel() else None
+
+
 def apply_experts(experts: nn.Module, x_ND: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     """``[N, o]``: each token of ``x_ND`` through the experts ``plan`` chose, weighted by ``gates``: :func:`dispatch`,
     the bank (an :class:`~moekit.moe.ExpertBank`) and :func:`combine`, over zero-padded equal groups where the bank's
-    :meth:`~moekit.moe.ExpertBank.padding` says so."""
+    :meth:`~moekit.moe.ExpertBank.padding` says so, else over the kept rows alone where :func:`kept_rows` says so."""
     padding = experts.padding(plan.counts, x_ND)
+    kept = kept_rows(plan, x_ND) if padding is None else None
     groups = plan.counts if padding is None else padding.rows_per_expert
-    expert_out = experts(dispatch(x_ND, plan, padding), groups, no_tail=plan.all_kept)  # [N * k, o], by expert
-    return combine(expert_out, plan, gates, padding)
+    expert_out = experts(dispatch(x_ND, plan, padding, kept), groups, no_tail=plan.all_kept or kept is not None)
+    return combine(expert_out, plan, gates, padding, kept)
 
 
-def combine(expert_out: Tensor, plan: DispatchPlan, gates: Tensor, padding: PaddedGroups | None = None) -> Tensor:
+def combine(
+    expert_out: Tensor,
+    plan: DispatchPlan,
+    gates: Tensor,
+    padding: PaddedGroups | None = None,
+    kept: int | None = None,
+) -> Tensor:
     """Weighted sum of each token's expert outputs.
 
     Args:
-        expert_out: ``[N * k, o]`` in ``plan.order`` (rows of dropped assignments are ignored), or the buffer of
-            ``padding``.
+        expert_out: ``[N * k, o]`` in ``plan.order`` (rows of dropped assignments are ignored), its first ``kept``
+            rows, or the buffer of ``padding``.
         plan: the plan used for :func:`dispatch`.
         gates: ``[N, k]`` gate values.
-        padding: the padding given to :func:`dispatch`, if any.
+        padding, kept: what was given to :func:`dispatch`, if anything.
 
     Returns:
         ``[N, o]``: ``sum_j keep[n, j] * gates[n, j] * expert_out[n, j]``; a token whose assignments
         were all dropped gets zeros (the block's residual then carries it through unchanged).
     """
     num_tokens, top_k = gates.shape
-    if padding is None:
-        per_assignment = _GatherRows.apply(expert_out, plan.inverse, plan.order, 1)
-    else:  # the gradient of the buffer's padding rows: zeros
+    if padding is not None:  # the gradient of the buffer's padding rows: zeros
         per_assignment = expert_out.index_select(0, padding.buffer_rows_of(plan.inverse))
+    elif kept is not None:  # a dropped assignment reads the last kept row; its zero gate sends it no gradient
+        per_assignment = _GatherRows.apply(expert_out, plan.inverse.clamp(max=kept - 1), plan.order[:kept], 1)
+    else:
+        per_assignment = _GatherRows.apply(expert_out, plan.inverse, plan.order, 1)
     per_assignment = per_assignment.view(num_tokens, top_k, -1)
     weights = torch.where(plan.keep, gates, 0.0).to(per_assignment.dtype)
     if top_k == 1:
