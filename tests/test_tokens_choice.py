@@ -83,6 +83,20 @@ def test_combine_sums_the_kept_gated_outputs_of_each_token(top_k, width, dtype, 
         torch.testing.assert_close(g.double(), r, **({} if dtype == torch.float64 else {"rtol": 0.02, "atol": 0.05}))
 
 
+def test_the_pair_combine_hands_back_its_rows_gradient_in_their_layout():
+    """The gates of a choice-major plan are column-major ``[N, 2]``; the top-2 combine's gradient of its ``[N, 2, o]``
+    rows still comes back laid out as they are (a strided one cost a copy of it on its way back to the rows)."""
+    plan = plan_dispatch(torch.randint(0, 4, (64, 2)), 4, capacity=24)
+    weights = torch.where(plan.keep, torch.rand(64, 2), 0.0).requires_grad_()
+    assert weights.stride() == (1, 64)
+    rows = torch.randn(128, 8, requires_grad=True)
+    strides = []
+    a_N2O = rows.view(64, 2, 8)
+    a_N2O.register_hook(lambda grad: strides.append(grad.stride()))
+    dispatch_module._CombinePair.apply(a_N2O, weights).sum().backward()
+    assert strides == [(16, 8, 1)]
+
+
 @pytest.mark.parametrize("kernel", ["cpu", "gather"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_dispatch_copies_each_token_k_times_and_sums_its_copies_gradients(top_k, kernel):

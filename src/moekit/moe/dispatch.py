@@ -312,6 +312,8 @@ class _CombinePair(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NO: Tensor):
         a_N2O, w_N2 = ctx.saved_tensors
-        grad_a = grad_NO.unsqueeze(1) * w_N2.unsqueeze(-1) if ctx.needs_input_grad[0] else None
+        grad_a = None
+        if ctx.needs_input_grad[0]:  # laid out as a: the gates of a choice-major plan are column-major [N, 2]
+            grad_a = torch.mul(grad_NO.unsqueeze(1), w_N2.unsqueeze(-1), out=torch.empty_like(a_N2O))
         grad_w = (a_N2O * grad_NO.unsqueeze(1)).sum(dim=-1) if ctx.needs_input_grad[1] else None
         return grad_a, grad_w
