@@ -1,5 +1,7 @@
 """Expert bank: every kernel equals the per-expert reference, in values and gradients."""
 
+import importlib
+
 import pytest
 import torch
 from timm.layers import GluMlp, Mlp, SwiGLU
@@ -10,6 +12,8 @@ from moekit.models.flops import flop_counter
 from moekit.moe import ExpertBank, grouped_linear, kernel_choices
 from moekit.moe.grouped_linear import _HAS_GROUPED_MM, _resolve_kernel, _row_blocks
 from moekit.moe.kernel_choices import PLANES_MIN_ROWS, ROW_BLOCK
+
+grouped_linear_module = importlib.import_module("moekit.moe.grouped_linear")  # the package's name is the function
 
 KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 
@@ -399,11 +403,13 @@ def test_the_cpu_loop_casts_float32_weights_expert_by_expert_as_casting_the_bank
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
 def test_the_cpu_loop_runs_experts_of_few_rows_in_float32_under_bf16(planes, library, monkeypatch):
-    """bf16 rows, float32 weights, on a CPU with matrix units (``FLOAT32_EXPERT_ROWS``): an expert of fewer rows runs
+    """bf16 rows, float32 weights cast per expert, on a CPU with matrix units (``FLOAT32_EXPERT_ROWS``): an expert of
+    fewer rows runs
     its products in float32 on the float32 weights, on either float32 library. Its weight gradient is the exact sum
     to float32's precision (the bf16 path rounds it to bf16), its outputs and input gradient the float32 products
     rounded once to bf16; the other experts give what the bank cast to bf16 first gives, bit for bit."""
     monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "AMX")
+    monkeypatch.setattr(kernel_choices, "LOOP_WEIGHT_CAST", {"AMX": "expert"})
     monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {"AMX": 6})
     kernel_choices.set_choice(f"CPU_FLOAT32_MATMUL={library}")
     torch.manual_seed(0)
@@ -431,6 +437,33 @@ def test_the_cpu_loop_runs_experts_of_few_rows_in_float32_under_bf16(planes, lib
         torch.testing.assert_close(gx[rows].double(), g64[rows] @ w64[e].T, rtol=2**-8, atol=1e-6)
         torch.testing.assert_close(gw[e].double(), x64[rows].T @ g64[rows], rtol=1e-5, atol=1e-6)
         assert not torch.allclose(ref_gw[e].double(), x64[rows].T @ g64[rows], rtol=1e-5, atol=1e-6), "bf16's"
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_the_cpu_loop_casts_float32_weights_per_expert_or_the_bank_first_with_the_same_values(planes, monkeypatch):
+    """``LOOP_WEIGHT_CAST``: bf16 rows on float32 weights, the loop casting each expert's weights as it runs (its
+    products then see float32 weights) or taking the bank cast first (bf16 weights): the same outputs and gradients,
+    bit for bit."""
+    monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "AMX")
+    monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {})
+    seen = []
+    loop = grouped_linear_module._loop
+    monkeypatch.setattr(grouped_linear_module, "_loop", lambda x, w, *a: seen.append(w.dtype) or loop(x, w, *a))
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 3, 1])
+    x = torch.randn(18, 8).to(torch.bfloat16).requires_grad_()
+    w, b = torch.randn(5, 8, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+    grad = torch.randn(18, 6).to(torch.bfloat16)
+    results = []
+    for cast in ("expert", "bank"):
+        monkeypatch.setattr(kernel_choices, "LOOP_WEIGHT_CAST", {"AMX": cast})
+        out = grouped_linear(x, w, b, counts, "auto", planes=planes)
+        out.backward(grad if planes == 1 else grad.unflatten(-1, (2, 3)).transpose(0, 1))
+        results.append((out.detach(), x.grad, w.grad, b.grad))
+        x.grad = w.grad = b.grad = None
+    assert seen == [torch.float32, torch.bfloat16]
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_a_bank_larger_than_the_memory_left_is_refused_with_the_size(monkeypatch):

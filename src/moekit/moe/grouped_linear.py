@@ -7,7 +7,8 @@ batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` wit
 feature sizes that are not 16-byte multiples are zero-padded to one). ``"auto"`` picks per device and layout
 (``AUTO_KERNELS`` of :mod:`moekit.moe.kernel_choices`, the table of every such choice). ``planes=2`` hands a gated
 expert's gate and up back as two planes, contiguous from the CPU loop where groups are large (``PLANES_MIN_ROWS``).
-Under bf16 autocast on CPUs with AMX, experts of few rows run their products in float32 (``FLOAT32_EXPERT_ROWS``).
+Under bf16 autocast the CPU loop casts float32 weights expert by expert as their products run (experts of few rows then
+run in float32 on CPUs with AMX, ``FLOAT32_EXPERT_ROWS``), or takes the whole bank cast first (``LOOP_WEIGHT_CAST``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def _row_blocks(sizes: list[int], x: Tensor, onednn: bool) -> tuple[list[int], l
         blocks.append(range(len(block_sizes), len(block_sizes) + (2 if 0 < bulk < n else 1)))
         block_sizes += [bulk, n - bulk] if 0 < bulk < n else [n]
     return block_sizes, blocks
+
+
+def _casts_per_expert(x: Tensor) -> bool:
+    """Whether the loop casts weights of another dtype expert by expert as it runs their products
+    (``LOOP_WEIGHT_CAST``: a CPU whose entry is not ``"bank"``), rather than taking the whole bank cast first."""
+    if x.device.type != "cpu":
+        return False
+    return kernel_choices.LOOP_WEIGHT_CAST.get(kernel_choices.cpu_matrix_units(), "expert") == "expert"
 
 
 def _float32_rows(x: Tensor, weight: Tensor) -> tuple[int, bool]:
@@ -340,8 +349,9 @@ def grouped_linear(
     Args:
         x: ``[rows, in]``, the rows of expert 0 first, then expert 1, ...
         weight: ``[experts, in, out]``, in ``x``'s dtype or another (float32 parameters for bf16 activations): the
-            products run in ``x``'s. On a CPU the loop casts each expert's weights as it runs its product; the other
-            kernels, and the loop on other devices, cast the whole bank first.
+            products run in ``x``'s. On a CPU the loop casts each expert's weights as it runs its product, or the
+            whole bank first where ``LOOP_WEIGHT_CAST`` says so; the other kernels, and the loop on other devices,
+            cast the whole bank first.
         bias: ``[experts, out]`` or None, in ``weight``'s dtype.
         group_sizes: ``int`` rows per expert (all equal) or ``LongTensor [experts]`` counts.
         kernel: ``"auto" | "loop" | "bmm" | "grouped_mm"``.
@@ -361,7 +371,7 @@ def grouped_linear(
     num_experts = weight.shape[0]
     equal = isinstance(group_sizes, int)
     kernel = _resolve_kernel(kernel, x, equal)
-    if weight.dtype != x.dtype and not (kernel == "loop" and x.device.type == "cpu"):
+    if weight.dtype != x.dtype and not (kernel == "loop" and _casts_per_expert(x)):
         weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
     if kernel == "bmm":
         xb = x.view(num_experts, group_sizes, x.shape[-1])

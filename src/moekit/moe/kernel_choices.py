@@ -39,6 +39,7 @@ __all__ = [
     "MIN_EXPERTS_PER_THREAD",
     "CPU_FLOAT32_MATMUL",
     "ONEDNN_FLOAT32_CPUS",
+    "LOOP_WEIGHT_CAST",
     "FLOAT32_EXPERT_ROWS",
     "PADDED_GROUPS_MAX_PERCENT",
     "PADDED_GROUPS_MAX_PERCENT_DROPOUT",
@@ -101,12 +102,22 @@ MIN_EXPERTS_PER_THREAD = 16
 # not taken there. By the CPU, not measured per process: every process on one kind of machine sums in one order.
 CPU_FLOAT32_MATMUL = "auto"
 ONEDNN_FLOAT32_CPUS: set[str] = {"AMD family 26"}
-# Under bf16 autocast on a CPU, an expert with fewer rows than this, by the CPU's matrix units, runs its products in
-# float32 on its float32 weights (the rows cast up) instead of casting its weights to bf16 for them: such products
-# wait on memory, and the cast reads the weights, writes them again and the product reads that copy. On a 2-core Xeon
-# with AMX, forward + backward of one grouped product over 2 threads: 1.28-1.41x faster at 32 rows per expert (256
-# experts of 512 x 512 and 256 x 512), 0.87-0.91x at 64 (128 x 512 x 512); the dropless top-2 layer of 256 experts
-# 1.18x. Other CPUs: not measured, no such path.
+# How the CPU loop casts float32 weights for rows of another dtype (bf16 autocast), by matrix units; others:
+# "expert", each expert's weights as its product runs (a tile in the cache, with FLOAT32_EXPERT_ROWS below), again in
+# the backward; "bank", the whole bank once before the products, the cast kept for the backward (one cast where the
+# other kernels cast too). On a 2-core Xeon with AMX, forward + backward of one SwiGLU bank (counts spread 30%):
+# "bank" 1.07x faster with 8 experts of 2048 rows (256 -> 512), 1.08x, 1.03x, 1.08x, 1.14x and 1.02x with 32, 64,
+# 64, 128 and 256 experts of 512, 256, 128, 64 and 32 rows (512 -> 256); the MoE LM's training step 1.03x, the
+# width-128 top-2 ViT's 1.02x, its top-1 level.
+LOOP_WEIGHT_CAST: dict[str, str] = {"AMX": "bank"}
+
+# Where the loop casts per expert (LOOP_WEIGHT_CAST) under bf16 autocast on a CPU, an expert with fewer rows than
+# this, by the CPU's matrix units, runs its products in float32 on its float32 weights (the rows cast up) instead of
+# casting its weights to bf16 for them: such products wait on memory, and the cast reads the weights, writes them
+# again and the product reads that copy. On a 2-core Xeon with AMX, forward + backward of one grouped product over 2
+# threads, against per-expert bf16 casts: 1.28-1.41x faster at 32 rows per expert (256 experts of 512 x 512 and 256 x
+# 512), 0.87-0.91x at 64 (128 x 512 x 512); the dropless top-2 layer of 256 experts 1.18x. Other CPUs: not measured,
+# no such path.
 FLOAT32_EXPERT_ROWS: dict[str, int] = {"AMX": 48}
 
 # Under bf16 on a CPU, by its matrix units: a tokens-choice layer runs ragged groups as equal ones, zero-padded to the
@@ -189,6 +200,7 @@ def cpu_matrix_units() -> str:
 _PATHS: dict[str, set[str]] = {
     "AUTO_KERNELS": {"loop", "bmm", "grouped_mm"},
     "CPU_FLOAT32_MATMUL": {"auto", "mkl", "onednn"},
+    "LOOP_WEIGHT_CAST": {"bank", "expert"},
     "DISPATCH_GRADIENT": {"index_add", "gather"},
     "BASE_SOLVERS": {"exact", "sync_free"},
     "PATCHIFY_KERNELS": {"conv", "matmul"},
