@@ -229,15 +229,15 @@ def dispatch(x: Tensor, plan: DispatchPlan, padding: PaddedGroups | None = None,
     return _GatherRows.apply(x, tokens, plan.inverse, plan.top_k)
 
 
-def kept_rows(plan: DispatchPlan, x: Tensor) -> int | None:
+def kept_rows(plan: DispatchPlan) -> int | None:
     """How many assignments ``plan`` kept, where the experts can leave out the dropped ones' rows, else None. A
     dropped row comes out of the experts as zeros and its gate is zero, but costs what a kept one costs outside the
-    products (the activation, dropout, casts, the gathers). On a CPU in eager mode (the count is read on the host, as
-    the CPU loop reads its counts), where the dispatch's gradient is ``index_select``'s own (``DISPATCH_GRADIENT``;
-    the gather's takes every token's ``k`` copies)."""
-    if plan.all_kept or x.device.type != "cpu" or torch.compiler.is_compiling():
+    products (the activation, dropout, casts, the gathers). For experts that read their counts on the host anyway
+    (the CPU loop: :meth:`~moekit.moe.ExpertBank.reads_counts_on_host`), in eager mode, where the dispatch's gradient
+    is ``index_select``'s own (``DISPATCH_GRADIENT``; the gather's takes every token's ``k`` copies)."""
+    if plan.all_kept or torch.compiler.is_compiling():
         return None
-    if kernel_choices.DISPATCH_GRADIENT.get(x.device.type, "gather") != "index_add":
+    if kernel_choices.DISPATCH_GRADIENT.get(plan.order.device.type, "gather") != "index_add":
         return None
     kept = int(plan.counts.sum())
     return kept if 0 < kept < plan.order.numel() else None
@@ -248,7 +248,7 @@ def apply_experts(experts: nn.Module, x_ND: Tensor, plan: DispatchPlan, gates: T
     the bank (an :class:`~moekit.moe.ExpertBank`) and :func:`combine`, over zero-padded equal groups where the bank's
     :meth:`~moekit.moe.ExpertBank.padding` says so, else over the kept rows alone where :func:`kept_rows` says so."""
     padding = experts.padding(plan.counts, x_ND)
-    kept = kept_rows(plan, x_ND) if padding is None else None
+    kept = kept_rows(plan) if padding is None and experts.reads_counts_on_host(x_ND) else None
     groups = plan.counts if padding is None else padding.rows_per_expert
     expert_out = experts(dispatch(x_ND, plan, padding, kept), groups, no_tail=plan.all_kept or kept is not None)
     return combine(expert_out, plan, gates, padding, kept)

@@ -42,7 +42,7 @@ from moekit.utils.machine import check_fits_in_memory
 from .all_to_all import expert_parallel_apply
 from .dropout import Dropout
 from .gated_activation import expert_activation
-from .grouped_linear import GroupSizes, Kernel, grouped_linear
+from .grouped_linear import GroupSizes, Kernel, grouped_linear, reads_counts_on_host
 from .padded_groups import PaddedGroups, plan_padding
 
 if TYPE_CHECKING:
@@ -288,6 +288,11 @@ class ExpertBank(nn.Module):
             return None
         dropout = self.training and (self.drop1.p > 0 or self.drop2.p > 0)
         return plan_padding(counts, compute_dtype(x), self.kernel, dropout)
+
+    def reads_counts_on_host(self, x: Tensor) -> bool:
+        """Whether this bank reads the rows per expert of ragged groups of ``x``'s tokens on the host (the CPU loop):
+        a dispatch may then read them too, for free (:func:`~moekit.moe.dispatch.kept_rows`)."""
+        return reads_counts_on_host(self.kernel, x)
 
     def _local_forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """The experts held here on rows sorted by local expert."""

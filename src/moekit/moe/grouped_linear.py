@@ -22,7 +22,7 @@ from . import kernel_choices
 from .cpu_matmul import float32_library, matmul_into, takes_onednn
 from .cpu_threads import for_each_expert
 
-__all__ = ["grouped_linear", "Kernel", "GroupSizes"]
+__all__ = ["grouped_linear", "reads_counts_on_host", "Kernel", "GroupSizes"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
@@ -321,6 +321,12 @@ def _resolve_kernel(kernel: str, x: Tensor, equal_groups: bool) -> str:
         raise ValueError(f"kernel='grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} lacks; use "
                          "kernel='loop' or 'auto'")  # fmt: skip
     return kernel
+
+
+def reads_counts_on_host(kernel: str, x: Tensor) -> bool:
+    """Whether ragged groups of rows like ``x`` run on the CPU loop under ``kernel``, which reads their counts on the
+    host (free on a CPU)."""
+    return x.device.type == "cpu" and kernel != "bmm" and _resolve_kernel(kernel, x, equal_groups=False) == "loop"
 
 
 def _aligned_operands(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, int]:

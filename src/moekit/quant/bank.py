@@ -171,6 +171,10 @@ class QuantizedExpertBank(nn.Module):
         """:meth:`moekit.moe.ExpertBank.padding`: None, each expert runs on its ragged rows."""
         return None
 
+    def reads_counts_on_host(self, x: Tensor) -> bool:
+        """:meth:`moekit.moe.ExpertBank.reads_counts_on_host`: False, the dispatch hands over every row."""
+        return False
+
     def forward(self, x: Tensor, group_sizes: GroupSizes, no_tail: bool = False) -> Tensor:
         """:meth:`moekit.moe.ExpertBank.forward`'s contract (``no_tail`` changes nothing here: the loop writes
         the groups' rows into zeros)."""
