@@ -219,9 +219,10 @@ def dispatch(x: Tensor, plan: DispatchPlan, padding: PaddedGroups | None = None,
     """``x: [N, d]`` -> ``[N * k, d]`` token copies in ``plan.order`` (expert-sorted rows), or with ``padding`` the
     buffer of equal groups it describes (:mod:`moekit.moe.padded_groups`), or with ``kept`` the first ``kept`` rows
     only (:func:`kept_rows`)."""
+    order = plan.order if kept is None else plan.order[:kept]
+    tokens = torch.div(order, plan.top_k, rounding_mode="floor")  # [N * k] (or [kept]): the token of each row
     if kept is not None:
-        return x.index_select(0, torch.div(plan.order[:kept], plan.top_k, rounding_mode="floor"))
-    tokens = torch.div(plan.order, plan.top_k, rounding_mode="floor")  # [N * k]: the token of each row
+        return x.index_select(0, tokens)
     if padding is not None:
         return padding.gather(x, tokens)
     if kernel_choices.DISPATCH_GRADIENT.get(x.device.type, "gather") == "index_add":
