@@ -316,6 +316,27 @@ def test_router_runs_in_float32_under_bf16_autocast():
     assert out.dtype == torch.bfloat16
 
 
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "dropping"])
+def test_the_dispatch_copies_tokens_in_the_compute_dtype(capacity_factor):
+    """Under bf16 autocast the tokens are cast before the dispatch copies them: the experts receive bf16 rows (half the
+    bytes of float32 copies); values and the input's gradient stay those of the float32 layer, to bf16's precision."""
+    torch.manual_seed(0)
+    layer = TopKMoE(16, 32, num_experts=4, top_k=2, capacity_factor=capacity_factor)
+    seen = []
+    layer.experts.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    x = torch.randn(2, 24, 16, requires_grad=True)
+    weight = torch.randn(2, 24, 16)
+    (layer(x) * weight).sum().backward()
+    out32, grad32 = layer(x).detach(), x.grad.clone()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    (out.float() * weight).sum().backward()
+    assert seen == [torch.float32, torch.float32, torch.bfloat16]
+    torch.testing.assert_close(out.float(), out32, rtol=0.03, atol=0.03)
+    torch.testing.assert_close(x.grad, grad32, rtol=0.03, atol=0.03)
+
 def test_noisy_gating_noise_in_training_only_and_losses():
     layer = TopKMoE(8, 16, num_experts=6, top_k=2, noisy_gating=True, importance_loss_weight=0.1, load_loss_weight=0.1)
     assert torch.all(layer.router.noise_weight == 0), "W_noise starts at zero (Shazeer et al.)"

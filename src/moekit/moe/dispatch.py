@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from . import kernel_choices
+from .experts import compute_dtype
 from .padded_groups import PaddedGroups
 from .routing import count_ids
 
@@ -247,7 +248,12 @@ def kept_rows(plan: DispatchPlan) -> int | None:
 def apply_experts(experts: nn.Module, x_ND: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     """``[N, o]``: each token of ``x_ND`` through the experts ``plan`` chose, weighted by ``gates``: :func:`dispatch`,
     the bank (an :class:`~moekit.moe.ExpertBank`) and :func:`combine`, over zero-padded equal groups where the bank's
-    :meth:`~moekit.moe.ExpertBank.padding` says so, else over the kept rows alone where :func:`kept_rows` says so."""
+    :meth:`~moekit.moe.ExpertBank.padding` says so, else over the kept rows alone where :func:`kept_rows` says so.
+
+    The tokens are cast to the experts' compute dtype (autocast's) before the dispatch copies them: under bf16 autocast
+    the ``k`` copies move half the bytes of float32 ones, and the gradient of a token's copies is summed in bf16, as the
+    combine sums its expert outputs (docs/performance.md, "The dispatch in the compute dtype")."""
+    x_ND = x_ND.to(compute_dtype(x_ND))
     padding = experts.padding(plan.counts, x_ND)
     kept = kept_rows(plan) if padding is None and experts.reads_counts_on_host(x_ND) else None
     groups = plan.counts if padding is None else padding.rows_per_expert
