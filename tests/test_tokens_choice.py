@@ -316,7 +316,6 @@ def test_router_runs_in_float32_under_bf16_autocast():
     assert out.dtype == torch.bfloat16
 
 
-
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "dropping"])
 def test_the_dispatch_copies_tokens_in_the_compute_dtype(capacity_factor):
     """Under bf16 autocast the tokens are cast before the dispatch copies them: the experts receive bf16 rows (half the
@@ -336,6 +335,7 @@ def test_the_dispatch_copies_tokens_in_the_compute_dtype(capacity_factor):
     assert seen == [torch.float32, torch.float32, torch.bfloat16]
     torch.testing.assert_close(out.float(), out32, rtol=0.03, atol=0.03)
     torch.testing.assert_close(x.grad, grad32, rtol=0.03, atol=0.03)
+
 
 def test_noisy_gating_noise_in_training_only_and_losses():
     layer = TopKMoE(8, 16, num_experts=6, top_k=2, noisy_gating=True, importance_loss_weight=0.1, load_loss_weight=0.1)
