@@ -189,10 +189,15 @@ BASE_SOLVERS: dict[str, str] = {"cpu": "exact"}
 PATCHIFY_KERNELS: dict[str, str] = {"cuda": "matmul", "cpu": "conv"}
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a constant to torch.compile: a traced layer reads no file (no graph break)
 def cpu_matrix_units() -> str:
     """The key of this CPU in the tables by matrix units: ``"AMX"`` (bf16 matrix units, the flag
     ``trainer.precision=auto`` reads), else ``""``."""
+    return _cpu_matrix_units()
+
+
+@functools.cache
+def _cpu_matrix_units() -> str:
     return "AMX" if "amx_bf16" in cpu_flags() else ""
 
 
