@@ -4,6 +4,7 @@ generation, the LM summary, bad input."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from moekit.models import (
     upcycle,
 )
 from moekit.moe import ExpertBank, HashMoE, MoELayer, collect_moe_outputs, get_moe_layer, moe_layers, require_causal
+from moekit.moe.dropout import Dropout
 from moekit.recipes import list_recipes
 
 VOCAB = 50
@@ -468,6 +470,38 @@ def test_transformer_lm_structure():
     assert isinstance(dense.norm, nn.RMSNorm) and dense.head.weight is not dense.token_embedding.weight
     hashed = TransformerLM(**TINY_TRANSFORMER, moe=dict(recipe="hash", num_experts=4))
     assert isinstance(hashed.blocks[1].mlp, HashMoE) and hashed.blocks[1].mlp.router.vocab_size == VOCAB
+
+
+def test_the_feed_forward_output_drops_once_per_token_after_an_moe_layer_s_combine():
+    """The block drops the feed-forward's output, one mask per token (Switch Transformer's and fairseq's place for it
+    in an MoE layer): at dropout 0.5 half of a top-2 layer's contributions to the residual stream are zero, where a
+    mask per expert copy (timm's drop2 inside each expert) zeroes a quarter, the coordinates both copies lost."""
+    torch.manual_seed(0)
+    model = TransformerLM(**{**TINY_TRANSFORMER, "depth": 1}, moe=dict(recipe="mixtral", num_experts=4), dropout=0.5)
+    block = model.train().blocks[0]
+    assert (block.mlp.experts.drop1.p, block.mlp.experts.drop2.p) == (0.5, 0.0), "the experts drop their hidden units"
+    seen = {}
+    block.norm2.register_forward_pre_hook(lambda module, args: seen.update(residual=args[0]))
+    block.register_forward_hook(lambda module, args, out: seen.update(out=out))
+    model(torch.randint(VOCAB, (8, 24)))
+    contribution = seen["out"] - seen["residual"]  # [8, 24, 32]: what the feed-forward added
+    assert 0.45 < (contribution == 0).float().mean().item() < 0.55
+
+
+def test_the_dense_twin_drops_its_feed_forward_output_as_timm_s_mlp_does():
+    """The dense feed-forward's output dropout, moved from timm's Mlp (its drop2) into the block, draws the same mask at
+    the same point of the generator: a training forward equals the Mlp's own, bit for bit."""
+    model = TransformerLM(**TINY_TRANSFORMER, moe=None, dropout=0.3).train()
+    reference = copy.deepcopy(model)
+    for block in reference.blocks:
+        block.mlp.drop2, block.mlp_drop = Dropout(0.3), nn.Identity()
+    input_ids = torch.randint(VOCAB, (4, 24))
+    torch.manual_seed(1)
+    ours = model(input_ids)
+    torch.manual_seed(1)
+    torch.testing.assert_close(ours, reference(input_ids), rtol=0, atol=0)
+    torch.manual_seed(2)
+    assert not torch.equal(model(input_ids), ours), "the forward drops"
 
 
 def test_gpt2_initialisation_and_experts_like_the_dense_mlp():

@@ -90,8 +90,13 @@ def _make_norm(norm: str, dim: int, bias: bool, eps: float | None) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``; ``mlp`` is a dense MLP or
+    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + dropout(mlp(norm2(x)))``; ``mlp`` is a dense MLP or
     an MoE layer (hash layers also get the token ids). ``[batch, tokens, dim] -> [batch, tokens, dim]``.
+
+    ``dropout`` drops the feed-forward's output, one mask per token (GPT-2's residual dropout; after the combine of
+    an MoE layer's experts, as in Switch Transformer and fairseq's MoE): the feed-forward itself is built without an
+    output dropout (timm's ``drop=(p, 0)``). For a dense MLP that is its own ``drop2``, moved out; an MoE layer's
+    ``drop2`` would draw a mask per expert copy, ``k`` times the dense one's draws, on its ``k`` copies of a token.
 
     With a ``depth_router`` it is a Mixture-of-Depths block (:mod:`moekit.moe.depth`): in training the top-C
     tokens of each sequence go through it, gathered in sequence order with their positions, and the others
@@ -109,12 +114,14 @@ class TransformerBlock(nn.Module):
         bias: bool,
         norm_eps: float | None = None,
         depth_router: DepthRouter | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.norm1 = _make_norm(norm, dim, bias, norm_eps)
         self.attn = attn
         self.norm2 = _make_norm(norm, dim, bias, norm_eps)
         self.mlp = mlp
+        self.mlp_drop = Dropout(dropout)
         self.mlp_takes_token_ids = takes_token_ids(mlp)
         self.mlp_takes_positions = takes_positions(mlp)
         self.depth_router = depth_router
@@ -127,7 +134,7 @@ class TransformerBlock(nn.Module):
             kwargs["token_ids"] = token_ids
         if self.mlp_takes_positions:
             kwargs.update(start=start, state=state)
-        return self.mlp(h, **kwargs)
+        return self.mlp_drop(self.mlp(h, **kwargs))
 
     def forward(
         self,
@@ -208,8 +215,9 @@ class TransformerLM(nn.Module):
         act_layer: the activation (a timm name); None = ``"gelu"``, or ``"silu"`` when ``gated``.
         bias: biases of the linear layers and LayerNorms.
         qkv_bias: biases of the query/key/value projection alone (Qwen's attention); None = ``bias``.
-        dropout: after the embeddings, on the attention probabilities, after the attention projection,
-            and inside the feed-forwards (timm ``Mlp``'s ``drop``: after the activation and after fc2).
+        dropout: after the embeddings, on the attention probabilities, after the attention projection, after
+            the feed-forwards' activation (each expert's, in an MoE layer) and on their output (one mask per
+            token, after an MoE layer's combine: :class:`TransformerBlock`).
         tie_embeddings: the head reuses the token-embedding matrix.
         norm: ``"layernorm"`` or ``"rmsnorm"``.
         norm_eps: the norms' epsilon; None = torch's default (LayerNorm 1e-5, RMSNorm the dtype's machine epsilon).
@@ -308,7 +316,8 @@ class TransformerLM(nn.Module):
         act_name = act_layer or ("silu" if gated else "gelu")
         act = activation_layer(act_name, name, "'gelu', 'silu'")
         hidden = int(dim * mlp_ratio)
-        mlp_kwargs = dict(in_features=dim, hidden_features=hidden, act_layer=act, bias=bias, drop=dropout)
+        # the feed-forwards drop after their activation; their output's dropout is the block's
+        mlp_kwargs = dict(in_features=dim, hidden_features=hidden, act_layer=act, bias=bias, drop=(dropout, 0.0))
 
         self.moe_block_indices: tuple[int, ...] = ()
         if spec is not None:
@@ -345,7 +354,9 @@ class TransformerLM(nn.Module):
             )
             router = DepthRouter(dim, depth_spec, causal=True) if i in self.mod_block_indices else None
             blocks.append(
-                TransformerBlock(attn, mlp, dim=dim, norm=norm, bias=bias, norm_eps=norm_eps, depth_router=router)
+                TransformerBlock(
+                    attn, mlp, dim=dim, norm=norm, bias=bias, norm_eps=norm_eps, depth_router=router, dropout=dropout
+                )
             )
         self.blocks = nn.ModuleList(blocks)
         self.norm = _make_norm(norm, dim, bias, norm_eps)

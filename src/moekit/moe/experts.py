@@ -90,7 +90,7 @@ class ExpertBank(nn.Module):
         act_layer: activation (class, factory, or timm name such as ``"gelu"`` / ``"silu"``).
         gated: GLU experts ``act(x W_gate) * (x W_up)``; with ``act_layer=nn.SiLU`` this is SwiGLU.
         bias: bias of (fc1, fc2), one bool for both.
-        drop: dropout after the activation and after fc2, one float for both.
+        drop: dropout after the activation and after fc2 (each expert's output rows), one float for both or a pair.
         init: ``"independent"`` (each expert its own draw) or ``"shared"`` (all experts start as copies
             of one draw, as V-MoE). The draw is ``nn.Linear``'s default; models redraw with
             :meth:`init_normal_`. For sparse upcycling from a dense MLP see :meth:`load_dense_mlp`.
