@@ -15,7 +15,7 @@ import moekit.models  # noqa: F401  (registers the ViTs)
 import moekit.models.attention as attention_module
 from moekit.models import LSTMMoELM, TransformerLM
 from moekit.models.attention import attention_with_dropout
-from moekit.moe.dropout import LEVELS, Dropout, dropout, use_fast_dropout
+from moekit.moe.dropout import CHUNK_DRAWS, LEVELS, Dropout, _levels, dropout, use_fast_dropout
 
 
 def _exact_keep(p: float) -> float:
@@ -96,6 +96,33 @@ def test_the_mask_follows_the_seed_and_advances_the_generator():
     torch.manual_seed(4)
     assert torch.equal(dropout(x, 0.2), a)
     assert not torch.equal(a, b)
+
+
+def test_a_large_mask_comes_from_generators_the_default_one_seeds_whatever_the_thread_count():
+    """Beyond ``CHUNK_DRAWS`` 64-bit draws a mask comes in chunks of that many, each drawn by a generator seeded with
+    one draw of the default generator, the chunks over the CPU's threads: the same mask on one thread as on two, and
+    the default generator moved on by one draw per chunk."""
+    x = torch.empty(4 * CHUNK_DRAWS * 3 + 5)  # 3 whole chunks and a piece: 4 seeds
+    threads, masks, following = torch.get_num_threads(), {}, {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.manual_seed(3)
+            masks[n] = _levels(x)
+            following[n] = torch.empty(1, dtype=torch.int64).random_(-(2**63), None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(masks[1], masks[2]) and torch.equal(following[1], following[2])
+    torch.manual_seed(3)
+    seeds = torch.empty(5, dtype=torch.int64).random_(-(2**63), None)
+    assert following[2].item() == seeds[4].item(), "4 seeds drawn, then the caller's next draw"
+    for i, seed in enumerate(seeds[:4].tolist()):
+        size = min(CHUNK_DRAWS, (x.numel() + 3) // 4 - i * CHUNK_DRAWS)
+        chunk = torch.empty(size, dtype=torch.int64).random_(
+            -(2**63), None, generator=torch.Generator().manual_seed(seed)
+        )
+        first = i * 4 * CHUNK_DRAWS
+        assert torch.equal(masks[2][first : first + 4 * size], chunk.view(torch.int16)[: x.numel() - first]), i
 
 
 def test_identity_in_eval_or_without_dropout_and_torch_at_the_ends():

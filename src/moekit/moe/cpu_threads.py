@@ -30,7 +30,7 @@ from moekit.utils.openmp import warn_if_spinning
 
 from . import kernel_choices
 
-__all__ = ["for_each_expert", "shares"]
+__all__ = ["for_each_expert", "for_each_part", "shares"]
 
 
 class _Workers:
@@ -92,27 +92,51 @@ def shares(costs: Sequence[int], n: int) -> list[range]:
     return [range(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
 
 
+def _run_shares(work: Callable[[int], None], items: Sequence[range], workers: _Workers | None) -> None:
+    """``work(i)`` for each ``i`` of each range of ``items``: each range on a worker, in order, or all in the calling
+    thread where ``workers`` is None; without autograd recording, in the caller's inference mode. An error raised by
+    ``work`` reaches the caller once every range has ended (each range stops at its first error)."""
+    inference = torch.is_inference_mode_enabled()
+
+    def run(share: range) -> None:
+        with torch.inference_mode(inference), torch.no_grad():
+            for i in share:
+                work(i)
+
+    if workers is None:
+        for share in items:
+            run(share)
+        return
+    futures = [workers.pool.submit(run, share) for share in items]
+    wait(futures)  # every share ends before an error reaches the caller: no worker writes the outputs after that
+    for future in futures:
+        future.result()
+
+
+def _usable_workers(spread: bool) -> _Workers | None:
+    workers = _get_workers(torch.get_num_threads()) if spread and torch._C._len_torch_dispatch_stack() == 0 else None
+    return workers if workers is not None and workers.usable else None
+
+
 def for_each_expert(work: Callable[[int], None], costs: Sequence[int], device: torch.device) -> None:
     """Call ``work(e)`` for every expert ``e`` with ``costs[e] > 0`` (its rows), in shares over the CPU's threads
     when ``device`` is the CPU. ``work`` writes into preallocated tensors (``out=``); it runs without autograd
     recording, in the caller's inference mode. An error raised by ``work`` reaches the caller once every share has
     ended (each share stops at its first error)."""
-    inference = torch.is_inference_mode_enabled()
-
-    def run(share: range) -> None:
-        with torch.inference_mode(inference), torch.no_grad():
-            for e in share:
-                if costs[e] > 0:
-                    work(e)
-
     n = torch.get_num_threads()
-    busy = sum(1 for cost in costs if cost > 0)
-    spread = device.type == "cpu" and n > 1 and busy >= kernel_choices.MIN_EXPERTS_PER_THREAD * n
-    workers = _get_workers(n) if spread and torch._C._len_torch_dispatch_stack() == 0 else None
-    if workers is None or not workers.usable:
-        run(range(len(costs)))
+    busy = [e for e, cost in enumerate(costs) if cost > 0]
+    workers = _usable_workers(device.type == "cpu" and n > 1 and len(busy) >= kernel_choices.MIN_EXPERTS_PER_THREAD * n)
+    if workers is None:
+        _run_shares(lambda i: work(busy[i]), [range(len(busy))], None)
         return
-    futures = [workers.pool.submit(run, share) for share in shares(costs, n)]
-    wait(futures)  # every share ends before an error reaches the caller: no worker writes the outputs after that
-    for future in futures:
-        future.result()
+    _run_shares(lambda e: work(e) if costs[e] > 0 else None, shares(costs, n), workers)
+
+
+def for_each_part(work: Callable[[int], None], parts: int) -> None:
+    """Call ``work(i)`` for ``i`` in ``range(parts)``, independent pieces of one CPU operation that each run on one
+    thread (a serial kernel, such as a random generator's), in equal contiguous shares over the CPU's intra-op threads;
+    in the calling thread where there is one thread or one piece. As :func:`for_each_expert`, it returns once every
+    piece has run."""
+    n = torch.get_num_threads()
+    workers = _usable_workers(n > 1 and parts > 1)
+    _run_shares(work, [range(parts)] if workers is None else shares([1] * parts, n), workers)
