@@ -93,10 +93,9 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm1(x))``, then ``x + dropout(mlp(norm2(x)))``; ``mlp`` is a dense MLP or
     an MoE layer (hash layers also get the token ids). ``[batch, tokens, dim] -> [batch, tokens, dim]``.
 
-    ``dropout`` drops the feed-forward's output, one mask per token (GPT-2's residual dropout; after the combine of
-    an MoE layer's experts, as in Switch Transformer and fairseq's MoE): the feed-forward itself is built without an
-    output dropout (timm's ``drop=(p, 0)``). For a dense MLP that is its own ``drop2``, moved out; an MoE layer's
-    ``drop2`` would draw a mask per expert copy, ``k`` times the dense one's draws, on its ``k`` copies of a token.
+    ``dropout`` drops the feed-forward's output, one mask per token (GPT-2's residual dropout; after an MoE layer's
+    combine, as Switch Transformer and fairseq do), the feed-forward built with ``drop=(p, 0)``: a dense MLP's own
+    ``drop2`` moved out, where an MoE layer's would draw a mask for each of a token's ``k`` expert copies.
 
     With a ``depth_router`` it is a Mixture-of-Depths block (:mod:`moekit.moe.depth`): in training the top-C
     tokens of each sequence go through it, gathered in sequence order with their positions, and the others
@@ -316,7 +315,6 @@ class TransformerLM(nn.Module):
         act_name = act_layer or ("silu" if gated else "gelu")
         act = activation_layer(act_name, name, "'gelu', 'silu'")
         hidden = int(dim * mlp_ratio)
-        # the feed-forwards drop after their activation; their output's dropout is the block's
         mlp_kwargs = dict(in_features=dim, hidden_features=hidden, act_layer=act, bias=bias, drop=(dropout, 0.0))
 
         self.moe_block_indices: tuple[int, ...] = ()
@@ -340,7 +338,7 @@ class TransformerLM(nn.Module):
         self.position_embedding = nn.Embedding(max_seq_len, dim) if pos_embedding == "learned" else None
         rope = RotaryEmbedding(self.head_dim, max_seq_len, base=rope_base) if pos_embedding == "rope" else None
         self.embed_drop = Dropout(dropout)
-        blocks = []
+        blocks, block_settings = [], dict(dim=dim, norm=norm, bias=bias, norm_eps=norm_eps, dropout=dropout)
         for i in range(depth):
             if i in self.moe_block_indices:
                 model_settings = {"vocab_size": vocab_size, "gated": gated}
@@ -353,11 +351,7 @@ class TransformerLM(nn.Module):
                 dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, qkv_bias=qkv_bias, dropout=dropout, rope=rope
             )
             router = DepthRouter(dim, depth_spec, causal=True) if i in self.mod_block_indices else None
-            blocks.append(
-                TransformerBlock(
-                    attn, mlp, dim=dim, norm=norm, bias=bias, norm_eps=norm_eps, depth_router=router, dropout=dropout
-                )
-            )
+            blocks.append(TransformerBlock(attn, mlp, depth_router=router, **block_settings))
         self.blocks = nn.ModuleList(blocks)
         self.norm = _make_norm(norm, dim, bias, norm_eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
