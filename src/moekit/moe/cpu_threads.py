@@ -15,6 +15,7 @@ The work runs in the calling thread, one expert after another, where threads can
 device other than the CPU, one intra-op thread, fewer non-empty experts per thread than ``MIN_EXPERTS_PER_THREAD`` of
 :mod:`moekit.moe.kernel_choices` (fewer, larger products split well over the BLAS's own threads; the measurements are
 there), or a ``TorchDispatchMode`` active (the FLOP counter's, which sees only the calling thread's operators).
+:func:`for_each_part` hands the same workers other work of serial kernels (a large dropout mask's chunks).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def _run_shares(work: Callable[[int], None], items: Sequence[range], workers: _W
 
 
 def _usable_workers(spread: bool) -> _Workers | None:
+    """The workers for this thread count where ``spread`` and no dispatch mode is active, else None."""
     workers = _get_workers(torch.get_num_threads()) if spread and torch._C._len_torch_dispatch_stack() == 0 else None
     return workers if workers is not None and workers.usable else None
 

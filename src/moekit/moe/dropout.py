@@ -8,9 +8,9 @@ Here the mask comes from the same generator's 64-bit draws (``random_`` over the
 four 16-bit levels, uniform on ``[-32768, 32767]``; an element is dropped where its level falls in the lowest
 ``round(p * 65536)``. The drop probability is thus ``p`` rounded to a multiple of 1/65536 (0.1 -> 0.1000061) and the
 kept elements are scaled by one over the exact keep probability, so the output's expectation is the input, as with
-:func:`torch.nn.functional.dropout`. A generator draws on one thread: a large mask is drawn in chunks, each by a
-generator seeded from the default one, over the CPU's threads (``CHUNK_DRAWS``). Forward + backward of an ``[8192, 1024]`` float32 activation on that CPU: 27 ms
-against ``F.dropout``'s 110.
+:func:`torch.nn.functional.dropout`. Forward + backward of an ``[8192, 1024]`` float32 activation on that CPU: 27 ms
+against ``F.dropout``'s 110. A generator draws on one thread: a large mask is drawn in chunks, each by a generator
+seeded from the default one, over the CPU's threads (``CHUNK_DRAWS``).
 
 Under ``torch.compile`` the draws are one opaque operator, so a compiled model draws the masks eager mode draws
 (inductor's own CPU masks were as slow as torch's in the compiled Transformer LM). On devices outside
