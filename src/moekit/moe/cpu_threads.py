@@ -126,12 +126,14 @@ def for_each_expert(work: Callable[[int], None], costs: Sequence[int], device: t
     recording, in the caller's inference mode. An error raised by ``work`` reaches the caller once every share has
     ended (each share stops at its first error)."""
     n = torch.get_num_threads()
-    busy = [e for e, cost in enumerate(costs) if cost > 0]
-    workers = _usable_workers(device.type == "cpu" and n > 1 and len(busy) >= kernel_choices.MIN_EXPERTS_PER_THREAD * n)
-    if workers is None:
-        _run_shares(lambda i: work(busy[i]), [range(len(busy))], None)
-        return
-    _run_shares(lambda e: work(e) if costs[e] > 0 else None, shares(costs, n), workers)
+    busy = sum(1 for cost in costs if cost > 0)
+    workers = _usable_workers(device.type == "cpu" and n > 1 and busy >= kernel_choices.MIN_EXPERTS_PER_THREAD * n)
+
+    def work_if_busy(e: int) -> None:
+        if costs[e] > 0:
+            work(e)
+
+    _run_shares(work_if_busy, [range(len(costs))] if workers is None else shares(costs, n), workers)
 
 
 def for_each_part(work: Callable[[int], None], parts: int) -> None:
