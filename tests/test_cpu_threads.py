@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from moekit.moe.cpu_threads import for_each_expert, shares
+from moekit.moe import kernel_choices
+from moekit.moe.cpu_threads import for_each_expert, min_experts_per_thread, shares
 from moekit.moe.kernel_choices import MIN_EXPERTS_PER_THREAD
 
 CPU = torch.device("cpu")
@@ -34,14 +35,14 @@ def test_shares_cover_the_experts_in_order_and_balance_their_cost(n):
     assert all(sum(costs[e] for e in part) <= sum(costs) / n + max(costs) for part in parts)
 
 
-def _record(costs, device=CPU):
+def _record(costs, device=CPU, dtype=torch.float32):
     seen, lock = [], threading.Lock()
 
     def work(e):
         with lock:
             seen.append((e, threading.get_ident(), torch.get_num_threads(), torch.is_grad_enabled()))
 
-    for_each_expert(work, costs, device)
+    for_each_expert(work, costs, device, dtype)
     return seen
 
 
@@ -63,6 +64,23 @@ def test_few_experts_one_thread_or_a_dispatch_mode_stay_on_the_calling_thread(tw
         assert {ident for _, ident, *_ in _record(many)} == {threading.get_ident()}
     torch.set_num_threads(1)
     assert {ident for _, ident, *_ in _record(many)} == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("units", ["AMX", ""])
+def test_bf16_rows_take_their_own_count_of_experts_per_thread_by_matrix_units(two_threads, monkeypatch, units):
+    """On a CPU with AMX, bf16 experts spread from BF16_MIN_EXPERTS_PER_THREAD per thread (8 experts over 2 threads),
+    float32 ones from MIN_EXPERTS_PER_THREAD; a CPU without an entry takes MIN_EXPERTS_PER_THREAD for both."""
+    monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: units)
+    monkeypatch.setattr(kernel_choices, "BF16_MIN_EXPERTS_PER_THREAD", {"AMX": 4})
+    monkeypatch.setattr(kernel_choices, "MIN_EXPERTS_PER_THREAD", 16)
+    assert min_experts_per_thread(torch.float32) == 16
+    assert min_experts_per_thread(torch.bfloat16) == (4 if units else 16)
+    costs = [3, 0, 5, 2, 2, 4, 1, 6, 2]  # 8 busy experts
+    caller = threading.get_ident()
+    on_bf16 = {ident for _, ident, *_ in _record(costs, dtype=torch.bfloat16)}
+    on_float32 = {ident for _, ident, *_ in _record(costs, dtype=torch.float32)}
+    assert on_float32 == {caller}
+    assert (caller not in on_bf16) if units else on_bf16 == {caller}
 
 
 def test_the_workers_keep_the_callers_inference_mode_and_raise_its_errors(two_threads):

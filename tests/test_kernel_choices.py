@@ -25,6 +25,7 @@ def test_the_tables_entries_name_paths_the_code_has():
     counts = [
         kernel_choices.ROW_BLOCK,
         kernel_choices.MIN_EXPERTS_PER_THREAD,
+        *kernel_choices.BF16_MIN_EXPERTS_PER_THREAD.values(),
         kernel_choices.SORT_RADIX_FROM,
         *kernel_choices.PLANES_MIN_ROWS.values(),
         *kernel_choices.SOFTMAX_PAD_LANES.values(),
@@ -59,6 +60,7 @@ def _flip_the_loops_choices(monkeypatch) -> None:
     """Every CPU choice of the table around the loop kernel to its other path."""
     monkeypatch.setattr(kernel_choices, "PLANES_MIN_ROWS", {torch.float32: 1, torch.bfloat16: 1})
     monkeypatch.setattr(kernel_choices, "MIN_EXPERTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernel_choices, "BF16_MIN_EXPERTS_PER_THREAD", {})
     monkeypatch.setattr(kernel_choices, "SORT_RADIX_FROM", 1)
     monkeypatch.setattr(kernel_choices, "SOFTMAX_PAD_LANES", {})
     monkeypatch.setattr(kernel_choices, "DISPATCH_GRADIENT", {})

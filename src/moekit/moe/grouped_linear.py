@@ -110,7 +110,7 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
             for i in blocks[e]:
                 matmul_into(out_parts[p][i], x_parts[i], w, b, onednn=onednn)
 
-    for_each_expert(work, sizes, x.device)
+    for_each_expert(work, sizes, x.device, x.dtype)
     if rows < x.shape[0]:
         out[:, rows:].zero_()
     return out if planes > 1 else out[0]
@@ -208,7 +208,7 @@ def _loop_backward(
             step(e)
 
     if steps:
-        for_each_expert(work, sizes, x.device)
+        for_each_expert(work, sizes, x.device, x.dtype)
     return grad_x, grad_w, grad_b
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "ROW_BLOCK",
     "FLOAT32_ROW_BLOCK",
     "MIN_EXPERTS_PER_THREAD",
+    "BF16_MIN_EXPERTS_PER_THREAD",
     "CPU_FLOAT32_MATMUL",
     "ONEDNN_FLOAT32_CPUS",
     "LOOP_WEIGHT_CAST",
@@ -91,8 +92,15 @@ FLOAT32_ROW_BLOCK = 128
 # The CPU loop hands each intra-op thread a share of the experts (moekit.moe.cpu_threads) where there are at least
 # this many non-empty experts per thread. One grouped product, forward + backward, float32: 1.01-1.20x the plain
 # loop's speed with 32 to 256 experts of 32 to 128 rows (1.10-1.20x at 256 x 32); with 4 to 16 experts 0.88-1.06x,
-# as their larger products split well over the BLAS's own threads.
+# as their larger products split well over the BLAS's own threads (0.77-0.99x with 4 and 8 experts of 512-4096 rows
+# on the 2-core Xeon with AMX, MKL).
 MIN_EXPERTS_PER_THREAD = 16
+# The same for bf16 rows, by matrix units; others take MIN_EXPERTS_PER_THREAD. On the 2-core Xeon with AMX (oneDNN's
+# AMX kernels), one grouped product, forward + backward, counts spread 30%: 8 experts of 512-3,900 rows 1.04-1.11x
+# faster spread over the two threads, 16 experts of 512-1,024 rows 1.03-1.25x, 4 experts 0.88-0.93x; the width-128
+# top-2 ViT's first MoE layer on its model input 1.05x (64.8 against 67.9 ms); training steps (the models in
+# interleaved rounds in one process) of the width-128 top-2 ViT 1.02-1.04x, its top-1 1.01x, the MoE LM 1.02x.
+BF16_MIN_EXPERTS_PER_THREAD: dict[str, int] = {"AMX": 4}
 
 # The library of float32 products on CPUs (moekit.moe.cpu_matmul): "auto" takes oneDNN on the CPU families of
 # ONEDNN_FLOAT32_CPUS (vendor and family, as moekit.utils.machine.cpu_family names them) and MKL, torch's own
@@ -279,14 +287,16 @@ def set_choice(spec: str) -> None:
             f"{name} is a table: set one key as {name}[KEY]=VALUE, e.g. {name}[{_key_text(next(iter(shipped)))}]=..."
         )
     else:
-        table, parsed = globals()[name], _parse_key(name, key[:-1])
+        # a new table, not the old one changed: a module that imported the entry keeps the values it read
+        table, parsed = dict(globals()[name]), _parse_key(name, key[:-1])
         if not value.strip():
             table.pop(parsed, None)
-            return
-        path = _parse_value(name, value, counts=isinstance(next(iter(shipped.values())), int))
-        if name == "AUTO_KERNELS" and parsed[1] == "ragged" and path == "bmm":
-            raise ValueError(f"{spec!r}: bmm needs equal groups; ragged ones take loop or grouped_mm")
-        table[parsed] = path
+        else:
+            path = _parse_value(name, value, counts=isinstance(next(iter(shipped.values())), int))
+            if name == "AUTO_KERNELS" and parsed[1] == "ragged" and path == "bmm":
+                raise ValueError(f"{spec!r}: bmm needs equal groups; ragged ones take loop or grouped_mm")
+            table[parsed] = path
+        globals()[name] = table
 
 
 def changes() -> list[str]:
