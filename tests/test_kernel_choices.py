@@ -170,3 +170,16 @@ def test_a_removed_key_takes_the_codes_default_path():
         kernel_choices.set_choice("PLANES_MIN_ROWS[float32]=")
         assert kernel_choices.PLANES_MIN_ROWS == {}
         torch.testing.assert_close(layer(x), want)
+
+
+def test_a_change_leaves_a_table_read_before_it_as_it_was():
+    """``set_choice`` puts a new table in place: a module that imported an entry (``from moekit.moe.kernel_choices
+    import PLANES_MIN_ROWS``) keeps the values it read, and ``reset`` brings the shipped ones back for everyone."""
+    imported = kernel_choices.PLANES_MIN_ROWS
+    read = dict(imported)
+    kernel_choices.set_choice("PLANES_MIN_ROWS[float32]=")
+    kernel_choices.set_choice("PLANES_MIN_ROWS[bfloat16]=7")
+    assert kernel_choices.PLANES_MIN_ROWS == {torch.bfloat16: 7}
+    assert imported == read
+    kernel_choices.reset()
+    assert kernel_choices.PLANES_MIN_ROWS == read
