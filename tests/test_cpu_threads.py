@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from moekit.moe import kernel_choices
-from moekit.moe.cpu_threads import for_each_expert, min_experts_per_thread, shares
+from moekit.moe.cpu_threads import for_each_expert, shares, spreads
 from moekit.moe.kernel_choices import MIN_EXPERTS_PER_THREAD
 
 CPU = torch.device("cpu")
@@ -67,20 +67,25 @@ def test_few_experts_one_thread_or_a_dispatch_mode_stay_on_the_calling_thread(tw
 
 
 @pytest.mark.parametrize("units", ["AMX", ""])
-def test_bf16_rows_take_their_own_count_of_experts_per_thread_by_matrix_units(two_threads, monkeypatch, units):
-    """On a CPU with AMX, bf16 experts spread from BF16_MIN_EXPERTS_PER_THREAD per thread (8 experts over 2 threads),
-    float32 ones from MIN_EXPERTS_PER_THREAD; a CPU without an entry takes MIN_EXPERTS_PER_THREAD for both."""
+def test_bf16_experts_of_enough_rows_spread_from_fewer_experts_by_matrix_units(two_threads, monkeypatch, units):
+    """On a CPU with AMX, 8 bf16 experts (4 a thread) spread where they average BF16_SPREAD_MIN_ROWS rows, and stay on
+    the calling thread with fewer rows (a decoding step's) or in float32; a CPU without an entry keeps them all there,
+    and MIN_EXPERTS_PER_THREAD experts a thread spread whatever their dtype and rows."""
     monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: units)
     monkeypatch.setattr(kernel_choices, "BF16_MIN_EXPERTS_PER_THREAD", {"AMX": 4})
+    monkeypatch.setattr(kernel_choices, "BF16_SPREAD_MIN_ROWS", {"AMX": 100})
     monkeypatch.setattr(kernel_choices, "MIN_EXPERTS_PER_THREAD", 16)
-    assert min_experts_per_thread(torch.float32) == 16
-    assert min_experts_per_thread(torch.bfloat16) == (4 if units else 16)
-    costs = [3, 0, 5, 2, 2, 4, 1, 6, 2]  # 8 busy experts
+    large = [300, 0, 50, 120, 90, 200, 40, 100, 0, 100]  # 8 busy experts, 125 rows on average
+    small = [3, 0, 5, 2, 2, 4, 1, 6, 2]
+    assert spreads(large, torch.bfloat16, 2) == (units == "AMX")
+    assert not spreads(large[:-1], torch.bfloat16, 2), "7 experts: fewer than 4 a thread"
+    assert not spreads(small, torch.bfloat16, 2) and not spreads(large, torch.float32, 2)
+    assert spreads([1] * 32, torch.float32, 2) and spreads([1] * 32, torch.bfloat16, 2)
     caller = threading.get_ident()
-    on_bf16 = {ident for _, ident, *_ in _record(costs, dtype=torch.bfloat16)}
-    on_float32 = {ident for _, ident, *_ in _record(costs, dtype=torch.float32)}
-    assert on_float32 == {caller}
+    on_bf16 = {ident for _, ident, *_ in _record(large, dtype=torch.bfloat16)}
     assert (caller not in on_bf16) if units else on_bf16 == {caller}
+    assert {ident for _, ident, *_ in _record(small, dtype=torch.bfloat16)} == {caller}
+    assert {ident for _, ident, *_ in _record(large, dtype=torch.float32)} == {caller}
 
 
 def test_the_workers_keep_the_callers_inference_mode_and_raise_its_errors(two_threads):

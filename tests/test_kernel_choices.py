@@ -26,6 +26,7 @@ def test_the_tables_entries_name_paths_the_code_has():
         kernel_choices.ROW_BLOCK,
         kernel_choices.MIN_EXPERTS_PER_THREAD,
         *kernel_choices.BF16_MIN_EXPERTS_PER_THREAD.values(),
+        *kernel_choices.BF16_SPREAD_MIN_ROWS.values(),
         kernel_choices.SORT_RADIX_FROM,
         *kernel_choices.PLANES_MIN_ROWS.values(),
         *kernel_choices.SOFTMAX_PAD_LANES.values(),

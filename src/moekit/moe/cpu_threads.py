@@ -13,9 +13,9 @@ Importing moekit before torch shortens that spin (:mod:`moekit.utils.openmp`).
 
 The work runs in the calling thread, one expert after another, where threads cannot help or would hide the work: a
 device other than the CPU, one intra-op thread, fewer non-empty experts per thread than ``MIN_EXPERTS_PER_THREAD`` of
-:mod:`moekit.moe.kernel_choices` (``BF16_MIN_EXPERTS_PER_THREAD`` for bf16 rows; fewer, larger products split well
-over the BLAS's own threads: the measurements are there), or a ``TorchDispatchMode`` active (the FLOP counter's, which
-sees only the calling thread's operators).
+:mod:`moekit.moe.kernel_choices` (fewer, larger products split well over the BLAS's own threads; bf16 rows on a CPU
+with AMX from fewer experts of enough rows, :func:`spreads`; the measurements are there), or a ``TorchDispatchMode``
+active (the FLOP counter's, which sees only the calling thread's operators).
 :func:`for_each_part` hands the same workers other work of serial kernels (a large dropout mask's chunks).
 """
 
@@ -32,7 +32,7 @@ from moekit.utils.openmp import warn_if_spinning
 
 from . import kernel_choices
 
-__all__ = ["for_each_expert", "for_each_part", "shares", "min_experts_per_thread"]
+__all__ = ["for_each_expert", "for_each_part", "shares", "spreads"]
 
 
 class _Workers:
@@ -121,26 +121,30 @@ def _usable_workers(spread: bool) -> _Workers | None:
     return workers if workers is not None and workers.usable else None
 
 
-def min_experts_per_thread(dtype: torch.dtype) -> int:
-    """Non-empty experts per thread from which the loop over experts of rows in ``dtype`` spreads them over the
-    threads: ``BF16_MIN_EXPERTS_PER_THREAD`` of this CPU's matrix units for bf16, else ``MIN_EXPERTS_PER_THREAD``."""
-    default = kernel_choices.MIN_EXPERTS_PER_THREAD
+def spreads(costs: Sequence[int], dtype: torch.dtype, threads: int) -> bool:
+    """Whether experts of ``costs`` rows each, in ``dtype``, go over ``threads`` threads: at least
+    ``MIN_EXPERTS_PER_THREAD`` non-empty experts a thread, or for bf16 rows, where this CPU's matrix units have entries,
+    ``BF16_MIN_EXPERTS_PER_THREAD`` of ``BF16_SPREAD_MIN_ROWS`` rows or more on average."""
+    busy = [cost for cost in costs if cost > 0]
+    if len(busy) >= kernel_choices.MIN_EXPERTS_PER_THREAD * threads:
+        return True
     if dtype != torch.bfloat16:
-        return default
-    return kernel_choices.BF16_MIN_EXPERTS_PER_THREAD.get(kernel_choices.cpu_matrix_units(), default)
+        return False
+    units = kernel_choices.cpu_matrix_units()
+    per_thread = kernel_choices.BF16_MIN_EXPERTS_PER_THREAD.get(units)
+    rows = kernel_choices.BF16_SPREAD_MIN_ROWS.get(units, 0)
+    return per_thread is not None and len(busy) >= per_thread * threads and sum(busy) >= rows * len(busy)
 
 
 def for_each_expert(
     work: Callable[[int], None], costs: Sequence[int], device: torch.device, dtype: torch.dtype = torch.float32
 ) -> None:
     """Call ``work(e)`` for every expert ``e`` with ``costs[e] > 0`` (its rows), in shares over the CPU's threads
-    when ``device`` is the CPU and the experts are many enough for rows of ``dtype`` (:func:`min_experts_per_thread`).
-    ``work`` writes into preallocated tensors (``out=``); it runs without autograd recording, in the caller's inference
-    mode. An error raised by ``work`` reaches the caller once every share has ended (each share stops at its first
-    error)."""
+    when ``device`` is the CPU and :func:`spreads` says so for rows of ``dtype``. ``work`` writes into preallocated
+    tensors (``out=``); it runs without autograd recording, in the caller's inference mode. An error raised by ``work``
+    reaches the caller once every share has ended (each share stops at its first error)."""
     n = torch.get_num_threads()
-    busy = sum(1 for cost in costs if cost > 0)
-    workers = _usable_workers(device.type == "cpu" and n > 1 and busy >= min_experts_per_thread(dtype) * n)
+    workers = _usable_workers(device.type == "cpu" and n > 1 and spreads(costs, dtype, n))
 
     def work_if_busy(e: int) -> None:
         if costs[e] > 0:

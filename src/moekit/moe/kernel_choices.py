@@ -38,6 +38,7 @@ __all__ = [
     "FLOAT32_ROW_BLOCK",
     "MIN_EXPERTS_PER_THREAD",
     "BF16_MIN_EXPERTS_PER_THREAD",
+    "BF16_SPREAD_MIN_ROWS",
     "CPU_FLOAT32_MATMUL",
     "ONEDNN_FLOAT32_CPUS",
     "LOOP_WEIGHT_CAST",
@@ -95,12 +96,16 @@ FLOAT32_ROW_BLOCK = 128
 # as their larger products split well over the BLAS's own threads (0.77-0.99x with 4 and 8 experts of 512-4096 rows
 # on the 2-core Xeon with AMX, MKL).
 MIN_EXPERTS_PER_THREAD = 16
-# The same for bf16 rows, by matrix units; others take MIN_EXPERTS_PER_THREAD. On the 2-core Xeon with AMX (oneDNN's
-# AMX kernels), one grouped product, forward + backward, counts spread 30%: 8 experts of 512-3,900 rows 1.04-1.11x
-# faster spread over the two threads, 16 experts of 512-1,024 rows 1.03-1.25x, 4 experts 0.88-0.93x; the width-128
-# top-2 ViT's first MoE layer on its model input 1.05x (64.8 against 67.9 ms); training steps (the models in
-# interleaved rounds in one process) of the width-128 top-2 ViT 1.02-1.04x, its top-1 1.01x, the MoE LM 1.02x.
+# Fewer experts of bf16 rows are spread too, by matrix units, where there are at least BF16_MIN_EXPERTS_PER_THREAD
+# non-empty experts per thread and BF16_SPREAD_MIN_ROWS rows per non-empty expert on average. On the 2-core Xeon with
+# AMX (oneDNN's AMX kernels), one grouped product, counts spread 30%, spread over the two threads against not: forward
+# + backward 1.03-1.29x faster with 8 and 16 experts of 128-3,900 rows, 0.88-0.93x with 4 experts; the forward alone
+# (inference) 0.77-0.91x with 8 experts of 16-64 rows (a decoding step's), 0.85-1.01x at 128-256, 1.03-1.13x at
+# 512-1,024. The width-128 top-2 ViT's first MoE layer on its model input 1.05x (64.8 against 67.9 ms); training steps
+# (the models in interleaved rounds in one process) of the width-128 top-2 ViT 1.02-1.04x, its top-1 1.01x, the MoE LM
+# 1.02x.
 BF16_MIN_EXPERTS_PER_THREAD: dict[str, int] = {"AMX": 4}
+BF16_SPREAD_MIN_ROWS: dict[str, int] = {"AMX": 256}
 
 # The library of float32 products on CPUs (moekit.moe.cpu_matmul): "auto" takes oneDNN on the CPU families of
 # ONEDNN_FLOAT32_CPUS (vendor and family, as moekit.utils.machine.cpu_family names them) and MKL, torch's own
