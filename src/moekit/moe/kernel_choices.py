@@ -102,8 +102,8 @@ MIN_EXPERTS_PER_THREAD = 16
 # + backward 1.03-1.29x faster with 8 and 16 experts of 128-3,900 rows, 0.88-0.93x with 4 experts; the forward alone
 # (inference) 0.77-0.91x with 8 experts of 16-64 rows (a decoding step's), 0.85-1.01x at 128-256, 1.03-1.13x at
 # 512-1,024. The width-128 top-2 ViT's first MoE layer on its model input 1.05x (64.8 against 67.9 ms); training steps
-# (the models in interleaved rounds in one process) of the width-128 top-2 ViT 1.02-1.04x, its top-1 1.01x, the MoE LM
-# 1.02x.
+# (the models in interleaved rounds in one process) of the width-128 top-2 ViT 1.01-1.04x (three runs), its top-1
+# 1.01x, the MoE LM 1.02x.
 BF16_MIN_EXPERTS_PER_THREAD: dict[str, int] = {"AMX": 4}
 BF16_SPREAD_MIN_ROWS: dict[str, int] = {"AMX": 256}
 
