@@ -61,7 +61,6 @@ def _flip_the_loops_choices(monkeypatch) -> None:
     """Every CPU choice of the table around the loop kernel to its other path."""
     monkeypatch.setattr(kernel_choices, "PLANES_MIN_ROWS", {torch.float32: 1, torch.bfloat16: 1})
     monkeypatch.setattr(kernel_choices, "MIN_EXPERTS_PER_THREAD", 1)
-    monkeypatch.setattr(kernel_choices, "BF16_MIN_EXPERTS_PER_THREAD", {})
     monkeypatch.setattr(kernel_choices, "SORT_RADIX_FROM", 1)
     monkeypatch.setattr(kernel_choices, "SOFTMAX_PAD_LANES", {})
     monkeypatch.setattr(kernel_choices, "DISPATCH_GRADIENT", {})
