@@ -270,6 +270,25 @@ def test_the_summary_counts_each_algorithms_tensors_and_names_the_newton_schulz_
     )
 
 
+@pytest.mark.parametrize(
+    ("flags", "run_precision", "expected"),
+    [
+        ({"avx512_bf16", "amx_bf16"}, None, torch.bfloat16),  # AMX: bf16 matmuls pay in any run
+        ({"avx512_bf16", "amx_bf16"}, "32-true", torch.bfloat16),
+        ({"avx512_bf16"}, "bf16-mixed", torch.bfloat16),  # measured faster in bf16 by trainer.precision=auto
+        ({"avx512_bf16"}, "32-true", torch.float32),  # measured slower, or a float32 run
+        ({"avx512_bf16"}, None, torch.float32),  # not known
+        ({"avx2", "fma"}, "bf16-mixed", torch.float32),  # no bf16 dot products: bf16 matmuls emulated
+    ],
+)
+def test_auto_runs_newton_schulz_in_bf16_on_cpus_where_bf16_matmuls_pay(monkeypatch, flags, run_precision, expected):
+    from moekit.utils import machine
+
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    optimizer = build_optimizer(muon_param_groups(_Net(), 0.05), name="muon", run_precision=run_precision)
+    assert optimizer._ns_dtype(torch.device("cpu")) == expected
+
+
 @pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_runs_newton_schulz_in_bf16_only_on_gpus_with_bf16_in_hardware(monkeypatch, native_bf16, expected):
     """A V100 or T4 emulates bf16 matmuls (is_bf16_supported() alone accepts the emulation): float32 there."""

@@ -165,6 +165,23 @@ def test_the_experiments_train_in_the_measured_precision_and_record_why(
     assert f"trainer.precision=auto: {record['value']} ({record['reason']})" in caplog.text
 
 
+@pytest.mark.parametrize(("bf16_seconds", "ns_dtype"), [(0.5, "bfloat16"), (2.0, "float32")])
+def test_muons_newton_schulz_steps_follow_the_measured_precision(
+    fake_fashion, tmp_path, caplog, bf16_without_amx, monkeypatch, bf16_seconds, ns_dtype
+):
+    """With avx512_bf16 alone the flag does not tell whether bf16 matmuls pay (a Xeon whose oneDNN was held to
+    avx512_bf16 ran them 1.7x slower than float32): Muon's ``ns_dtype=auto`` takes the dtype the run's step was
+    measured faster in, and every DDP rank, which takes rank 0's precision, takes the same."""
+    from moekit.commands.train import train
+
+    times = {"32-true": 1.0, "bf16-mixed": bf16_seconds}
+    monkeypatch.setattr(common, "forward_backward_seconds", lambda *a, **k: times)
+    cfg = _auto_config(fake_fashion, tmp_path, "trainer.fast_dev_run=true", "task.optimizer.name=muon")
+    with caplog.at_level("INFO", logger="moekit"):
+        train(cfg)
+    assert f"Newton-Schulz steps in {ns_dtype} on cpu (ns_dtype=auto)" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("trained_in", "flags", "expected", "kept"),
     [

@@ -105,7 +105,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.optimizer.ns_dtype": (
         lambda v: v in NS_DTYPES,
         f"one of {', '.join(NS_DTYPES)}",
-        "auto: bfloat16 on GPUs with bf16 in hardware and CPUs with bf16 dot products (avx512_bf16, AMX), else float32",
+        "auto: bfloat16 on GPUs with bf16 in hardware, CPUs with AMX, and CPUs with avx512_bf16 alone in a "
+        "bf16-mixed run; else float32",
     ),
     "task.scheduler.name": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}", "e.g. cosine"),
     "task.scheduler.warmup_steps": (

@@ -243,7 +243,7 @@ class MoETask(LightningModule):
                 "or bf16-true"
             )
         fused = not str(self.trainer.precision).startswith("16")  # a float16 GradScaler unscales before clipping
-        optimizer = optimizer_for(self.net, self.optimizer_config, fused=fused)
+        optimizer = optimizer_for(self.net, self.optimizer_config, fused, run_precision=str(self.trainer.precision))
         if hasattr(optimizer, "summary"):  # Muon: which parameters it trains, its Newton-Schulz dtype
             log.info("task.optimizer.name=%s: %s", self.optimizer_config["name"], optimizer.summary())
         total = self.trainer.estimated_stepping_batches  # inf (or -1 for data of no length) when nothing limits it

@@ -128,10 +128,13 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum, nesterov: Muon's momentum.
         betas, eps: AdamW's.
         ns_steps: Newton-Schulz steps.
-        ns_dtype: ``"auto"``: bfloat16 on GPUs with bf16 in hardware (compute capability 8.0 on) and on CPUs with
-            bf16 dot products (``avx512_bf16``, AMX; on a 2-core Zen 4 EPYC the main job's Newton-Schulz steps ran 2x
-            faster than in float32), float32 elsewhere, where bf16 matmuls are emulated; or ``"float32"``,
-            ``"bfloat16"``.
+        ns_dtype: ``"auto"``: bfloat16 where its matmuls outrun float32 ones: GPUs with bf16 in hardware (compute
+            capability 8.0 on), CPUs with AMX, and CPUs with ``avx512_bf16`` alone where the run trains in bf16
+            (``run_precision="bf16-mixed"``, which ``trainer.precision=auto`` chooses there by timing the
+            run's step both ways: the flag does not tell, and a 2-core Zen 4 EPYC ran the main job's Newton-Schulz
+            steps 2x faster in bf16, a Xeon whose oneDNN was held to ``avx512_bf16`` 1.2-1.7x slower); float32
+            elsewhere, where bf16 matmuls are emulated. Or ``"float32"``, ``"bfloat16"``.
+        run_precision: the training run's ``trainer.precision``, for ``ns_dtype="auto"`` (None: not known).
         fused: AdamW's fused kernel for the AdamW groups where all their tensors are plain (not DTensor).
 
     FSDP's sharded (DTensor) matrices are gathered whole for the Newton-Schulz steps, which every rank
@@ -150,6 +153,7 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_dtype: str = "auto",
         fused: bool = True,
+        run_precision: str | None = None,
     ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
@@ -170,6 +174,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 )
         self.ns_steps = ns_steps
         self.ns_dtype = ns_dtype
+        self.run_precision = run_precision
         self.fused = fused
         self._auto_dtypes: dict[str, torch.dtype] = {}
 
@@ -177,9 +182,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if self.ns_dtype != "auto":
             return getattr(torch, self.ns_dtype)
         if device.type not in self._auto_dtypes:  # read /proc/cpuinfo once, not at every step
-            from moekit.utils.machine import bf16_in_hardware
+            from moekit.utils.machine import bf16_in_hardware, cpu_flags
 
-            self._auto_dtypes[device.type] = torch.bfloat16 if bf16_in_hardware(device.type) else torch.float32
+            bf16 = bf16_in_hardware(device.type)
+            if device.type == "cpu" and "amx_bf16" not in cpu_flags():  # avx512_bf16 alone: the flag does not tell
+                bf16 = bf16 and str(self.run_precision).startswith("bf16")
+            self._auto_dtypes[device.type] = torch.bfloat16 if bf16 else torch.float32
         return self._auto_dtypes[device.type]
 
     def summary(self) -> str:

@@ -131,10 +131,12 @@ def build_optimizer(
     fused: bool = True,
     ns_steps: int = 5,
     ns_dtype: str = "auto",
+    run_precision: str | None = None,
 ) -> torch.optim.Optimizer:
     """``adamw``, ``sgd`` (momentum default 0.9) or ``muon`` (:class:`~moekit.tasks.muon.MuonAdamW`, over the groups
     of :func:`~moekit.tasks.muon.muon_param_groups`; momentum default 0.95, ``ns_steps`` and ``ns_dtype`` its
-    Newton-Schulz settings) over pre-built parameter groups.
+    Newton-Schulz settings, ``run_precision`` the run's ``trainer.precision`` that ``ns_dtype="auto"`` reads) over
+    pre-built parameter groups.
 
     ``fused``: AdamW's fused kernel, one pass over all tensors per step instead of several. An MoE model's update
     grows with its total parameters, not its active ones: on a 2-core AMD EPYC the fused step of 200M expert
@@ -161,13 +163,15 @@ def build_optimizer(
         )
     momentum = 0.95 if momentum is None else momentum
     return MuonAdamW(params, lr=lr, momentum=momentum, betas=betas, eps=eps, ns_steps=ns_steps, ns_dtype=ns_dtype,
-                     fused=fused)  # fmt: skip
+                     fused=fused, run_precision=run_precision)  # fmt: skip
 
 
-def optimizer_for(model: nn.Module, config: Mapping[str, Any], fused: bool = True) -> torch.optim.Optimizer:
+def optimizer_for(
+    model: nn.Module, config: Mapping[str, Any], fused: bool = True, run_precision: str | None = None
+) -> torch.optim.Optimizer:
     """The optimizer that a task's ``optimizer`` config (``name``, ``weight_decay``, ``decay_1d``, and the
-    keywords of :func:`build_optimizer`) builds for ``model``, over :func:`param_groups`, or for ``muon`` over
-    :func:`~moekit.tasks.muon.muon_param_groups`."""
+    keywords of :func:`build_optimizer`) builds for ``model`` in a run of ``run_precision``, over
+    :func:`param_groups`, or for ``muon`` over :func:`~moekit.tasks.muon.muon_param_groups`."""
     config = dict(config)
     weight_decay = config.pop("weight_decay", 0.0)
     decay_1d = config.pop("decay_1d", False)
@@ -177,6 +181,8 @@ def optimizer_for(model: nn.Module, config: Mapping[str, Any], fused: bool = Tru
         groups = muon_param_groups(model, weight_decay, decay_1d)
     else:
         groups = param_groups(model, weight_decay, decay_1d)
+    if config.get("name") == "muon":
+        config["run_precision"] = run_precision
     return build_optimizer(groups, **config, fused=fused)
 
 
