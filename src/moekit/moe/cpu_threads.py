@@ -2,10 +2,12 @@
 
 An expert of ragged dispatch holds a few dozen to a few hundred rows. One BLAS call on such a product, split over all
 intra-op threads, runs far below the machine's matmul rate: each thread gets a sliver of a small product and waits for
-the others at its end. Here each of ``torch.get_num_threads()`` worker threads takes a contiguous share of the experts,
-about equal in rows, and runs its experts' products one after another on one intra-op thread, the way ``torch.bmm``
-runs equal groups. The workers start once per process and thread count (again after a fork); a worker's one-thread
-setting is its own (OpenMP's and MKL's thread-local settings), the calling thread keeps its own.
+the others at its end. Here each of ``torch.get_num_threads()`` worker threads runs whole experts' products on one
+intra-op thread, the way ``torch.bmm`` runs equal groups, taking the next expert as it finishes one, the experts in
+order of falling rows (longest first): the threads end within about the smallest expert's time of each other, however
+the rows fall, and a thread slowed by other work takes fewer. The workers start once per process and thread count
+(again after a fork); a worker's one-thread setting is its own (OpenMP's and MKL's thread-local settings), the calling
+thread keeps its own.
 
 The workers share the cores with torch's own OpenMP team, whose idle threads spin for milliseconds after each parallel
 region before they sleep (libgomp's default): one worker then ran at half speed, up to 2x longer than the other.
@@ -32,7 +34,7 @@ from moekit.utils.openmp import warn_if_spinning
 
 from . import kernel_choices
 
-__all__ = ["for_each_expert", "for_each_part", "shares", "spreads"]
+__all__ = ["for_each_expert", "for_each_part", "longest_first", "spreads"]
 
 
 class _Workers:
@@ -82,35 +84,36 @@ def _forget_workers() -> None:
 os.register_at_fork(after_in_child=_forget_workers)
 
 
-def shares(costs: Sequence[int], n: int) -> list[range]:
-    """Split experts ``0 .. len(costs) - 1`` into at most ``n`` contiguous ranges of about equal total cost."""
-    total = sum(costs)
-    bounds, running = [0], 0
-    for e, cost in enumerate(costs):
-        running += cost
-        if len(bounds) < n and running * n >= total * len(bounds) and e + 1 < len(costs):
-            bounds.append(e + 1)
-    bounds.append(len(costs))
-    return [range(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+def longest_first(costs: Sequence[int]) -> list[int]:
+    """The experts of ``costs > 0`` in the order the workers take them: falling cost, ties in expert order."""
+    return sorted((e for e, cost in enumerate(costs) if cost > 0), key=lambda e: -costs[e])
 
 
-def _run_shares(work: Callable[[int], None], items: Sequence[range], workers: _Workers | None) -> None:
-    """``work(i)`` for each ``i`` of each range of ``items``: each range on a worker, in order, or all in the calling
-    thread where ``workers`` is None; without autograd recording, in the caller's inference mode. An error raised by
-    ``work`` reaches the caller once every range has ended (each range stops at its first error)."""
+def _run(work: Callable[[int], None], order: Sequence[int], workers: _Workers | None) -> None:
+    """``work(i)`` for each ``i`` of ``order``: each worker takes the next one as it finishes one, or all run in the
+    calling thread where ``workers`` is None; without autograd recording, in the caller's inference mode. After an
+    error no worker takes another, and it reaches the caller once every worker has ended the one it was running."""
     inference = torch.is_inference_mode_enabled()
+    items, lock, failed = iter(order), threading.Lock(), threading.Event()
 
-    def run(share: range) -> None:
+    def run() -> None:
         with torch.inference_mode(inference), torch.no_grad():
-            for i in share:
-                work(i)
+            while not failed.is_set():
+                with lock:
+                    i = next(items, None)
+                if i is None:
+                    return
+                try:
+                    work(i)
+                except BaseException:
+                    failed.set()
+                    raise
 
     if workers is None:
-        for share in items:
-            run(share)
+        run()
         return
-    futures = [workers.pool.submit(run, share) for share in items]
-    wait(futures)  # every share ends before an error reaches the caller: no worker writes the outputs after that
+    futures = [workers.pool.submit(run) for _ in range(workers.n)]
+    wait(futures)  # every worker ends before an error reaches the caller: none writes the outputs after that
     for future in futures:
         future.result()
 
@@ -139,25 +142,21 @@ def spreads(costs: Sequence[int], dtype: torch.dtype, threads: int) -> bool:
 def for_each_expert(
     work: Callable[[int], None], costs: Sequence[int], device: torch.device, dtype: torch.dtype = torch.float32
 ) -> None:
-    """Call ``work(e)`` for every expert ``e`` with ``costs[e] > 0`` (its rows), in shares over the CPU's threads
-    when ``device`` is the CPU and :func:`spreads` says so for rows of ``dtype``. ``work`` writes into preallocated
-    tensors (``out=``); it runs without autograd recording, in the caller's inference mode. An error raised by ``work``
-    reaches the caller once every share has ended (each share stops at its first error)."""
+    """Call ``work(e)`` for every expert ``e`` with ``costs[e] > 0`` (its rows): over the CPU's threads, longest
+    first (:func:`longest_first`), when ``device`` is the CPU and :func:`spreads` says so for rows of ``dtype``, else
+    in expert order in the calling thread. ``work`` writes into preallocated tensors (``out=``); it runs without
+    autograd recording, in the caller's inference mode. After an error raised by ``work`` no thread starts another
+    expert, and the error reaches the caller once every thread has ended the expert it was running."""
     n = torch.get_num_threads()
     workers = _usable_workers(device.type == "cpu" and n > 1 and spreads(costs, dtype, n))
-
-    def work_if_busy(e: int) -> None:
-        if costs[e] > 0:
-            work(e)
-
-    _run_shares(work_if_busy, [range(len(costs))] if workers is None else shares(costs, n), workers)
+    busy = [e for e, cost in enumerate(costs) if cost > 0]
+    _run(work, busy if workers is None else longest_first(costs), workers)
 
 
 def for_each_part(work: Callable[[int], None], parts: int) -> None:
     """Call ``work(i)`` for ``i`` in ``range(parts)``, independent pieces of one CPU operation that each run on one
-    thread (a serial kernel, such as a random generator's), in equal contiguous shares over the CPU's intra-op threads;
-    in the calling thread where there is one thread or one piece. As :func:`for_each_expert`, it returns once every
-    piece has run."""
+    thread (a serial kernel, such as a random generator's), over the CPU's intra-op threads, each taking the next piece
+    as it finishes one; in the calling thread where there is one thread or one piece. As :func:`for_each_expert`, it
+    returns once every piece has run."""
     n = torch.get_num_threads()
-    workers = _usable_workers(n > 1 and parts > 1)
-    _run_shares(work, [range(parts)] if workers is None else shares([1] * parts, n), workers)
+    _run(work, range(parts), _usable_workers(n > 1 and parts > 1))
