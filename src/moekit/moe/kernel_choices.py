@@ -90,7 +90,7 @@ ROW_BLOCK = 64
 # which the first rounds had not yet brought past oneDNN's 1024 kernels); with 256 experts all three level (212-221).
 FLOAT32_ROW_BLOCK = 128
 
-# The CPU loop hands each intra-op thread a share of the experts (moekit.moe.cpu_threads) where there are at least
+# The CPU loop spreads the experts over the intra-op threads (moekit.moe.cpu_threads) where there are at least
 # this many non-empty experts per thread. One grouped product, forward + backward, float32: 1.01-1.20x the plain
 # loop's speed with 32 to 256 experts of 32 to 128 rows (1.10-1.20x at 256 x 32); with 4 to 16 experts 0.88-1.06x,
 # as their larger products split well over the BLAS's own threads (0.77-0.99x with 4 and 8 experts of 512-4096 rows
@@ -99,12 +99,14 @@ MIN_EXPERTS_PER_THREAD = 16
 # Fewer experts of bf16 rows are spread too, by matrix units, where there are at least BF16_MIN_EXPERTS_PER_THREAD
 # non-empty experts per thread and BF16_SPREAD_MIN_ROWS rows per non-empty expert on average. On the 2-core Xeon with
 # AMX (oneDNN's AMX kernels), one grouped product, counts spread 30%, spread over the two threads against not: forward
-# + backward 1.03-1.29x faster with 8 and 16 experts of 128-3,900 rows, 0.88-0.93x with 4 experts; the forward alone
-# (inference) 0.77-0.91x with 8 experts of 16-64 rows (a decoding step's), 0.85-1.01x at 128-256, 1.03-1.13x at
-# 512-1,024. The width-128 top-2 ViT's first MoE layer on its model input 1.05x (64.8 against 67.9 ms); training steps
-# (the models in interleaved rounds in one process) of the width-128 top-2 ViT 1.01-1.04x (three runs), its top-1
-# 1.01x, the MoE LM 1.02x.
-BF16_MIN_EXPERTS_PER_THREAD: dict[str, int] = {"AMX": 4}
+# + backward 1.03-1.29x faster with 8 and 16 experts of 128-3,900 rows; the forward alone (inference) 0.77-0.91x with
+# 8 experts of 16-64 rows (a decoding step's), 0.85-1.01x at 128-256, 1.03-1.13x at 512-1,024. With the workers
+# taking the experts longest first, 4 and 6 experts of 512-3,136 rows: forward + backward 1.02-1.17x and 1.00-1.33x,
+# the forward alone 0.91-1.17x and 0.94-1.21x (4 experts in contiguous shares had lost, 0.88-0.93x). The width-128
+# top-2 ViT's first MoE layer on its model input 1.05x (64.8 against 67.9 ms); training steps (the models in
+# interleaved rounds in one process) of the width-128 top-2 ViT 1.01-1.04x (three runs), its top-1 1.01x, the MoE LM
+# 1.02x.
+BF16_MIN_EXPERTS_PER_THREAD: dict[str, int] = {"AMX": 2}
 BF16_SPREAD_MIN_ROWS: dict[str, int] = {"AMX": 256}
 
 # The library of float32 products on CPUs (moekit.moe.cpu_matmul): "auto" takes oneDNN on the CPU families of
