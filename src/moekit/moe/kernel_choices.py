@@ -141,7 +141,8 @@ FLOAT32_EXPERT_ROWS: dict[str, int] = {"AMX": 48}
 # forward + backward against the loop on the ragged rows: 8 experts of 64 -> 256 -> 64 1.39x faster at 2-15%
 # padding, 1.19x at 35-41%; 128 -> 512 -> 128 and the MoE LM's SwiGLU 256 -> 512 1.11-1.14x at up to 16%, 0.95x at
 # 40-43%; 64 SwiGLU experts of 128 rows 1.05-1.51x at up to 114%. Float32 (MKL there): 0.83-1.09x at up to 16%, so
-# no entry for it.
+# no entry for it. With the loop's workers taking the experts longest first the banks break even near 13% (the LM's),
+# 20% (128 -> 512 -> 128) and 80% (64 -> 256 -> 64, 1.59x at 25%): 30 kept, for the narrow banks' sake.
 PADDED_GROUPS_MAX_PERCENT: dict[str, int] = {"AMX": 30}
 # The same for experts that drop out (training, dropout > 0): the padding's rows draw masks and pay the multiplies too,
 # where the loop's cost is unchanged. The MoE LM's SwiGLU bank (256 -> 512 -> 256, dropout 0.1, 16,384 rows over 8
@@ -149,7 +150,9 @@ PADDED_GROUPS_MAX_PERCENT: dict[str, int] = {"AMX": 30}
 # 78.8 / 80.4 at 12.5%, 86.9 / 78.7 at 25%, and at the benchmark's 19% 83.2-85.9 / 79.2-81.5; without dropout the same
 # bank still gained at 12.5% (54.2 / 59.3) and lost at 25% (62.0 / 59.1). With the LM's experts dropping after the
 # activation only, its whole step with 25 here: 1.29-1.34x the dense twin against 1.25-1.26x with 15 (two runs each).
-PADDED_GROUPS_MAX_PERCENT_DROPOUT: dict[str, int] = {"AMX": 15}
+# Once the loop's workers took the experts longest first the loop gained most on uneven counts: loop / padded 1.05x at
+# 0%, 1.00-1.01x at 6%, 0.92-0.93x at 12%, 0.90x at 19% (the same bank with dropout), hence 5.
+PADDED_GROUPS_MAX_PERCENT_DROPOUT: dict[str, int] = {"AMX": 5}
 
 # -- Routing, dispatch and combine (moekit.moe.routing, moekit.moe.dispatch) --
 
