@@ -235,15 +235,16 @@ class MoETask(LightningModule):
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
-        if str(self.trainer.precision) == "16-true":
+        precision = str(self.trainer.precision)  # Muon's Newton-Schulz dtype follows it on some CPUs
+        if precision == "16-true":
             raise ValueError(
                 "trainer.precision=16-true trains float16 weights with no float32 copy and no loss scaling: the "
                 "optimizer's updates and second moments underflow or overflow (a ViT's weights turn NaN at the first "
                 "step); train with trainer.precision=16-mixed (float16 autocast with a gradient scaler), bf16-mixed "
                 "or bf16-true"
             )
-        fused = not str(self.trainer.precision).startswith("16")  # a float16 GradScaler unscales before clipping
-        optimizer = optimizer_for(self.net, self.optimizer_config, fused, run_precision=str(self.trainer.precision))
+        fused = not precision.startswith("16")  # a float16 GradScaler unscales before clipping
+        optimizer = optimizer_for(self.net, self.optimizer_config, fused=fused, run_precision=precision)
         if hasattr(optimizer, "summary"):  # Muon: which parameters it trains, its Newton-Schulz dtype
             log.info("task.optimizer.name=%s: %s", self.optimizer_config["name"], optimizer.summary())
         total = self.trainer.estimated_stepping_batches  # inf (or -1 for data of no length) when nothing limits it

@@ -181,9 +181,7 @@ def optimizer_for(
         groups = muon_param_groups(model, weight_decay, decay_1d)
     else:
         groups = param_groups(model, weight_decay, decay_1d)
-    if config.get("name") == "muon":
-        config["run_precision"] = run_precision
-    return build_optimizer(groups, **config, fused=fused)
+    return build_optimizer(groups, **config, fused=fused, run_precision=run_precision)
 
 
 def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float) -> Tensor:
