@@ -248,14 +248,13 @@ def build_candidate(
     summary = _summary(task, datamodule)  # measured on the CPU, as train() does before fit
     device = torch.device(device)
     task.to(device).train()
-    # MoETask.configure_optimizers without the schedule (that needs a trainer for its length), at learning rate 0:
-    # the step's cost, the routing of the initial weights at every step (the module docstring).
     batch = random_batch(task, datamodule, batch_size or datamodule.batch_size, device)
     precision = _precision(name, cfg, task, batch)
+    # MoETask.configure_optimizers without the schedule (that needs a trainer for its length), at learning rate 0:
+    # the step's cost, the routing of the initial weights at every step (the module docstring).
     optimizer = optimizer_for(task.net, task.optimizer_config, run_precision=precision)
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    examples = batch[1].numel()  # images, or target tokens
     clip_val = cfg.trainer.get("gradient_clip_val")
     return Candidate(
         name=name,
@@ -267,7 +266,7 @@ def build_candidate(
         precision=precision,
         clip_val=float(clip_val) if clip_val else None,
         summary=summary,
-        examples_per_step=examples,
+        examples_per_step=batch[1].numel(),  # images, or target tokens
         device=device,
     )
 
