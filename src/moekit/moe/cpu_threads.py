@@ -149,8 +149,8 @@ def for_each_expert(
     expert, and the error reaches the caller once every thread has ended the expert it was running."""
     n = torch.get_num_threads()
     workers = _usable_workers(device.type == "cpu" and n > 1 and spreads(costs, dtype, n))
-    busy = [e for e, cost in enumerate(costs) if cost > 0]
-    _run(work, busy if workers is None else longest_first(costs), workers)
+    order = [e for e, cost in enumerate(costs) if cost > 0] if workers is None else longest_first(costs)
+    _run(work, order, workers)
 
 
 def for_each_part(work: Callable[[int], None], parts: int) -> None:

@@ -182,11 +182,11 @@ class MuonAdamW(torch.optim.Optimizer):
         if self.ns_dtype != "auto":
             return getattr(torch, self.ns_dtype)
         if device.type not in self._auto_dtypes:  # read /proc/cpuinfo once, not at every step
-            from moekit.utils.machine import bf16_in_hardware, cpu_flags
+            from moekit.utils.machine import bf16_in_hardware, cpu_bf16_pays
 
-            bf16 = bf16_in_hardware(device.type)
-            if device.type == "cpu" and "amx_bf16" not in cpu_flags():  # avx512_bf16 alone: the flag does not tell
-                bf16 = bf16 and str(self.run_precision).startswith("bf16")
+            bf16 = cpu_bf16_pays() if device.type == "cpu" else bf16_in_hardware(device.type)
+            if bf16 is None:  # avx512_bf16 alone: the run's precision was measured
+                bf16 = str(self.run_precision).startswith("bf16")
             self._auto_dtypes[device.type] = torch.bfloat16 if bf16 else torch.float32
         return self._auto_dtypes[device.type]
 

@@ -28,6 +28,7 @@ __all__ = [
     "BF16_DOT_PRODUCTS",
     "BF16_MARGIN",
     "bf16_in_hardware",
+    "cpu_bf16_pays",
     "machine_info",
     "machine_label",
 ]
@@ -222,6 +223,16 @@ def bf16_in_hardware(device_type: str) -> bool:
     return device_type == "cpu" and bool(BF16_DOT_PRODUCTS & cpu_flags())
 
 
+def cpu_bf16_pays(flags: set[str] | None = None) -> bool | None:
+    """Whether bf16 matmuls outrun float32 ones on a CPU of ``flags`` (this CPU's by default): True with AMX (bf16
+    matrix units), False without bf16 dot products (emulated), None with ``avx512_bf16`` alone, where only a
+    measurement tells (a Zen 4 EPYC trained 1.7x faster in bf16, a Xeon 1.67x slower)."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return True
+    return None if BF16_DOT_PRODUCTS & flags else False
+
+
 BF16_MARGIN = 1.1
 """How much faster than float32 a measured bf16 autocast step must be for ``auto`` to choose it: float32 is the
 more accurate, and a smaller gain is within a measurement's noise."""
@@ -254,11 +265,10 @@ def resolve_precision(
         if torch.cuda.is_available() and not bf16_in_hardware("cuda"):
             return "16-mixed", f"{torch.cuda.get_device_name()} has no bf16"
         return "bf16-mixed", "a CUDA GPU: bf16 autocast"
-    flags = cpu_flags() if flags is None else flags
-    cpu = cpu_model()
-    if "amx_bf16" in flags:
+    pays, cpu = cpu_bf16_pays(flags), cpu_model()
+    if pays:
         return "bf16-mixed", f"{cpu} has AMX (bf16 matrix units)"
-    if not BF16_DOT_PRODUCTS & flags:
+    if pays is False:
         return "32-true", f"{cpu} has no bf16 dot products, where bf16 autocast runs far slower than float32"
     if measure is None:
         return "32-true", f"{cpu} has bf16 dot products without AMX; not measured, float32"
