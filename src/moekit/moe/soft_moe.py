@@ -34,6 +34,8 @@ from .stats import soft_moe_stats
 
 __all__ = ["SoftMoE", "dispatch_weights", "combine_weights"]
 
+_NORM_EPS = 1e-12  # F.normalize's
+
 
 def dispatch_weights(logits_BMS: Tensor, mask_BM: Tensor | None = None) -> Tensor:
     """``D = softmax(logits)`` over the tokens of each sequence, per slot: a slot's input is the
@@ -49,6 +51,40 @@ def combine_weights(logits_BMS: Tensor, mask_BM: Tensor | None = None) -> Tensor
     the slot outputs. Rows of padding tokens (``mask`` False) are 0."""
     combine_BMS = torch.softmax(logits_BMS, dim=2)
     return combine_BMS if mask_BM is None else combine_BMS * mask_BM.unsqueeze(-1)
+
+
+class _NormalizedLogits(torch.autograd.Function):
+    """``l2norm(X) @ Phi = (X @ Phi) / |X|`` for ``X: [N, D]`` (``F.normalize``'s eps as the floor of ``|X|``): the
+    division runs over a token's ``S`` logits, not its ``D`` features, and no normalised copy of ``X`` is kept.
+
+    Backward, with ``G = dL/dlogits`` and ``R = G / |X|`` (the gradient of ``X @ Phi``)::
+
+        dPhi = X^T @ R                                                   # [D, S]
+        dX   = R @ Phi^T - X * sum_s(R * logits) / |X|                    # [N, D]; |X|'s share 0 where eps floors it
+
+    one pass over ``[N, D]`` after the product, where autograd's backward of the norm and the division took four.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, phi_DS: Tensor) -> Tensor:
+        norm_N1 = torch.linalg.vector_norm(x_ND, dim=-1, keepdim=True)
+        logits_NS = linear(x_ND, phi_DS.t()).div_(norm_N1.clamp_min(_NORM_EPS))
+        ctx.save_for_backward(x_ND, phi_DS, norm_N1, logits_NS)
+        return logits_NS
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_NS: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x_ND, phi_DS, norm_N1, logits_NS = ctx.saved_tensors
+        denom_N1 = norm_N1.clamp_min(_NORM_EPS)
+        grad_raw_NS = grad_NS / denom_N1
+        grad_x = grad_phi = None
+        if ctx.needs_input_grad[0]:
+            share_N1 = (grad_raw_NS * logits_NS).sum(-1, keepdim=True).div_(denom_N1).masked_fill_(norm_N1 < _NORM_EPS, 0)
+            grad_x = linear(grad_raw_NS, phi_DS).addcmul_(x_ND, share_N1, value=-1)
+        if ctx.needs_input_grad[1]:
+            grad_phi = linear(x_ND.t(), grad_raw_NS.t())  # X^T @ R
+        return grad_x, grad_phi
 
 
 @register_moe_layer("soft_moe")
@@ -149,10 +185,8 @@ class SoftMoE(MoELayer):
             if not self.normalize:
                 return linear(x_BMD, phi_DS.t())  # x @ Phi
             phi_DS = self.scale.to(x_BMD.dtype) * F.normalize(phi_DS, dim=0)
-            # l2norm(X) @ Phi = (X @ Phi) / |X|: the division runs over S logits a token, not over its D
-            # features, and no normalised copy of X is kept for backward (F.normalize's eps as the floor).
-            norm_BM1 = torch.linalg.vector_norm(x_BMD, dim=-1, keepdim=True).clamp_min(1e-12)
-            return linear(x_BMD, phi_DS.t()) / norm_BM1
+            logits_NS = _NormalizedLogits.apply(x_BMD.reshape(-1, x_BMD.shape[-1]), phi_DS)
+            return logits_NS.view(*x_BMD.shape[:-1], -1)
 
     def routing_weights(self, x: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Dispatch and combine weights ``D, C: [B, M, S]`` (float32) for ``x: [B, M, D]``, noise included in
