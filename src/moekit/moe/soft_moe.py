@@ -59,8 +59,8 @@ class _NormalizedLogits(torch.autograd.Function):
 
     Backward, with ``G = dL/dlogits`` and ``R = G / |X|`` (the gradient of ``X @ Phi``)::
 
-        dPhi = X^T @ R                                                   # [D, S]
-        dX   = R @ Phi^T - X * sum_s(R * logits) / |X|                    # [N, D]; |X|'s share 0 where eps floors it
+        dPhi = X^T @ R                                     # [D, S]
+        dX   = R @ Phi^T - X * sum_s(R * logits) / |X|     # [N, D]; |X|'s share 0 where eps floors it
 
     one pass over ``[N, D]`` after the product, where autograd's backward of the norm and the division took four.
     """
@@ -80,7 +80,8 @@ class _NormalizedLogits(torch.autograd.Function):
         grad_raw_NS = grad_NS / denom_N1
         grad_x = grad_phi = None
         if ctx.needs_input_grad[0]:
-            share_N1 = (grad_raw_NS * logits_NS).sum(-1, keepdim=True).div_(denom_N1).masked_fill_(norm_N1 < _NORM_EPS, 0)
+            share_N1 = (grad_raw_NS * logits_NS).sum(-1, keepdim=True).div_(denom_N1)
+            share_N1.masked_fill_(norm_N1 < _NORM_EPS, 0)
             grad_x = linear(grad_raw_NS, phi_DS).addcmul_(x_ND, share_N1, value=-1)
         if ctx.needs_input_grad[1]:
             grad_phi = linear(x_ND.t(), grad_raw_NS.t())  # X^T @ R
