@@ -52,12 +52,13 @@ def test_logits_use_l2_normalised_tokens_and_phi_with_learned_scale():
 
 def test_logits_gradients_equal_those_of_normalising_the_tokens_first():
     # compute_logits divides X @ Phi by |X| instead of multiplying l2norm(X) by Phi: same values and gradients,
-    # a zero token (padding) included
+    # a zero token (padding) and one whose norm F.normalize's eps floors included
     layer = _layer()
     with torch.no_grad():
         layer.scale.fill_(1.7)
     x = torch.randn(2, 6, 8, dtype=torch.float64)
     x[0, 3] = 0
+    x[1, 2] *= 1e-14  # |x| < 1e-12: the norm's gradient share is cut, as clamp_min cuts it in F.normalize
     layer.double()
     g = torch.randn(2, 6, 8, dtype=torch.float64)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
