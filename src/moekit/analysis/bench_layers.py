@@ -15,6 +15,7 @@ computation.
     python scripts/bench_moe.py --device cuda --dtype bf16 --batch-scale 8   # a GPU: bf16 autocast, 8x the batch
     python scripts/bench_moe.py --tables topk --profile   # and where moekit's layers spend their time
     python scripts/bench_moe.py --tables dropout         # moekit's CPU dropout against torch's (no FLOPs columns)
+    python scripts/bench_moe.py --tables products        # the expert products alone: what bounds them here
     python scripts/bench_moe.py --tables topk --choice 'AUTO_KERNELS[cpu,ragged]=grouped_mm'   # another kernel choice
 
 ``--choice`` sets entries of :mod:`moekit.moe.kernel_choices` for the run; the header names every entry that differs
@@ -28,22 +29,19 @@ A missing reference is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp, SwiGLU
 from torch import nn
 
+from moekit.analysis.bench_products import SOFT_SHAPES, TOPK_SHAPES, table_products
+from moekit.analysis.layer_timing import Backend, Candidate, time_candidates, timed_step
 from moekit.analysis.op_profile import print_top_operators
-from moekit.analysis.peak import device_sync, matmul_peak
+from moekit.analysis.peak import matmul_peak
 from moekit.models.attention import attention_with_dropout
 from moekit.models.flops import flop_counter
 from moekit.moe import ExpertsChoiceMoE, SoftMoE, TopKMoE, build_moe_layer, kernel_choices
@@ -52,69 +50,6 @@ from moekit.moe.dropout import Dropout
 from moekit.recipes import list_recipes, load_recipe, needs_token_ids, recipe_citation
 from moekit.utils.allocator import active_allocator, add_allocator_argument, apply_allocator
 from moekit.utils.machine import machine_info
-
-
-@dataclass(frozen=True)
-class Backend:
-    """Where and in which precision the layers run: float32, or bf16 autocast (routers stay float32)."""
-
-    device: torch.device = torch.device("cpu")
-    autocast: torch.dtype | None = None
-
-    def sync(self) -> None:
-        device_sync(self.device)
-
-    def precision(self):
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast)
-
-
-@dataclass
-class Candidate:
-    name: str
-    module: nn.Module
-    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda m, x: m(x)
-
-
-def _step(candidate: Candidate, x: torch.Tensor, grad: torch.Tensor, backend: Backend) -> float:
-    for p in candidate.module.parameters():
-        p.grad = None
-    x.grad = None
-    backend.sync()
-    start = time.perf_counter()
-    with backend.precision():
-        y = candidate.forward(candidate.module, x)
-    y.backward(grad)
-    backend.sync()
-    return time.perf_counter() - start
-
-
-def time_candidates(
-    candidates: list[Candidate], x: torch.Tensor, rounds: int, backend: Backend = Backend()
-) -> dict[str, float]:
-    """Median forward+backward seconds of each candidate, measured in interleaved rounds after one
-    warm-up step. A candidate more than 20x slower than the fastest is timed once (its ratio is
-    then far from any target; the rounds would only cost minutes). ``x`` must be on
-    ``backend.device``; the candidates' modules are moved there."""
-    grads, warm = {}, {}
-    for c in list(candidates):
-        try:
-            c.module.to(backend.device).train()
-            with torch.no_grad(), backend.precision():
-                grads[c.name] = torch.randn_like(c.forward(c.module, x))
-            warm[c.name] = _step(c, x, grads[c.name], backend)
-        except (RuntimeError, MemoryError) as err:  # e.g. a reference that gathers a weight copy per token
-            print(f"({c.name}: skipped, {str(err).splitlines()[0][:120]})")
-            candidates.remove(c)
-            c.module.to("cpu")
-    fastest = min(warm.values())
-    times: dict[str, list[float]] = {c.name: [] for c in candidates}
-    for r in range(rounds):
-        for c in candidates:
-            if r == 0 or warm[c.name] < 20 * fastest:
-                times[c.name].append(_step(c, x, grads[c.name], backend))
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def count_flops(candidate: Candidate, x: torch.Tensor, backend: Backend) -> int:
@@ -156,13 +91,13 @@ def profile_moekit(cands: list[Candidate], x: torch.Tensor, args, title: str) ->
         if c.name.startswith("moekit"):
             with torch.no_grad(), args.backend.precision():
                 grad = torch.randn_like(c.forward(c.module, x))
-            print_top_operators(f"{c.name}, {title}", lambda c=c, g=grad: _step(c, x, g, args.backend), x.device)
+            print_top_operators(f"{c.name}, {title}", lambda c=c, g=grad: timed_step(c, x, g, args.backend), x.device)
 
 
 # ---------------------------------------------------------------------------------------------
 def table_soft(args) -> None:
     """Soft MoE at the ViT-S/16 shape, 128 slots in total, vs soft-moe-pytorch and the dense MLP."""
-    batch, tokens, dim, hidden, slots = (32, 196, 384, 1536, 128) if not args.quick else (4, 49, 64, 256, 16)
+    (batch, tokens, dim, hidden, slots), expert_counts = SOFT_SHAPES[args.quick]
     batch *= args.batch_scale
     x = torch.randn(batch, tokens, dim, device=args.backend.device, requires_grad=True)
     try:
@@ -170,7 +105,7 @@ def table_soft(args) -> None:
     except ImportError:
         LucidSoftMoE = None
         print("\n(soft-moe-pytorch not installed: pip install -e .[bench])")
-    for experts in (8, 32, 128) if not args.quick else (4, 16):
+    for experts in expert_counts:
         per = slots // experts
         ours = SoftMoE(dim, hidden, num_experts=experts, slots_per_expert=per)
         dense_same_flops = adopt_linears(Mlp(dim, round(hidden * slots / tokens)))
@@ -241,9 +176,8 @@ def _mixtral_blocks(dim: int, hidden: int, experts: int, top_k: int, tokens: int
 
 def table_topk(args) -> None:
     """Tokens-choice top-2 SwiGLU experts vs Mixtral's block and the dense SwiGLU of equal active FLOPs."""
-    tokens, dim = (4096, 512) if not args.quick else (512, 64)
+    (tokens, dim), shapes = TOPK_SHAPES[args.quick]
     tokens *= args.batch_scale
-    shapes = [(64, 2048), (256, 256)] if not args.quick else [(8, 128), (32, 32)]
     x = torch.randn(1, tokens, dim, device=args.backend.device, requires_grad=True)
     for experts, hidden in shapes:
         cands = [
@@ -393,6 +327,7 @@ TABLES = {
     "recipes": table_recipes,
     "scaling": table_scaling,
     "dropout": table_dropout,
+    "products": table_products,
 }
 
 
