@@ -110,7 +110,7 @@ class _Dense(nn.Module):
 
 def table_products(args) -> None:
     """Print the ``products`` table (see the module docstring)."""
-    device = args.backend.device
+    device, dtype = args.backend.device, args.backend.autocast or torch.float32
     print("\n### The expert products alone: each expert's own weight, one weight for all, one dense product\n")
     print(
         "Forward + backward of each expert product of the soft and topk tables' layers: ms, GFLOP/s and share of the "
@@ -122,7 +122,6 @@ def table_products(args) -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for p in layer_products(args.quick, args.batch_scale):
         x = torch.randn(p.experts * p.rows, p.in_features, device=device, requires_grad=True)
-        dtype = args.backend.autocast or torch.float32
         cands = [
             Candidate("own", _Grouped(p, shared=False, device=device)),
             Candidate("shared", _Grouped(p, shared=True, device=device, dtype=dtype)),
