@@ -10,12 +10,13 @@ from torch import nn
 from conftest import reference_expert
 from moekit.models.flops import flop_counter
 from moekit.moe import ExpertBank, grouped_linear, kernel_choices
-from moekit.moe.grouped_linear import _HAS_GROUPED_MM, _resolve_kernel, _row_blocks
+from moekit.moe.grouped_linear import _resolve_kernel, _row_blocks
+from moekit.moe.grouped_mm import HAS_GROUPED_MM
 from moekit.moe.kernel_choices import PLANES_MIN_ROWS, ROW_BLOCK
 
 grouped_linear_module = importlib.import_module("moekit.moe.grouped_linear")  # the package's name is the function
 
-KERNELS = ["loop", "bmm"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
+KERNELS = ["loop", "bmm"] + (["grouped_mm"] if HAS_GROUPED_MM else [])
 
 
 def _reference_grouped(x, weight, bias, counts):
@@ -440,30 +441,37 @@ def test_the_cpu_loop_runs_experts_of_few_rows_in_float32_under_bf16(planes, lib
 
 
 @pytest.mark.parametrize("planes", [1, 2])
-def test_the_cpu_loop_casts_float32_weights_per_expert_or_the_bank_first_with_the_same_values(planes, monkeypatch):
-    """``LOOP_WEIGHT_CAST``: bf16 rows on float32 weights, the loop casting each expert's weights as it runs (its
-    products then see float32 weights) or taking the bank cast first (bf16 weights): the same outputs and gradients,
-    bit for bit."""
+def test_the_cpu_loop_casts_float32_weights_per_expert_or_once_with_the_same_values(planes, monkeypatch):
+    """``LOOP_WEIGHT_CAST``: bf16 rows on float32 weights, the loop casting each expert's weights as it runs and again
+    in the backward, or once, into a bf16 copy of the bank that the backward reads (each non-empty expert's the cast
+    of its weights), or with the whole bank cast before the loop (as under ``torch.compile``): the same outputs and
+    gradients, bit for bit, the gradients float32."""
     monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "AMX")
     monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {})
-    seen = []
-    loop = grouped_linear_module._loop
-    monkeypatch.setattr(grouped_linear_module, "_loop", lambda x, w, *a: seen.append(w.dtype) or loop(x, w, *a))
     torch.manual_seed(0)
     counts = torch.tensor([5, 0, 7, 3, 1])
     x = torch.randn(18, 8).to(torch.bfloat16).requires_grad_()
     w, b = torch.randn(5, 8, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
     grad = torch.randn(18, 6).to(torch.bfloat16)
     results = []
-    for cast in ("expert", "bank"):
-        monkeypatch.setattr(kernel_choices, "LOOP_WEIGHT_CAST", {"AMX": cast})
+    for cast in ("expert", "bank", "bank first"):
+        monkeypatch.setattr(kernel_choices, "LOOP_WEIGHT_CAST", {"AMX": cast.split()[0]})
+        monkeypatch.setattr(grouped_linear_module, "_keeps_cast", lambda x, keeps=cast == "bank": keeps)
         out = grouped_linear(x, w, b, counts, "auto", planes=planes)
+        node = out.grad_fn  # the loop's autograd node, under the views that make the planes
+        while "LoopGroupedLinear" not in type(node).__name__:
+            node = node.next_functions[0][0]
+        _, saved_w, _ = node.saved_tensors
+        if cast == "bank":  # the copy the forward wrote, expert by expert
+            assert saved_w.dtype == torch.bfloat16
+            assert torch.equal(saved_w[counts > 0], w.detach()[counts > 0].to(torch.bfloat16))
         out.backward(grad if planes == 1 else grad.unflatten(-1, (2, 3)).transpose(0, 1))
+        assert w.grad.dtype == b.grad.dtype == torch.float32
         results.append((out.detach(), x.grad, w.grad, b.grad))
         x.grad = w.grad = b.grad = None
-    assert seen == [torch.float32, torch.bfloat16]
-    for got, want in zip(*results, strict=True):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    for other in results[1:]:
+        for got, want in zip(other, results[0], strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_a_bank_larger_than_the_memory_left_is_refused_with_the_size(monkeypatch):

@@ -7,12 +7,16 @@ batched matmul (equal groups only); ``"grouped_mm"`` - ``torch._grouped_mm`` wit
 feature sizes that are not 16-byte multiples are zero-padded to one). ``"auto"`` picks per device and layout
 (``AUTO_KERNELS`` of :mod:`moekit.moe.kernel_choices`, the table of every such choice). ``planes=2`` hands a gated
 expert's gate and up back as two planes, contiguous from the CPU loop where groups are large (``PLANES_MIN_ROWS``).
-Under bf16 autocast the CPU loop casts float32 weights expert by expert as their products run (experts of few rows then
-run in float32 on CPUs with AMX, ``FLOAT32_EXPERT_ROWS``), or takes the whole bank cast first (``LOOP_WEIGHT_CAST``).
+Under bf16 autocast the CPU loop casts float32 weights expert by expert as their products run, and again for the
+backward (experts of few rows then run in float32 on CPUs with AMX, ``FLOAT32_EXPERT_ROWS``), or casts them once
+(``LOOP_WEIGHT_CAST``): in eager mode each expert's as its product runs, into a copy kept for the backward, which
+writes the weight gradients in float32 expert by expert; under ``torch.compile`` the whole bank before the loop.
+The ``"grouped_mm"`` kernel lives in :mod:`moekit.moe.grouped_mm`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -21,21 +25,12 @@ from torch import Tensor
 from . import kernel_choices
 from .cpu_matmul import float32_library, matmul_into, takes_onednn
 from .cpu_threads import for_each_expert
+from .grouped_mm import HAS_GROUPED_MM, grouped_mm_kernel, grouped_mm_takes
 
 __all__ = ["grouped_linear", "reads_counts_on_host", "Kernel", "GroupSizes"]
 
 Kernel = Literal["auto", "loop", "bmm", "grouped_mm"]
 GroupSizes = int | Tensor
-
-_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-
-
-def _grouped_mm_takes(dtype: torch.dtype) -> bool:
-    """``torch._grouped_mm`` runs bf16 and float32 eagerly; under ``torch.compile`` its meta function takes bf16 only
-    (float32: "Expected mat_a to be BFloat16")."""
-    return _HAS_GROUPED_MM and (
-        dtype == torch.bfloat16 or (dtype == torch.float32 and not torch.compiler.is_compiling())
-    )
 
 
 def _row_blocks(sizes: list[int], x: Tensor, onednn: bool) -> tuple[list[int], list[range]]:
@@ -63,6 +58,13 @@ def _casts_per_expert(x: Tensor) -> bool:
     return kernel_choices.LOOP_WEIGHT_CAST.get(kernel_choices.cpu_matrix_units(), "expert") == "expert"
 
 
+def _keeps_cast(x: Tensor) -> bool:
+    """Whether the loop casts a bank of another dtype once, for the forward and the backward (``LOOP_WEIGHT_CAST``
+    ``"bank"``), itself: in eager mode on a CPU, expert by expert as their products run (:class:`_LoopGroupedLinear`);
+    elsewhere :func:`grouped_linear` casts the whole bank before the loop."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and not _casts_per_expert(x)
+
+
 def _float32_rows(x: Tensor, weight: Tensor) -> tuple[int, bool]:
     """Rows below which an expert's products run in float32 on its float32 weights, bf16 rows cast up
     (``FLOAT32_EXPERT_ROWS``; 0: none), and whether those products run on oneDNN."""
@@ -79,23 +81,28 @@ def _float32_product(a: Tensor, b: Tensor, bias: Tensor | None = None, onednn: b
     return out
 
 
-def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
+def _loop_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int, cast_into: Tensor | None = None
+) -> Tensor:
     """Rows of expert ``e`` times ``weight[e]`` (plus ``bias[e]``), in ``x``'s dtype: ``[rows, out]``, or for
     ``planes`` > 1 ``[planes, rows, out / planes]``, plane ``p`` holding output columns ``p * out / planes`` onwards,
     contiguous, one product per expert and plane. Weights of another dtype (float32 parameters for bf16 activations)
     are cast expert by expert as each product runs: a cast tile in the cache, where casting the whole bank first reads
-    and writes it once more in memory; an expert of fewer rows than :func:`_float32_rows` runs in float32 instead."""
+    and writes it once more in memory; an expert of fewer rows than :func:`_float32_rows` runs in float32 instead.
+    ``cast_into`` (``weight``'s shape in ``x``'s dtype): each expert's cast is written there, kept for the backward
+    (every expert's products then in ``x``'s dtype)."""
     sizes = counts.tolist()  # the host sync the loop needs (free on CPU)
     rows = sum(sizes)
     dtype = x.dtype
     width = weight.shape[-1] // planes
     out = x.new_empty(planes, x.shape[0], width)
     onednn = takes_onednn(x)  # here, before the worker threads
-    float32_rows, onednn32 = _float32_rows(x, weight)
+    float32_rows, onednn32 = _float32_rows(x, weight) if cast_into is None else (0, False)
     block_sizes, blocks = _row_blocks(sizes, x, onednn)
     x_parts = x[:rows].split(block_sizes)
     out_parts = [plane[:rows].split(block_sizes) for plane in out]
     w_parts = [w.unbind(0) for w in weight.split(width, dim=-1)]
+    kept = None if cast_into is None else [w.unbind(0) for w in cast_into.split(width, dim=-1)]
     b_parts = None if bias is None else [b.unbind(0) for b in bias.split(width, dim=-1)]
 
     def work(e: int) -> None:
@@ -105,7 +112,7 @@ def _loop_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor
                 for i in blocks[e]:
                     out_parts[p][i].copy_(_float32_product(x_parts[i], w_parts[p][e], b, onednn32))
                 continue
-            w = w_parts[p][e].to(dtype)
+            w = w_parts[p][e].to(dtype) if kept is None else kept[p][e].copy_(w_parts[p][e])
             b = None if b_parts is None else b_parts[p][e].to(dtype)
             for i in blocks[e]:
                 matmul_into(out_parts[p][i], x_parts[i], w, b, onednn=onednn)
@@ -125,10 +132,12 @@ def _loop_backward(
     need_x: bool,
     need_w: bool,
     need_b: bool,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`_loop_forward` (an empty tensor for each one not needed), each in its input's
-    dtype: the products run in ``x``'s (in float32 for an expert of few rows, :func:`_float32_rows`), and a weight
-    gradient of another dtype is cast expert by expert. One pass
+    dtype (the weight's and bias's in ``grad_dtype`` where given: the parameters' of a kept cast): the products run in
+    ``x``'s (in float32 for an expert of few rows, :func:`_float32_rows`), and a weight gradient of another dtype is
+    written expert by expert. One pass
     over the experts computes all of an expert's gradients while its rows of ``grad_out`` are in the cache, with one
     wait for the threads (docs/performance.md, "Expert products over the CPU's threads"). The input gradient of
     several planes adds one product per plane into the first's (in bf16, rounded once per plane)."""
@@ -165,11 +174,11 @@ def _loop_backward(
         if rows < x.shape[0]:
             grad_x[rows:].zero_()
     if need_w:
-        grad_w = torch.empty_like(weight)
+        grad_w = torch.empty_like(weight, dtype=grad_dtype)
         x_t, gw_parts = x[:rows].t().split(block_sizes, dim=1), [gw.unbind(0) for gw in grad_w.split(width, dim=-1)]
         for e in (e for e, size in enumerate(sizes) if not size):
             grad_w[e].zero_()
-        cast = weight.dtype != dtype
+        cast = grad_w.dtype != dtype
 
         def weight_grad(e: int) -> None:  # a sum over the rows: the blocks' products add up, in the rows' dtype
             for p in range(planes):
@@ -191,7 +200,7 @@ def _loop_backward(
 
         steps.append(weight_grad)
     if need_b:
-        grad_b = weight.new_zeros(weight.shape[0], weight.shape[-1])
+        grad_b = weight.new_zeros(weight.shape[0], weight.shape[-1], dtype=grad_dtype)
         gb_parts = [gb.unbind(0) for gb in grad_b.split(width, dim=-1)]
         whole = len(block_sizes) == len(sizes)  # one block per expert: the blocks are the experts' rows
         g_rows = g_parts if whole else [plane[:rows].split(sizes) for plane in grad_out]
@@ -216,8 +225,19 @@ def _loop_backward(
 # of the counts inside them breaks no graph. Outputs and gradients are written into preallocated tensors: no
 # per-expert autograd nodes and no zero-filled full-size gradient per expert (which ``weight[e]`` indexing in a
 # Python loop costs); the per-expert views come from one ``split`` / ``unbind`` each, to keep Python overhead low.
-_loop_op = torch.library.custom_op("moekit::grouped_linear_loop", _loop_forward, mutates_args=())
-_loop_backward_op = torch.library.custom_op("moekit::grouped_linear_loop_backward", _loop_backward, mutates_args=())
+def _op_forward(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
+    """The custom operator's loop: no kept cast (under ``torch.compile`` a bank of another dtype is cast first)."""
+    return _loop_forward(x, weight, bias, counts, planes)
+
+
+def _op_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor, planes: int, need_x: bool, need_w: bool, need_b: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _loop_backward(grad_out, x, weight, counts, planes, need_x, need_w, need_b)
+
+
+_loop_op = torch.library.custom_op("moekit::grouped_linear_loop", _op_forward, mutates_args=())
+_loop_backward_op = torch.library.custom_op("moekit::grouped_linear_loop_backward", _op_backward, mutates_args=())
 
 
 @_loop_op.register_fake
@@ -256,16 +276,22 @@ _loop_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _LoopGroupedLinear(torch.autograd.Function):
     """The loop in eager mode: the same kernels, with their ``torch.mm`` calls visible to the FLOP counter
-    (``torch.utils.flop_counter``), which sees a custom operator as one op of unknown cost."""
+    (``torch.utils.flop_counter``), which sees a custom operator as one op of unknown cost. Where the bank casts once
+    (:func:`_keeps_cast`), each expert's weights are cast as its product runs into a copy kept for the backward, whose
+    weight and bias gradients come back in the parameters' dtype, expert by expert: no pass over the whole bank before
+    the products, nor over its gradient after them (docs/performance.md, "bf16 autocast on a CPU")."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
-        _setup_context(ctx, (x, weight, bias, counts, planes), None)
-        return _loop_forward(x, weight, bias, counts, planes)
+        cast = torch.empty_like(weight, dtype=x.dtype) if weight.dtype != x.dtype and _keeps_cast(x) else None
+        out = _loop_forward(x, weight, bias, counts, planes, cast_into=cast)
+        _setup_context(ctx, (x, weight if cast is None else cast, bias, counts, planes), None)
+        ctx.grad_dtype = weight.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        return _backward(ctx, grad_out, op=_loop_backward)
+        return _backward(ctx, grad_out, op=functools.partial(_loop_backward, grad_dtype=ctx.grad_dtype))
 
 
 def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes: int) -> Tensor:
@@ -275,49 +301,16 @@ def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Tensor, planes
     return _LoopGroupedLinear.apply(x, weight, bias, counts, planes)
 
 
-class _AddGroupBias(torch.autograd.Function):
-    """``out + bias[expert_of_row]``, whose bias gradient sums each expert's rows of the output gradient with one
-    grouped product of a block of ones (``[8, rows] @ [rows, out]`` per group of rows): summed in the matmul's float32
-    accumulator and in a fixed order, where ``index_select``'s gradient, ``index_add_``, adds every row into its
-    expert's one row atomically on GPUs (a different order in every run, in the gradient's own dtype)."""
-
-    @staticmethod
-    def forward(ctx, out: Tensor, bias: Tensor, expert_of_row: Tensor, offs: Tensor) -> Tensor:
-        ctx.save_for_backward(offs)
-        return out + bias.index_select(0, expert_of_row)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        (offs,) = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        ones = grad_out.new_ones(grad_out.shape[0], 8).t()  # [8, rows], column-major: 16-byte strides in bf16
-        grad_bias = torch._grouped_mm(ones, grad_out, offs=offs)[:, 0]  # [experts, 8, out] -> [experts, out]
-        return grad_out, grad_bias, None, None
-
-
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward hands on a dense gradient: ``torch._grouped_mm``'s CPU backward fails on the
-    stride-0 gradient that ``out.sum()`` sends back ("Invalid strides/sizes")."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
 def _resolve_kernel(kernel: str, x: Tensor, equal_groups: bool) -> str:
     if kernel == "auto":
         kernel = kernel_choices.AUTO_KERNELS.get((x.device.type, "equal" if equal_groups else "ragged"), "loop")
-        if kernel == "grouped_mm" and not _grouped_mm_takes(x.dtype):
+        if kernel == "grouped_mm" and not grouped_mm_takes(x.dtype):
             kernel = "bmm" if equal_groups else "loop"
         if kernel == "bmm" and takes_onednn(x):  # oneDNN's per-expert products beat MKL's batched one
             kernel = "loop"
     if kernel == "bmm" and not equal_groups:
         raise ValueError("kernel='bmm' needs equal rows per expert (capacity buffers); use 'loop' or 'grouped_mm'")
-    if kernel == "grouped_mm" and not _HAS_GROUPED_MM:
+    if kernel == "grouped_mm" and not HAS_GROUPED_MM:
         raise ValueError(f"kernel='grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} lacks; use "
                          "kernel='loop' or 'auto'")  # fmt: skip
     return kernel
@@ -327,18 +320,6 @@ def reads_counts_on_host(kernel: str, x: Tensor) -> bool:
     """Whether ragged groups of rows like ``x`` run on the CPU loop under ``kernel``, which reads their counts on the
     host (free on a CPU)."""
     return x.device.type == "cpu" and kernel != "bmm" and _resolve_kernel(kernel, x, equal_groups=False) == "loop"
-
-
-def _aligned_operands(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, int]:
-    """``torch._grouped_mm`` needs rows of 16-byte multiples: zero-pad the in and out features up to one (the
-    padded products are zero and their gradients are cut away). Returns the operands and the true out size."""
-    step = 16 // x.element_size()
-    pad_in, pad_out = -weight.shape[1] % step, -weight.shape[2] % step
-    if pad_in:
-        x = torch.nn.functional.pad(x, (0, pad_in))
-    if pad_in or pad_out:
-        weight = torch.nn.functional.pad(weight, (0, pad_out, 0, pad_in))
-    return x, weight, weight.shape[2] - pad_out
 
 
 def grouped_linear(
@@ -377,7 +358,7 @@ def grouped_linear(
     num_experts = weight.shape[0]
     equal = isinstance(group_sizes, int)
     kernel = _resolve_kernel(kernel, x, equal)
-    if weight.dtype != x.dtype and not (kernel == "loop" and _casts_per_expert(x)):
+    if weight.dtype != x.dtype and not (kernel == "loop" and (_casts_per_expert(x) or _keeps_cast(x))):
         weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
     if kernel == "bmm":
         xb = x.view(num_experts, group_sizes, x.shape[-1])
@@ -392,36 +373,5 @@ def grouped_linear(
             return _loop(x, weight, bias, counts, planes)
         out = _loop(x, weight, bias, counts, 1)
     else:
-        out = _grouped_mm_kernel(x, weight, bias, group_sizes, no_tail)
+        out = grouped_mm_kernel(x, weight, bias, group_sizes, no_tail)
     return out if planes == 1 else out.unflatten(-1, (planes, -1)).transpose(0, 1)
-
-
-def _grouped_mm_kernel(x: Tensor, weight: Tensor, bias: Tensor | None, group_sizes: GroupSizes, no_tail: bool):
-    """``torch._grouped_mm`` with device-side offsets: no host sync."""
-    num_experts = weight.shape[0]
-    equal = isinstance(group_sizes, int)
-    if equal:
-        counts = torch.full((num_experts,), group_sizes, device=x.device, dtype=torch.int64)
-    else:
-        counts = group_sizes
-    offsets = counts.cumsum(0)
-    mask_tail = not (equal or no_tail)  # rows past the last group: grouped_mm leaves them unset
-    row = torch.arange(x.shape[0], device=x.device) if mask_tail or bias is not None else None
-    if mask_tail:
-        valid = (row < offsets[-1]).unsqueeze(-1)
-        x = torch.where(valid, x, x.new_zeros(()))
-    x, padded_weight, out_features = _aligned_operands(x, weight)
-    offs = offsets.to(torch.int32)
-    out = torch._grouped_mm(x, padded_weight, offs=offs)
-    if bias is not None:  # on the padded width: its rows are 16-byte multiples, as the bias gradient's product needs
-        expert_of_row = torch.searchsorted(offsets, row, right=True).clamp_(max=num_experts - 1)
-        out = _AddGroupBias.apply(
-            out, torch.nn.functional.pad(bias, (0, out.shape[-1] - out_features)), expert_of_row, offs
-        )
-    if out.shape[-1] != out_features:
-        out = out[:, :out_features]
-    if not mask_tail and x.device.type == "cpu":  # masked outputs pass torch.where below, whose gradient is dense
-        out = _DenseGrad.apply(out)
-    if mask_tail:
-        out = torch.where(valid, out, out.new_zeros(()))
-    return out
