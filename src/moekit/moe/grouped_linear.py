@@ -336,9 +336,10 @@ def grouped_linear(
     Args:
         x: ``[rows, in]``, the rows of expert 0 first, then expert 1, ...
         weight: ``[experts, in, out]``, in ``x``'s dtype or another (float32 parameters for bf16 activations): the
-            products run in ``x``'s. On a CPU the loop casts each expert's weights as it runs its product, or the
-            whole bank first where ``LOOP_WEIGHT_CAST`` says so; the other kernels, and the loop on other devices,
-            cast the whole bank first.
+            products run in ``x``'s. On a CPU the loop casts each expert's weights as it runs its product (again in
+            the backward, or once into a copy the backward reads where ``LOOP_WEIGHT_CAST`` says ``"bank"``; under
+            ``torch.compile`` that bank is cast first); the other kernels, and the loop on other devices, cast the
+            whole bank first.
         bias: ``[experts, out]`` or None, in ``weight``'s dtype.
         group_sizes: ``int`` rows per expert (all equal) or ``LongTensor [experts]`` counts.
         kernel: ``"auto" | "loop" | "bmm" | "grouped_mm"``.
