@@ -125,7 +125,7 @@ ONEDNN_FLOAT32_CPUS: set[str] = {"AMD family 26"}
 # bank cast before the products: "bank" 1.07x faster with 8 experts of 2048 rows (256 -> 512), 1.08x, 1.03x, 1.08x,
 # 1.14x and 1.02x with 32, 64, 64, 128 and 256 experts of 512, 256, 128, 64 and 32 rows (512 -> 256); the MoE LM's
 # training step 1.03x, the width-128 top-2 ViT's 1.02x, its top-1 level. Cast inside the loop rather than before it:
-# the dropless top-2 layer of 64 SwiGLU experts 1.10x faster (572.8 against 628.3 ms), of 256 level.
+# the dropless top-2 layer of 64 SwiGLU experts 1.08-1.10x faster (two runs), of 256 experts 1.02-1.03x slower.
 LOOP_WEIGHT_CAST: dict[str, str] = {"AMX": "bank"}
 
 # Where the loop casts per expert (LOOP_WEIGHT_CAST) under bf16 autocast on a CPU, an expert with fewer rows than
