@@ -1,10 +1,10 @@
-"""Ragged groups padded to equal ones (moekit.moe.padded_groups): the dispatch fills the buffer and the combine reads
-it, the layers' values and gradients are the ragged loop's, padding adds nothing to the weights' gradients, and the
-path is taken only where the table says."""
+"""Ragged groups padded to equal ones, or each to a multiple of the row block (moekit.moe.padded_groups): the dispatch
+fills the buffer and the combine reads it, the layers' values and gradients are the ragged loop's, padding adds nothing
+to the weights' gradients, and each path is taken only where the table says."""
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from moekit.moe import StrictlyBalancedMoE, TopKMoE, kernel_choices
@@ -21,6 +21,15 @@ def amx(monkeypatch):
     monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT_DROPOUT", {"AMX": 10_000})
 
 
+@pytest.fixture
+def blocks(amx, monkeypatch):
+    """Never equal groups; every ragged group padded to a multiple of 8 rows."""
+    monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {})
+    monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT_DROPOUT", {})
+    monkeypatch.setattr(kernel_choices, "BLOCK_PADDING_MAX_PERCENT", {"AMX": 10_000})
+    monkeypatch.setattr(kernel_choices, "ROW_BLOCK", 8)
+
+
 def test_padded_rows_are_one_of_16_sizes_per_power_of_two():
     assert [padded_rows(n) for n in (1, 8, 9, 100, 256, 257, 3392, 4096, 4097)] == [
         8, 8, 16, 104, 256, 272, 3456, 4096, 4352
@@ -33,9 +42,20 @@ def test_padded_rows_are_one_of_16_sizes_per_power_of_two():
 
 def test_plan_padding_maps_each_row_to_its_expert_block(amx):
     plan = plan_padding(torch.tensor([3, 0, 5, 1]), BF16, "auto")
-    assert plan.rows_per_expert == 8 and plan.num_experts == 4  # the longest group, 5, rounded up to 8
+    assert plan.group_sizes == 8 and plan.buffer_rows == 32  # the longest group, 5, rounded up to 8
     assert plan.dest_R.tolist() == [0, 1, 2, 16, 17, 18, 19, 20, 24]
     assert plan.pad_rows.tolist() == [3, 4, 5, 6, 7, *range(8, 16), 21, 22, 23, *range(25, 32)]
+
+
+def test_block_padding_rounds_each_group_up_to_the_row_block_in_place(blocks):
+    plan = plan_padding(torch.tensor([10, 0, 13, 8]), BF16, "auto")
+    assert plan.group_sizes.tolist() == [16, 0, 16, 8] and plan.buffer_rows == 40
+    assert plan.dest_R.tolist() == [*range(10), *range(16, 29), *range(32, 40)]
+    assert plan.pad_rows.tolist() == [*range(10, 16), 29, 30, 31]
+    x = torch.arange(4, dtype=torch.float32).view(4, 1) + 1
+    tokens_R = torch.tensor([0, 1, 2, 3] * 8)[:31]
+    buffer = plan.gather(x, tokens_R)
+    assert torch.equal(buffer[plan.dest_R], x[tokens_R]) and torch.all(buffer[plan.pad_rows] == 0)
 
 
 def test_the_buffer_holds_each_experts_tokens_in_its_block_and_zeros_and_the_combine_reads_them_back(amx):
@@ -70,11 +90,16 @@ LAYERS = {
 }
 
 
+@pytest.mark.parametrize("padding", ["equal", "blocks"])
 @pytest.mark.parametrize("name", LAYERS)
-def test_a_padded_layer_gives_the_ragged_loops_values_and_gradients(name, amx, monkeypatch):
-    """bf16 autocast, float32 parameters: with the padding and without it (the loop on the ragged rows), the same
-    outputs and gradients; the padding is taken."""
+def test_a_padded_layer_gives_the_ragged_loops_values_and_gradients(name, padding, amx, monkeypatch):
+    """bf16 autocast, float32 parameters: with the padding (equal groups, or each group rounded up to a block of 8
+    rows) and without it (the loop on the ragged rows), the same outputs and gradients; the padding is taken."""
     monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {})  # every expert in bf16 on both paths
+    if padding == "blocks":
+        monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {})
+        monkeypatch.setattr(kernel_choices, "BLOCK_PADDING_MAX_PERCENT", {"AMX": 10_000})
+        monkeypatch.setattr(kernel_choices, "ROW_BLOCK", 8)
     torch.manual_seed(0)
     layer = LAYERS[name]().train()
     x = torch.randn(2, 15, 16, requires_grad=True)
@@ -84,7 +109,9 @@ def test_a_padded_layer_gives_the_ragged_loops_values_and_gradients(name, amx, m
     monkeypatch.setattr(PaddedGroups, "gather", lambda self, *a: gathers.append(self) or real_gather(self, *a))
     out, grads = _run(layer, x, grad)
     assert len(gathers) == 1, "the padding was taken"
+    assert isinstance(gathers[0].group_sizes, int) == (padding == "equal")
     monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {})
+    monkeypatch.setattr(kernel_choices, "BLOCK_PADDING_MAX_PERCENT", {})
     want_out, want_grads = _run(layer, x, grad)
     assert len(gathers) == 1, "the reference ran on the ragged rows"
     torch.testing.assert_close(out, want_out, rtol=2**-7, atol=1e-3)
@@ -105,7 +132,7 @@ def test_an_expert_without_rows_gets_no_gradient_from_its_padding_rows(amx, monk
         out = layer(x)
     out.float().backward(torch.randn(2, 15, 16))
     (plan,) = gathers
-    has_rows = torch.bincount(plan.dest_R // plan.rows_per_expert, minlength=4) > 0
+    has_rows = torch.bincount(plan.dest_R // plan.group_sizes, minlength=4) > 0
     assert not has_rows[3] and has_rows.any(), "expert 3's block is all padding"
     bank = layer.experts
     for grad in (bank.fc1_weight.grad, bank.fc1_bias.grad, bank.fc2_weight.grad, bank.fc2_bias.grad):
@@ -145,6 +172,19 @@ def test_padding_is_left_out_where_it_would_cost_or_mislead(amx, monkeypatch):
     assert plan_padding(torch.tensor([16] * 4), BF16, "auto") is not None
     monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "")  # a CPU without an entry
     assert plan_padding(torch.tensor([16] * 4), BF16, "auto") is None
+
+
+def test_block_padding_is_taken_within_its_limit_where_equal_groups_are_not(blocks, monkeypatch):
+    monkeypatch.setattr(kernel_choices, "BLOCK_PADDING_MAX_PERCENT", {"AMX": 20})
+    assert isinstance(plan_padding(torch.tensor([30, 0, 11]), BF16, "auto").group_sizes, Tensor)  # 48 for 41: 17%
+    assert plan_padding(torch.tensor([30, 0, 11]), BF16, "auto", dropout=True) is not None  # dropout: the same limit
+    assert plan_padding(torch.tensor([30, 0, 9]), BF16, "auto") is None  # 48 for 39: 23%
+    assert plan_padding(torch.tensor([16, 0, 8]), BF16, "auto") is None  # whole blocks already: nothing to pad
+    assert plan_padding(torch.tensor([30, 0, 11]), torch.float32, "auto") is None  # float32 rows: no blocks
+    monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {"AMX": 50})
+    assert plan_padding(torch.tensor([30, 24, 28]), BF16, "auto").group_sizes == 32  # equal groups where they fit
+    monkeypatch.setattr(kernel_choices, "cpu_matrix_units", lambda: "")
+    assert plan_padding(torch.tensor([30, 0, 11]), BF16, "auto") is None
 
 
 def test_experts_that_drop_out_take_the_dropout_limit_in_training_only(amx, monkeypatch):

@@ -60,9 +60,10 @@ class DispatchPlan:
 
 class _GatherRows(torch.autograd.Function):
     """``src.index_select(0, index)`` whose gradient gathers too: ``index`` takes every row of ``src`` exactly
-    ``copies`` times, so row ``i`` of the gradient sums the ``copies`` rows ``back[i * copies : (i + 1) * copies]`` of
-    the output's gradient. ``index_select``'s own backward scatters with ``index_add_``: atomic adds on a GPU (15% of a
-    256-expert top-2 layer's GPU time on an H200, and a different summation order from run to run).
+    ``copies`` times (but the rows ``zero_rows``, whose gradient is zero), so row ``i`` of the gradient sums the
+    ``copies`` rows ``back[i * copies : (i + 1) * copies]`` of the output's gradient. ``index_select``'s own backward
+    scatters with ``index_add_``: atomic adds on a GPU (15% of a 256-expert top-2 layer's GPU time on an H200, and a
+    different summation order from run to run), into zeros on a CPU.
 
     On a 2-core AMD EPYC (float32, 4096-16384 tokens of width 512, forward + backward) this took 0.83-0.91x the time of
     ``index_select`` for the combine's permutation (``copies`` 1), but 1.6x for the dispatch's copies (``copies`` 2-8:
@@ -70,18 +71,20 @@ class _GatherRows(torch.autograd.Function):
     (``DISPATCH_GRADIENT`` of :mod:`moekit.moe.kernel_choices`)."""
 
     @staticmethod
-    def forward(ctx, src: Tensor, index: Tensor, back: Tensor, copies: int) -> Tensor:
-        ctx.save_for_backward(back)
+    def forward(ctx, src: Tensor, index: Tensor, back: Tensor, copies: int, zero_rows: Tensor | None = None) -> Tensor:
+        ctx.save_for_backward(back, zero_rows)
         ctx.copies = copies
         return src.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        (back,) = ctx.saved_tensors
+        back, zero_rows = ctx.saved_tensors
         grad = grad_out.index_select(0, back)
         if ctx.copies > 1:
             grad = grad.view(-1, ctx.copies, grad.shape[-1]).sum(dim=1)
-        return grad, None, None, None
+        if zero_rows is not None:
+            grad.index_fill_(0, zero_rows, 0)
+        return grad, None, None, None, None
 
 
 def _stable_sort(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
@@ -247,8 +250,9 @@ def kept_rows(plan: DispatchPlan) -> int | None:
 
 def apply_experts(experts: nn.Module, x_ND: Tensor, plan: DispatchPlan, gates: Tensor) -> Tensor:
     """``[N, o]``: each token of ``x_ND`` through the experts ``plan`` chose, weighted by ``gates``: :func:`dispatch`,
-    the bank (an :class:`~moekit.moe.ExpertBank`) and :func:`combine`, over zero-padded equal groups where the bank's
-    :meth:`~moekit.moe.ExpertBank.padding` says so, else over the kept rows alone where :func:`kept_rows` says so.
+    the bank (an :class:`~moekit.moe.ExpertBank`) and :func:`combine`, over zero-padded groups (equal, or each a whole
+    number of row blocks) where the bank's :meth:`~moekit.moe.ExpertBank.padding` says so, else over the kept rows
+    alone where :func:`kept_rows` says so.
 
     The tokens are cast to the experts' compute dtype (autocast's) before the dispatch copies them: under bf16 autocast
     the ``k`` copies move half the bytes of float32 ones, and the gradient of a token's copies is summed in bf16, as the
@@ -256,7 +260,7 @@ def apply_experts(experts: nn.Module, x_ND: Tensor, plan: DispatchPlan, gates: T
     x_ND = x_ND.to(compute_dtype(x_ND))
     padding = experts.padding(plan.counts, x_ND)
     kept = kept_rows(plan) if padding is None and experts.reads_counts_on_host(x_ND) else None
-    groups = plan.counts if padding is None else padding.rows_per_expert
+    groups = plan.counts if padding is None else padding.group_sizes
     expert_out = experts(dispatch(x_ND, plan, padding, kept), groups, no_tail=plan.all_kept or kept is not None)
     return combine(expert_out, plan, gates, padding, kept)
 
@@ -282,8 +286,9 @@ def combine(
         were all dropped gets zeros (the block's residual then carries it through unchanged).
     """
     num_tokens, top_k = gates.shape
-    if padding is not None:  # the gradient of the buffer's padding rows: zeros
-        per_assignment = expert_out.index_select(0, padding.buffer_rows_of(plan.inverse))
+    if padding is not None:  # a dropped assignment reads buffer row 0 (its zero gate sends it no gradient)
+        rows_A = padding.buffer_rows_of(plan.inverse)
+        per_assignment = _GatherRows.apply(expert_out, rows_A, padding.assignments_of(plan.order), 1, padding.pad_rows)
     elif kept is not None:  # a dropped assignment reads the last kept row; its zero gate sends it no gradient
         per_assignment = _GatherRows.apply(expert_out, plan.inverse.clamp(max=kept - 1), plan.order[:kept], 1)
     else:

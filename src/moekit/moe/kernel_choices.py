@@ -45,6 +45,7 @@ __all__ = [
     "FLOAT32_EXPERT_ROWS",
     "PADDED_GROUPS_MAX_PERCENT",
     "PADDED_GROUPS_MAX_PERCENT_DROPOUT",
+    "BLOCK_PADDING_MAX_PERCENT",
     "SORT_RADIX_FROM",
     "SOFTMAX_PAD_LANES",
     "DISPATCH_GRADIENT",
@@ -155,6 +156,17 @@ PADDED_GROUPS_MAX_PERCENT: dict[str, int] = {"AMX": 30}
 # Once the loop's workers took the experts longest first the loop gained most on uneven counts: loop / padded 1.05x at
 # 0%, 1.00-1.01x at 6%, 0.92-0.93x at 12%, 0.90x at 19% (the same bank with dropout), hence 5.
 PADDED_GROUPS_MAX_PERCENT_DROPOUT: dict[str, int] = {"AMX": 5}
+
+# Where ragged groups are not padded to equal ones, under bf16 on a CPU, by its matrix units: each expert's group is
+# zero-padded up to a multiple of ROW_BLOCK where that adds at most this percentage to the rows (the same buffer,
+# gathered by the dispatch and read by the combine), so that the loop runs one product per expert where it ran the
+# bulk and the rest. oneDNN copies a product's weight into its own layout at every call, so the rest's product costs
+# about what the bulk's does. On a 2-core Xeon with AMX, SwiGLU and GELU banks' forward + backward, padded against the
+# ragged rows (bf16, 20 rounds in shuffled order): 0.82-0.97x the time at 1.3-34% padding (8-64 experts of 96-2,700
+# rows), 0.90-0.94x at 51-54%, 1.105x at 103% (256 experts of 32 rows); with dropout 0.87-0.95x at 30-54%. Whole
+# dropless top-2 layers (4096 tokens, 512 -> SwiGLU): 64 experts 0.88x (12 of 12 rounds faster), 256 experts 1.08x
+# (not padded at 50); the MoE LM's and the width-128 top-2 ViT's layers 0.987x and 0.981x (~1.5% padding).
+BLOCK_PADDING_MAX_PERCENT: dict[str, int] = {"AMX": 50}
 
 # -- Routing, dispatch and combine (moekit.moe.routing, moekit.moe.dispatch) --
 
