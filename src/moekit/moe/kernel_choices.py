@@ -165,7 +165,9 @@ PADDED_GROUPS_MAX_PERCENT_DROPOUT: dict[str, int] = {"AMX": 5}
 # ragged rows (bf16, 20 rounds in shuffled order): 0.82-0.97x the time at 1.3-34% padding (8-64 experts of 96-2,700
 # rows), 0.90-0.94x at 51-54%, 1.105x at 103% (256 experts of 32 rows); with dropout 0.87-0.95x at 30-54%. Whole
 # dropless top-2 layers (4096 tokens, 512 -> SwiGLU): 64 experts 0.88x (12 of 12 rounds faster), 256 experts 1.08x
-# (not padded at 50); the MoE LM's and the width-128 top-2 ViT's layers 0.987x and 0.981x (~1.5% padding).
+# (not padded at 50); the MoE LM's and the width-128 top-2 ViT's layers 0.987x and 0.981x (~1.5% padding). With
+# oneDNN held to avx512_bf16 there (a stand-in for bf16 CPUs without AMX): 0.99-1.02x at ~2,000 rows, 1.09-1.10x at
+# 128 (+22-25%), so no entry for them.
 BLOCK_PADDING_MAX_PERCENT: dict[str, int] = {"AMX": 50}
 
 # -- Routing, dispatch and combine (moekit.moe.routing, moekit.moe.dispatch) --
