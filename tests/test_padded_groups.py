@@ -92,14 +92,12 @@ LAYERS = {
 
 @pytest.mark.parametrize("padding", ["equal", "blocks"])
 @pytest.mark.parametrize("name", LAYERS)
-def test_a_padded_layer_gives_the_ragged_loops_values_and_gradients(name, padding, amx, monkeypatch):
+def test_a_padded_layer_gives_the_ragged_loops_values_and_gradients(name, padding, amx, monkeypatch, request):
     """bf16 autocast, float32 parameters: with the padding (equal groups, or each group rounded up to a block of 8
     rows) and without it (the loop on the ragged rows), the same outputs and gradients; the padding is taken."""
     monkeypatch.setattr(kernel_choices, "FLOAT32_EXPERT_ROWS", {})  # every expert in bf16 on both paths
     if padding == "blocks":
-        monkeypatch.setattr(kernel_choices, "PADDED_GROUPS_MAX_PERCENT", {})
-        monkeypatch.setattr(kernel_choices, "BLOCK_PADDING_MAX_PERCENT", {"AMX": 10_000})
-        monkeypatch.setattr(kernel_choices, "ROW_BLOCK", 8)
+        request.getfixturevalue("blocks")
     torch.manual_seed(0)
     layer = LAYERS[name]().train()
     x = torch.randn(2, 15, 16, requires_grad=True)
